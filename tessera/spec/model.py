@@ -1,0 +1,232 @@
+"""What is trained: a Transformer's architecture and its per-layer cost coefficients.
+
+`TransformerConfig` holds the hyper-parameters that the runtime needs to build the torch
+module (`tessera.models`) and that a Hugging Face `config.json` provides. `ModelSpec` is the
+planner's view: an ordered tuple of `LayerSpec`, each with its parameter count, forward FLOPs per
+token (the attention-score term, quadratic in sequence length, kept apart) and activation bytes
+per token split by how tensor/sequence parallelism divides them.
+
+Plain data: no torch import. Units: FLOPs, bytes, tokens.
+"""
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Frozen(BaseModel):
+    """Immutable, typo-proof base: an unknown key is an error that names it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class LayerKind(StrEnum):
+    EMBEDDING = "embedding"
+    DECODER = "decoder"  # attention + dense MLP block
+    MOE_DECODER = "moe_decoder"  # attention + mixture-of-experts MLP block
+    ENCODER = "encoder"  # bidirectional attention + MLP block (ViT / multimodal encoders)
+    LM_HEAD = "lm_head"  # final norm + vocabulary projection + loss
+
+
+class TransformerConfig(Frozen):
+    """Hyper-parameters of a decoder-only Transformer (GPT-2 / LLaMA / Qwen / Mistral / Mixtral)."""
+
+    name: str
+    family: Literal["gpt2", "llama", "qwen2", "mistral", "mixtral"] = "llama"
+    vocab_size: int = Field(gt=0)
+    hidden: int = Field(gt=0)
+    num_layers: int = Field(gt=0)
+    num_heads: int = Field(gt=0)
+    num_kv_heads: int = Field(gt=0)
+    ffn_hidden: int = Field(gt=0)
+    max_seq_len: int = Field(default=4096, gt=0)
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    norm_eps: float = 1e-5
+    mlp: Literal["swiglu", "gelu"] = "swiglu"
+    position: Literal["rope", "learned"] = "rope"
+    rope_theta: float = 10000.0
+    qkv_bias: bool = False
+    # GPT-2 style: biases on every linear layer and on the norms.
+    linear_bias: bool = False
+    tie_embeddings: bool = False
+    # Mixture of experts (0 experts = dense).
+    num_experts: int = Field(default=0, ge=0)
+    top_k: int = Field(default=0, ge=0)
+    capacity_factor: float = Field(default=1.25, gt=0)
+    # Layers i with i % moe_every == moe_every - 1 are MoE layers (1 = every layer).
+    moe_every: int = Field(default=1, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> "TransformerConfig":
+        if self.hidden % self.num_heads:
+            raise ValueError(f"hidden={self.hidden} is not divisible by num_heads={self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}"
+            )
+        if self.num_experts and not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"top_k={self.top_k} must be in 1..num_experts={self.num_experts}")
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.num_heads
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.num_experts > 0 and index % self.moe_every == self.moe_every - 1
+
+
+class LayerSpec(Frozen):
+    """One layer as the cost model sees it.
+
+    FLOPs are forward FLOPs per token (multiply-add = 2); backward is twice forward.
+    `attn_flops_coeff` gives the attention-score part: per token it costs
+    `attn_flops_coeff * seq_len` forward FLOPs, so a sequence costs `coeff * s**2` (causal
+    masking already halves it, as flash attention skips the masked blocks).
+
+    Activation bytes per token (16-bit activations) are stored under three rules, following
+    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models":
+      - `act_bytes_tp`: inside tensor-parallel regions, divided by the TP degree;
+      - `act_bytes_replicated`: norms and block inputs, replicated under TP unless
+        Megatron-style sequence parallelism shards them too;
+      - `act_bytes_selective`: the part of the above that selective recompute drops (attention
+        core and activation-function outputs), recomputed in backward for `selective_flops`.
+    Full recompute keeps only the block input (`act_bytes_input`) and replays the forward.
+    """
+
+    name: str
+    kind: LayerKind
+    hidden: int
+    params: int
+    flops_per_token: float
+    attn_flops_coeff: float = 0.0
+    act_bytes_tp: float = 0.0
+    act_bytes_replicated: float = 0.0
+    act_bytes_selective: float = 0.0
+    act_bytes_input: float = 0.0
+    selective_flops_per_token: float = 0.0
+    selective_attn_fraction: float = 0.0
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    vocab_size: int = 0
+    # MoE: parameters of the experts (the part expert parallelism divides) and routing.
+    expert_params: int = 0
+    num_experts: int = 0
+    top_k: int = 0
+    capacity_factor: float = 1.0
+
+    @property
+    def dense_params(self) -> int:
+        """Parameters that are not experts (replicated across expert-parallel ranks)."""
+        return self.params - self.expert_params
+
+    def forward_flops(self, seq_len: int, tokens: int) -> float:
+        """Forward FLOPs for `tokens` tokens arranged in sequences of length `seq_len`."""
+        return tokens * (self.flops_per_token + self.attn_flops_coeff * seq_len)
+
+
+class ModelSpec(Frozen):
+    """An ordered list of layers, plus the config the runtime builds the module from."""
+
+    name: str
+    layers: tuple[LayerSpec, ...]
+    config: TransformerConfig | None = None
+
+    @property
+    def num_params(self) -> int:
+        # A tied LM head counts no parameters of its own (see `head_layer`).
+        return sum(layer.params for layer in self.layers)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(1 for layer in self.layers if layer.kind not in (LayerKind.EMBEDDING, LayerKind.LM_HEAD))
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Forward FLOPs per token at this sequence length (training step = 3x this)."""
+        return sum(layer.flops_per_token + layer.attn_flops_coeff * seq_len for layer in self.layers)
+
+    @classmethod
+    def from_config(cls, config: TransformerConfig) -> "ModelSpec":
+        layers = [embedding_layer(config)]
+        layers += [block_layer(config, i) for i in range(config.num_layers)]
+        layers.append(head_layer(config))
+        return cls(name=config.name, layers=tuple(layers), config=config)
+
+
+def _norm_params(c: TransformerConfig) -> int:
+    return 2 * c.hidden if c.norm == "layernorm" else c.hidden
+
+
+def embedding_layer(c: TransformerConfig) -> LayerSpec:
+    params = c.vocab_size * c.hidden
+    if c.position == "learned":
+        params += c.max_seq_len * c.hidden
+    # Output of the lookup (the next block's input) is held by the block, so nothing here.
+    return LayerSpec(name="embedding", kind=LayerKind.EMBEDDING, hidden=c.hidden, params=params,
+                     flops_per_token=0.0, vocab_size=c.vocab_size)
+
+
+def head_layer(c: TransformerConfig) -> LayerSpec:
+    h, v = c.hidden, c.vocab_size
+    params = _norm_params(c) + (0 if c.tie_embeddings else v * h)
+    # Keeps: norm input (2h) and output (2h) replicated; logits in fp32 for the loss (4v),
+    # sharded by a vocabulary-parallel head.
+    return LayerSpec(name="lm_head", kind=LayerKind.LM_HEAD, hidden=h, params=params,
+                     flops_per_token=2.0 * h * v, act_bytes_tp=4.0 * v,
+                     act_bytes_replicated=4.0 * h, act_bytes_input=2.0 * h, vocab_size=v)
+
+
+def block_layer(c: TransformerConfig, index: int) -> LayerSpec:
+    """A decoder block: norm, attention, norm, MLP (dense or MoE)."""
+    h, f = c.hidden, c.ffn_hidden
+    q_dim = c.num_heads * c.head_dim
+    kv_dim = c.num_kv_heads * c.head_dim
+    attn_params = h * q_dim + 2 * h * kv_dim + q_dim * h
+    if c.qkv_bias or c.linear_bias:
+        attn_params += q_dim + 2 * kv_dim
+    if c.linear_bias:
+        attn_params += h
+    mats_per_expert = 3 if c.mlp == "swiglu" else 2
+    expert_params = mats_per_expert * h * f + ((f + h) if c.linear_bias else 0)
+    moe = c.is_moe_layer(index)
+    norms = 2 * _norm_params(c)
+    # Causal attention: QK^T and AV are 2 * 2 * s * q_dim FLOPs per token, half of them masked.
+    attn_coeff = 2.0 * q_dim
+    attn_linear_flops = 2.0 * (h * q_dim + 2 * h * kv_dim + q_dim * h)
+    mlp_flops = 2.0 * mats_per_expert * h * f
+    # Activations (bytes/token, 16-bit): replicated = two norm inputs + two norm outputs.
+    replicated = 4.0 * 2 * h
+    # TP regions: q, k, v; attention output (input of wo); flash-attention softmax stats ~0.
+    attn_tp = 2.0 * (q_dim + 2 * kv_dim) + 2.0 * q_dim
+    # MLP: swiglu keeps w1 out, w3 out and their product (input of w2); gelu keeps fc1 out and gelu out.
+    mlp_tp = 2.0 * f * (3 if c.mlp == "swiglu" else 2)
+    # Selective recompute drops the attention output and the activation-function output,
+    # recomputing the attention core (flash backward replays it anyway) and an elementwise op.
+    selective = 2.0 * q_dim + 2.0 * f
+    if moe:
+        k, cap = c.top_k, c.capacity_factor
+        router_params = h * c.num_experts
+        params = attn_params + norms + router_params + c.num_experts * expert_params
+        flops = attn_linear_flops + 2.0 * h * c.num_experts + k * mlp_flops
+        # Each token visits k experts (capacity factor pads the buffers).
+        mlp_act = k * cap * (mlp_tp + 2.0 * h)
+        selective += k * cap * 2.0 * f - 2.0 * f
+        return LayerSpec(
+            name=f"block{index}", kind=LayerKind.MOE_DECODER, hidden=h, params=params,
+            flops_per_token=flops, attn_flops_coeff=attn_coeff, act_bytes_tp=attn_tp + mlp_act,
+            act_bytes_replicated=replicated, act_bytes_selective=selective,
+            act_bytes_input=2.0 * h, selective_flops_per_token=0.0, selective_attn_fraction=1.0,
+            num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+            expert_params=c.num_experts * expert_params, num_experts=c.num_experts,
+            top_k=k, capacity_factor=cap)
+    mlp_params = expert_params
+    return LayerSpec(
+        name=f"block{index}", kind=LayerKind.DECODER, hidden=h,
+        params=attn_params + mlp_params + norms,
+        flops_per_token=attn_linear_flops + mlp_flops, attn_flops_coeff=attn_coeff,
+        act_bytes_tp=attn_tp + mlp_tp, act_bytes_replicated=replicated,
+        act_bytes_selective=selective, act_bytes_input=2.0 * h,
+        selective_flops_per_token=0.0, selective_attn_fraction=1.0,
+        num_heads=c.num_heads, num_kv_heads=c.num_kv_heads)
