@@ -4,8 +4,8 @@
     backward = 2 * forward
 where F = peak FLOP/s of the dtype * achievable efficiency (`ClusterSpec.compute_efficiency`,
 measured by `tessera profile`). Recompute adds one forward (full) or the attention core
-(selective) to the backward. A measured model profile may scale the linear and attention terms
-separately (`linear_scale`, `attn_scale`: measured / predicted time, fitted by `tessera.profile`).
+(selective) to the backward. A measured model profile scales the linear and attention terms separately
+(`LayerSpec.linear_time_scale`, `attn_time_scale`: measured / predicted, fitted by `tessera.profile`).
 """
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ def layer_forward_flops(layer: LayerSpec, seq_len: int, tokens: float) -> tuple[
 
 
 def layer_compute_time(layer: LayerSpec, seq_len: int, tokens: float, shards: int,
-                       cluster: ClusterSpec, dtype: str, recompute: str = "none",
-                       linear_scale: float = 1.0, attn_scale: float = 1.0) -> tuple[float, float]:
+                       cluster: ClusterSpec, dtype: str, recompute: str = "none") -> tuple[float, float]:
     """(forward seconds, backward seconds incl. recompute) on one device holding 1/`shards` of the work."""
+    linear_scale, attn_scale = layer.linear_time_scale, layer.attn_time_scale
     lin, att = layer_forward_flops(layer, seq_len, tokens)
     rate = achieved_flops(cluster, dtype) * shards
     fwd = (lin * linear_scale + att * attn_scale) / rate

@@ -116,6 +116,10 @@ class LayerSpec(Frozen):
     num_experts: int = 0
     top_k: int = 0
     capacity_factor: float = 1.0
+    # Measured/predicted compute time of the linear and attention-score terms on the target
+    # device (1.0 = the FLOPs model as is); fitted by `tessera profile model`.
+    linear_time_scale: float = Field(default=1.0, gt=0)
+    attn_time_scale: float = Field(default=1.0, gt=0)
 
     @property
     def dense_params(self) -> int:
