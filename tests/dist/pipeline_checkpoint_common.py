@@ -31,7 +31,7 @@ def make_plan(config: TransformerConfig, world: int, pp: int = 1, schedule: str 
               virtual_stages: int = 1, tp: int = 1, zero: int = 0, num_micro_batches: int | None = None) -> Plan:
     spec = ModelSpec.from_config(config)
     dp = world // pp // tp
-    m = num_micro_batches or (2 * pp * virtual_stages if pp > 1 else 1)
+    m = num_micro_batches or (4 if pp > 1 else 1)
     return Plan(model=spec, cluster=local_cpu_cluster(world),
                 workload=Workload(global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, dtype="fp32"),
                 micro_batch_size=GLOBAL_BATCH // dp // m, num_micro_batches=m,
