@@ -143,3 +143,31 @@ def test_async_save_finishes_on_wait(tmp_path):
 def test_missing_directory_is_one_line():
     with pytest.raises(TesseraError, match="no checkpoint to resume from in nowhere"):
         CheckpointManager("nowhere").load([build_model(TINY_LLAMA)], None)
+
+
+def test_tied_checkpoint_loads_into_an_untied_pipeline_head(tmp_path):
+    """GPT-2 saved whole (head tied to the embedding) resumes as the last chunk of a pipeline,
+    whose head is an untied copy: weights and AdamW state come under `output.weight`."""
+    from tessera.runtime.pipeline import split_model
+    from tests.dist.pipeline_checkpoint_common import TINY_GPT2, make_plan
+
+    model = build_model(TINY_GPT2, seed=0)
+    opt = make_optimizer(model.parameters())
+    _train(model, opt, 2)
+    CheckpointManager(tmp_path).save(2, [model], [opt], {})
+    (head,) = split_model(build_model(TINY_GPT2, seed=5), make_plan(TINY_GPT2, world=2, pp=2), 1)
+    head_opt = make_optimizer(head.parameters())
+    CheckpointManager(tmp_path).load([head], [head_opt])
+    tied = model.tok_embeddings.weight
+    torch.testing.assert_close(head.output.weight, tied, rtol=0, atol=0)
+    for key in ("exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(head_opt.state[head.output.weight][key], opt.state[tied][key], rtol=0, atol=0)
+
+
+def test_checkpoint_of_another_model_is_one_line(saved):
+    directory, _ = saved
+    bigger = build_model(TINY_LLAMA.model_copy(update={"num_layers": 6}))
+    with pytest.raises(TesseraError) as err:
+        CheckpointManager(directory).load([bigger], [make_optimizer(bigger.parameters())])
+    text = str(err.value)
+    assert "\n" not in text and "does not fit this model" in text and "layers.4" in text, text

@@ -22,6 +22,7 @@ file against the manifest before touching the model and refuses a mismatch in on
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -30,6 +31,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -65,6 +67,15 @@ def _world() -> int:
 def _barrier() -> None:
     if _dist():
         dist.barrier()
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns on every call without a process group; a single process is what we mean then."""
+    with warnings.catch_warnings():
+        if not _dist():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _all_gather(obj) -> list:
@@ -104,6 +115,40 @@ def _optim_states(pairs) -> list[dict]:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     return [get_optimizer_state_dict(part, opt, options=_options()) for part, opt in pairs]
+
+
+def _tied_aliases(part: nn.Module) -> dict[str, list[str]]:
+    """First name -> other names of each parameter reachable under several names (tied weights)."""
+    names: dict[int, list[str]] = {}
+    for name, p in part.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {n[0]: n[1:] for n in names.values() if len(n) > 1}
+
+
+def _with_tied_aliases(part: nn.Module, flat_optim: dict) -> dict:
+    """Also store a tied parameter's optimizer state under its other names.
+
+    The optimizer knows a tied weight once (as `tok_embeddings.weight`); a pipeline that unties
+    it asks for `output.weight` on the last stage, so the checkpoint carries both."""
+    out = dict(flat_optim)
+    for primary, aliases in _tied_aliases(part).items():
+        for prefix in ("state.", "param_groups."):
+            head = f"{prefix}{primary}."
+            for key, value in flat_optim.items():
+                if key.startswith(head):
+                    for alias in aliases:
+                        out[f"{prefix}{alias}.{key[len(head):]}"] = value
+    return out
+
+
+def _first_failure(e: BaseException) -> str:
+    """One line from a DCP failure (a CheckpointException wraps one exception per rank)."""
+    failures = getattr(e, "failures", None)
+    if failures:
+        wrapped = next(iter(failures.values()))
+        e = getattr(wrapped, "exception", wrapped)
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _merge(states: list[dict]) -> dict:
@@ -238,16 +283,19 @@ class CheckpointManager:
             tmp.mkdir(parents=True)
         _barrier()
         pairs = _pair(model_parts, optimizers)
-        state = {"model": _merge(_model_states(model_parts)), "optim": _merge(_optim_states(pairs))}
+        optim = [_with_tied_aliases(part, o) for (part, _), o in zip(pairs, _optim_states(pairs))]
+        state = {"model": _merge(_model_states(model_parts)), "optim": _merge(optim)}
         extra_dir = tmp / "extra"
         extra_dir.mkdir(exist_ok=True)
         torch.save(copy.deepcopy(extra_state or {}), extra_dir / f"rank-{_rank():05d}.pt")
         if self.async_save:
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group,
-                                    no_dist=not _dist())
+            with _quiet_single_process():
+                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group,
+                                        no_dist=not _dist())
             self._pending = (future, tmp, final, step)
         else:
-            dcp.save(state, checkpoint_id=str(tmp), no_dist=not _dist())
+            with _quiet_single_process():
+                dcp.save(state, checkpoint_id=str(tmp), no_dist=not _dist())
             self._finish(tmp, final, step)
         return final
 
@@ -319,10 +367,12 @@ class CheckpointManager:
         if not pairs:
             del state["optim"]
         try:
-            dcp.load(state, checkpoint_id=str(path), no_dist=not _dist())
-        except Exception as e:  # a checkpoint of another model: name the first problem, one line
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise TesseraError(f"checkpoint {path} does not fit this model: {first}") from None
+            with _quiet_single_process():
+                dcp.load(state, checkpoint_id=str(path), no_dist=not _dist())
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise TesseraError(f"checkpoint {path} does not fit this model: {_first_failure(e)}") from None
         for part, part_state in zip(model_parts, model_states):
             set_model_state_dict(part, {k: state["model"][k] for k in part_state})
         for (part, opt), part_state in zip(pairs, optim_states):
