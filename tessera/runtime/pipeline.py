@@ -205,21 +205,27 @@ class PipelineRunner:
         Leave them out of a global gradient norm: they would count the tied gradient twice."""
         return [p for p, is_copy in zip(self.tied_params, self._tied_is_copy) if is_copy]
 
-    def step(self, tokens: torch.Tensor | None, labels: torch.Tensor | None) -> torch.Tensor | None:
+    def step(self, tokens: torch.Tensor | None, labels: torch.Tensor | None,
+             positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor | None:
         """Forward and backward of one batch, split into the plan's micro-batches.
 
         Every rank of the pipeline calls this; `tokens` are used on the first stage, `labels` on
-        the last (pass None elsewhere). Returns the mean micro-batch loss (detached) on ranks
-        with the last stage, None on the others. Gradients are left in `.grad` for the optimizer."""
+        the last (pass None elsewhere). Packed documents: `positions` (B, S) and the boolean
+        `mask` (B, 1, S, S) go to every stage's chunks (as keyword arguments, split into
+        micro-batches like the tokens), so every rank must pass them. Returns the mean
+        micro-batch loss (detached) on ranks with the last stage, None on the others. Gradients
+        are left in `.grad` for the optimizer."""
         m = self.num_micro_batches
-        for name, t in (("tokens", tokens), ("labels", labels)):
+        extra = {k: v for k, v in (("positions", positions), ("mask", mask)) if v is not None}
+        for name, t in (("tokens", tokens), ("labels", labels), *extra.items()):
             if t is not None and t.shape[0] % m:
                 raise TesseraError(f"{name} batch of {t.shape[0]} sequences does not split into {m} micro-batches")
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         args = (tokens,) if self.has_first_stage else ()
         target = labels if self.has_last_stage else None
-        kwargs = {"return_outputs": False} if _accepts_return_outputs(self.schedule) else {}
-        self.schedule.step(*args, target=target, losses=losses, **kwargs)
+        if _accepts_return_outputs(self.schedule):
+            extra["return_outputs"] = False  # the logits are not needed, only the losses
+        self.schedule.step(*args, target=target, losses=losses, **extra)
         self._sync_tied_gradients()
         if losses is None:
             return None

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from pipeline_checkpoint_common import (LR, TINY_GPT2, TINY_LLAMA, close, global_batch, loss_fn, make_optimizer,
-                                        make_plan, make_scheduler, reference_losses)
+                                        make_plan, make_scheduler, packed_documents, reference_losses)
 from tessera.models import build_model
 from tessera.runtime.checkpoint import CheckpointManager
 from tessera.runtime.pipeline import build_pipeline
@@ -28,14 +28,15 @@ def check(name: str, ok: bool, detail: str = "") -> None:
         print(f"CHECK {name} ok", flush=True)
 
 
-def train_pipeline(config, plan, mesh, steps, parallelize_chunk=None):
+def train_pipeline(config, plan, mesh, steps, parallelize_chunk=None, packed=False):
     runner = build_pipeline(build_model(config, seed=0), plan, mesh, loss_fn, parallelize_chunk)
     opts = [make_optimizer(p.parameters()) for p in runner.model_parts]
     scheds = [make_scheduler(o) for o in opts]
     losses = []
     for step in range(steps):
         tokens, labels = global_batch(step)
-        loss = runner.step(tokens, labels)
+        positions, mask = packed_documents(step) if packed else (None, None)
+        loss = runner.step(tokens, labels, positions, mask)
         for o, s in zip(opts, scheds):
             o.step()
             s.step()
@@ -53,6 +54,13 @@ def main() -> None:
         losses = train_pipeline(TINY_LLAMA, plan, mesh, STEPS)
         check(f"pp2_{schedule}_matches_single_process", close(losses, ref[TINY_LLAMA.name]),
               f"{losses} vs {ref[TINY_LLAMA.name]}")
+    # Packed documents: positions and the block-diagonal mask reach every stage.
+    ref_packed = reference_losses(TINY_LLAMA, STEPS, packed=True)
+    for schedule, virtual in [("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1)]:
+        plan = make_plan(TINY_LLAMA, world=2, pp=2, schedule=schedule, virtual_stages=virtual)
+        losses = train_pipeline(TINY_LLAMA, plan, mesh, STEPS, packed=True)
+        check(f"pp2_{schedule}_packed_documents_match_single_process", close(losses, ref_packed),
+              f"{losses} vs {ref_packed}")
     plan = make_plan(TINY_GPT2, world=2, pp=2, schedule="1f1b")
     losses = train_pipeline(TINY_GPT2, plan, mesh, STEPS)
     check("pp2_tied_gpt2_matches_single_process", close(losses, ref[TINY_GPT2.name]),
