@@ -218,3 +218,4 @@ def test_bad_data_is_one_sentence(tmp_path):
     np.save(tmp_path / "s" / "x.npy", np.arange(50, dtype=np.int32))
     assert "fewer than one global batch" in error(tmp_path / "s", seq_len=8, global_batch=8)
     assert "not divisible" in error(tmp_path / "s", global_batch=3, dp_size=2)
+    assert "beyond the model's vocabulary of 32" in error(tmp_path / "s", model_vocab_size=32)

@@ -25,6 +25,8 @@ SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_lay
              rms_norm_eps=1e-5, bos_token_id=None, eos_token_id=None, pad_token_id=None)
 HF_MODELS = {
     "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, rope_theta=500.0)),
+    "llama-bias": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **SMALL, attention_bias=True, mlp_bias=True, tie_word_embeddings=True)),
     "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SMALL, tie_word_embeddings=True)),
     "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**SMALL, sliding_window=None)),
     "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
@@ -73,7 +75,7 @@ def test_import_matches_hf_logits_and_export_round_trips(hf_checkpoint, tmp_path
     expected = _hf_logits(hf_model, tokens)
 
     model = hf.load_pretrained(path).eval()
-    assert model.config.family == family
+    assert model.config.family == family.removesuffix("-bias")
     with torch.no_grad():
         got = model(tokens)
     assert expected.abs().max() > 1.0  # weights large enough that a layout error would show

@@ -422,10 +422,15 @@ class TokenLoader:
 
 def build_dataloader(source: str | Path | None, seq_len: int, global_batch: int, dp_rank: int = 0,
                      dp_size: int = 1, seed: int = 0, pack: bool = True, shuffle: bool = True,
-                     eot_id: int = EOT_ID) -> TokenLoader:
+                     eot_id: int = EOT_ID, model_vocab_size: int | None = None) -> TokenLoader:
     """This rank's loader over `source` (None = Shakespeare; else a directory, see module docstring).
 
-    `eot_id` marks document starts in token files made with another tokenizer.
+    `eot_id` marks document starts in token files made with another tokenizer; with
+    `model_vocab_size`, data whose token ids do not fit the model's embedding is refused.
     """
-    return TokenLoader(load_token_stream(source), seq_len, global_batch, dp_rank, dp_size,
+    stream = load_token_stream(source)
+    if model_vocab_size is not None and stream.vocab_size > model_vocab_size:
+        raise TesseraError(f"'{stream.name}' holds token ids up to {stream.vocab_size - 1}, beyond the "
+                           f"model's vocabulary of {model_vocab_size}")
+    return TokenLoader(stream, seq_len, global_batch, dp_rank, dp_size,
                        seed=seed, pack=pack, shuffle=shuffle, eot_id=eot_id)
