@@ -121,9 +121,20 @@ def _assignment(costs, parts_flat: list[list[int]], num_ranks: int, num_micro_ba
 
 
 def strided_ranks(costs, num_ranks: int, num_micro_batches: int = 1) -> RankAssignment:
-    """What a plain distributed sampler does: sequence i to part i mod (R*M) (the 'before' case)."""
+    """What a plain distributed sampler does: sequence i to part i mod (R*M)."""
     k = num_ranks * num_micro_batches
     flat = [list(range(p, len(costs), k)) for p in range(k)]
+    return _assignment(costs, flat, num_ranks, num_micro_batches)
+
+
+def token_split_ranks(seq_lens, costs, num_ranks: int, num_micro_batches: int = 1) -> RankAssignment:
+    """What a static token-balanced split does: part p takes the p-th contiguous run of the batch
+    holding 1/(R*M) of its tokens (the 'before' of balancing)."""
+    lens = np.asarray(seq_lens, dtype=np.float64)
+    k = num_ranks * num_micro_batches
+    cum = np.cumsum(lens)
+    owner = np.minimum((cum - lens / 2) * k // cum[-1], k - 1).astype(int)
+    flat = [np.flatnonzero(owner == p).tolist() for p in range(k)]
     return _assignment(costs, flat, num_ranks, num_micro_batches)
 
 

@@ -203,22 +203,28 @@ class SeqCostModel:
 
 
 def zero_overheads(params: float, cluster: ClusterSpec, zero: int, num_devices: int,
-                   param_bytes: int = 2) -> tuple[float, float]:
+                   param_bytes: int = 2, shard: int | None = None) -> tuple[float, float]:
     """(micro-batch floor, per-step overhead) in seconds of the data-parallel traffic.
 
+    ZeRO shards the model states over groups of `shard` consecutive ranks (all of them by default;
+    fewer is hybrid sharding, HSDP) and replicates them across the num_devices / shard groups.
     ZeRO-3 gathers the parameters in forward and again in backward and reduce-scatters the
-    gradients, every micro-batch, overlapped with compute: a floor under each micro-batch.
-    ZeRO-0/1/2 reduce the gradients once per step (all-reduce, or reduce-scatter + all-gather of
-    the updated parameters): a per-step overhead, the same for every per-step decision."""
+    gradients within the shard group every micro-batch, overlapped with compute: a floor under
+    each micro-batch. Once per step, the gradients are reduced: all-reduce across the replicas of
+    each shard (HSDP), or for ZeRO-0 over all ranks, or for ZeRO-1/2 reduce-scatter + all-gather
+    of the updated parameters: a per-step overhead, the same for every per-step decision."""
     nbytes = params * param_bytes
+    shard = shard or num_devices
+    replicas = num_devices // shard
+    across = collective_time(cluster, "all_reduce", nbytes / shard, replicas, stride=shard)
     if zero >= 3:
-        floor = (2 * collective_time(cluster, "all_gather", nbytes, num_devices)
-                 + collective_time(cluster, "reduce_scatter", nbytes, num_devices))
-        return floor, 0.0
+        floor = (2 * collective_time(cluster, "all_gather", nbytes, shard)
+                 + collective_time(cluster, "reduce_scatter", nbytes, shard))
+        return floor, across
     if zero == 0:
         return 0.0, collective_time(cluster, "all_reduce", nbytes, num_devices)
-    return 0.0, (collective_time(cluster, "reduce_scatter", nbytes, num_devices)
-                 + collective_time(cluster, "all_gather", nbytes, num_devices))
+    return 0.0, (collective_time(cluster, "reduce_scatter", nbytes, shard)
+                 + collective_time(cluster, "all_gather", nbytes, shard) + across)
 
 
 def model_state_bytes_per_device(params: float, num_devices: int, zero: int, param_bytes: int = 2,
@@ -230,16 +236,19 @@ def model_state_bytes_per_device(params: float, num_devices: int, zero: int, par
 
 def cost_model_from_budget(model: ModelSpec, cluster: ClusterSpec, budget_bytes: float | None = None,
                            recompute: str = "selective", dtype: str = "bf16", zero: int = 3,
-                           num_devices: int | None = None, optimizer_bytes: int = 12) -> SeqCostModel:
-    """Cost model for ZeRO-`zero` over all devices; the activation budget defaults to device
-    memory - reserve - the model states that ZeRO leaves on each device."""
+                           num_devices: int | None = None, optimizer_bytes: int = 12,
+                           shard: int | None = None) -> SeqCostModel:
+    """Cost model for ZeRO-`zero` sharded over groups of `shard` ranks (all by default); the
+    activation budget defaults to device memory - reserve - the model states left on each device."""
     n = num_devices or cluster.num_gpus
+    shard = shard or n
+    if n % shard:
+        raise TesseraError(f"ZeRO shard group of {shard} ranks does not divide {n} devices")
     pbytes = _DTYPE_BYTES[dtype]
     if budget_bytes is None:
-        states = model_state_bytes_per_device(model.num_params, n, zero, pbytes,
-                                              0 if dtype == "fp32" and optimizer_bytes == 12 else optimizer_bytes)
+        states = model_state_bytes_per_device(model.num_params, shard, zero, pbytes, optimizer_bytes)
         budget_bytes = cluster.device.memory_bytes - cluster.device.reserved_bytes - states
-    floor, overhead = zero_overheads(model.num_params, cluster, zero, n, pbytes)
+    floor, overhead = zero_overheads(model.num_params, cluster, zero, n, pbytes, shard)
     return SeqCostModel.build(model, cluster, budget_bytes, recompute, dtype, n, floor, overhead)
 
 
@@ -265,6 +274,8 @@ def cost_model_from_plan(plan) -> SeqCostModel:
                                                    0 if s.offload_optimizer else w.optimizer_bytes)
     budget = plan.cluster.device.memory_bytes - plan.cluster.device.reserved_bytes - states
     zero = min(s.zero for s in plan.layers)
-    floor, overhead = zero_overheads(plan.model.num_params, plan.cluster, zero, n, w.param_bytes)
+    shard = min(s.shard_degree * s.sp_degree for s in plan.layers) if zero else n
+    floor, overhead = zero_overheads(plan.model.num_params, plan.cluster, zero, n, w.param_bytes,
+                                     shard if n % shard == 0 else n)
     return SeqCostModel.build(plan.model, plan.cluster, budget, tuple(s.recompute.value for s in plan.layers),
                               w.dtype, n, floor, overhead)

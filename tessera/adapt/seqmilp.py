@@ -19,23 +19,13 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from .seqpar import Items, MicroBatchSolution
-
-
-def _slots(b: Items, n: int) -> list[tuple[int, int]]:
-    return [(c, t) for c, d in enumerate(b.degrees) for t in range(min(b.N // int(d), n))]
-
-
-def milp_binaries(b: Items, idx: np.ndarray) -> int:
-    """Number of binary variables of the form for these items (its size)."""
-    n = len(idx)
-    return sum(int(n > 0 and c >= 0) * (n + 1) for c, _ in _slots(b, n))
+from .seqpar import Items, MicroBatchSolution, milp_slots
 
 
 def milp_micro_batch(b: Items, idx: np.ndarray, time_limit_s: float = 1.0) -> MicroBatchSolution | None:
     """Optimal groups for the items `idx` (within the time limit: else HiGHS's best found, or None)."""
     n = len(idx)
-    slots = _slots(b, n)
+    slots = milp_slots(b, n)
     pairs = [(s, q) for s in range(n) for q, (c, _) in enumerate(slots) if c >= b.jmin[idx[s]]]
     nx, ny = len(pairs), len(slots)
     nv = nx + ny + 1

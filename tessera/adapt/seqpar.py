@@ -409,6 +409,16 @@ def solve_adaptive(b: Items) -> tuple[StepSolution | None, list[Items]]:
     return best if best is not None else (None, [])
 
 
+def milp_slots(b: Items, n: int) -> list[tuple[int, int]]:
+    """The MILP's possible groups for n items: (degree index, slot) with min(N/d, n) slots per degree."""
+    return [(c, t) for c, d in enumerate(b.degrees) for t in range(min(b.N // int(d), n))]
+
+
+def milp_binaries(n: int, b: Items) -> int:
+    """Size of the MILP for n items: (n + 1) binaries per slot."""
+    return len(milp_slots(b, n)) * (n + 1)
+
+
 # --- the entry point --------------------------------------------------------------------------
 
 
@@ -434,8 +444,6 @@ def to_step_plan(step: int, seq_lens, sol: StepSolution, num_devices: int) -> St
 def solve_step(seq_lens, cost: SeqCostModel, time_budget_s: float = 0.1, use_milp: bool = True) -> StepSolution:
     """The best of: the adaptive heuristic (each micro-batch refined by the exact MILP when it is
     small enough for the time budget and not already at its lower bound) and every static degree."""
-    from .seqmilp import milp_binaries, milp_micro_batch
-
     start = time.perf_counter()
     if len(seq_lens) == 0:
         raise TesseraError("a step needs at least one sequence")
@@ -449,7 +457,9 @@ def solve_step(seq_lens, cost: SeqCostModel, time_budget_s: float = 0.1, use_mil
             left = time_budget_s - (time.perf_counter() - start)
             exact = None
             if (mb.time_s > items.lower_bound(idx) * (1 + 1e-3) and left > 0.005
-                    and milp_binaries(items, idx) <= _MILP_MAX_BINARIES):
+                    and milp_binaries(items.n, items) <= _MILP_MAX_BINARIES):
+                from .seqmilp import milp_micro_batch  # scipy.optimize: imported only when it runs
+
                 exact = milp_micro_batch(items, idx, time_limit_s=left)
             refined.append(exact if exact is not None and exact.time_s < mb.time_s * (1 - 1e-9) else mb)
         if any(r is not m for r, m in zip(refined, adaptive.micro_batches)):
