@@ -132,3 +132,23 @@ def test_cost_model_matches_the_layer_primitives():
     assert cost.budget_bytes == 40e9
     full, sel, none = (activation_bytes_per_token(model.layers, (rc,) * len(model.layers)) for rc in ("full", "selective", "none"))
     assert full < sel < none
+
+
+def test_cost_model_from_a_static_plan():
+    from tessera.search.baselines import manual_plan
+    from tessera.spec.workload import Workload
+
+    model, cluster = get_model("llama2-7b"), make_cluster("h100-80gb", 64)
+    workload = Workload(global_batch=64, seq_len=32768)
+    plan = manual_plan(model, cluster, workload, sp="ulysses", sp_degree=8, zero=3, recompute="selective")
+    cost = cost_model(model, cluster, plan)
+    peak = max(plan.prediction.stage_memory, key=lambda m: m.total)
+    states = peak.params + peak.grads + peak.optimizer + peak.buffers
+    assert cost.budget_bytes == pytest.approx(cluster.device.memory_bytes - cluster.device.reserved_bytes - states)
+    assert cost.micro_batch_floor_s > 0  # ZeRO-3 gathers under every micro-batch
+    assert cost.act_bytes_per_token == pytest.approx(
+        activation_bytes_per_token(model.layers, tuple(s.recompute.value for s in plan.layers)))
+    step_plan = plan_step(3, [500, 40_000, 1200], model, cluster, plan)
+    assert step_plan.step == 3 and step_plan.predicted_time_s > 0
+    with pytest.raises(TesseraError, match="without pipeline or tensor parallelism"):
+        cost_model(model, cluster, manual_plan(model, cluster, workload, tp=2, zero=1))

@@ -33,6 +33,7 @@ import numpy as np
 
 from ..cost.comm import collective_time
 from ..cost.compute import layer_compute_time
+from ..cost.memory import RC_FULL, RC_NONE, RC_SELECTIVE, activation_bytes
 from ..errors import TesseraError
 from ..spec.cluster import ClusterSpec
 from ..spec.model import LayerKind, LayerSpec, ModelSpec
@@ -44,25 +45,24 @@ _LINEARISE_BYTES = (2.0**20, 2.0**26)
 
 def activation_bytes_per_token(layers: tuple[LayerSpec, ...], recompute: tuple[str, ...],
                                dtype: str = "bf16") -> float:
-    """Bytes per token held for backward across all layers (TP degree 1, pipeline degree 1).
-
-        none:      act_bytes_tp + act_bytes_replicated
-        selective: the above - act_bytes_selective
-        full:      act_bytes_input (the block input), plus, transiently, one layer's full set
-                   while its forward is replayed (the largest such layer)
-    Activation fields are for 16-bit activations; fp32 doubles them.
-    """
+    """Bytes per token held for backward across all layers (TP degree 1, pipeline degree 1):
+    `cost.memory.activation_bytes` of every layer (none: act_tp + act_replicated; selective: less
+    act_selective; full: act_input only), plus, with full recompute, the largest layer's full set
+    while its forward is replayed (the token-dependent part of the search's transient buffer).
+    Activation fields are for 16-bit activations; fp32 doubles them."""
+    codes = {"none": RC_NONE, "selective": RC_SELECTIVE, "full": RC_FULL}
     kept, replay = 0.0, 0.0
     for layer, rc in zip(layers, recompute):
-        full = layer.act_bytes_tp + layer.act_bytes_replicated
-        if rc == "full" and layer.kind in BLOCK_KINDS:
-            kept += layer.act_bytes_input
-            replay = max(replay, full)
-        elif rc == "selective" and layer.kind in BLOCK_KINDS:
-            kept += full - layer.act_bytes_selective
-        else:
-            kept += full
+        rc = rc if layer.kind in BLOCK_KINDS else "none"
+        kept += float(activation_bytes(layer, 1.0, 1, False, codes[rc]))
+        if rc == "full":
+            replay = max(replay, float(activation_bytes(layer, 1.0, 1, False, RC_NONE)))
     return (kept + replay) * _DTYPE_BYTES[dtype] / 2
+
+
+def gathered_weight_bytes(model: ModelSpec, param_bytes: int) -> float:
+    """ZeRO-3 transient: a layer's gathered weights and the prefetched next layer's (largest layer)."""
+    return 2.0 * param_bytes * max(layer.params for layer in model.layers)
 
 
 def power_of_two_degrees(num_devices: int) -> np.ndarray:
@@ -247,6 +247,8 @@ def cost_model_from_budget(model: ModelSpec, cluster: ClusterSpec, budget_bytes:
     pbytes = _DTYPE_BYTES[dtype]
     if budget_bytes is None:
         states = model_state_bytes_per_device(model.num_params, shard, zero, pbytes, optimizer_bytes)
+        if zero >= 3:
+            states += gathered_weight_bytes(model, pbytes)
         budget_bytes = cluster.device.memory_bytes - cluster.device.reserved_bytes - states
     floor, overhead = zero_overheads(model.num_params, cluster, zero, n, pbytes, shard)
     return SeqCostModel.build(model, cluster, budget_bytes, recompute, dtype, n, floor, overhead)
@@ -272,6 +274,8 @@ def cost_model_from_plan(plan) -> SeqCostModel:
             states += model_state_bytes_per_device(layer.params, s.shard_degree * s.sp_degree,
                                                    s.zero, w.param_bytes,
                                                    0 if s.offload_optimizer else w.optimizer_bytes)
+        if any(s.zero >= 3 for s in plan.layers):
+            states += gathered_weight_bytes(plan.model, w.param_bytes)
     budget = plan.cluster.device.memory_bytes - plan.cluster.device.reserved_bytes - states
     zero = min(s.zero for s in plan.layers)
     shard = min(s.shard_degree * s.sp_degree for s in plan.layers) if zero else n
