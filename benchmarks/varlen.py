@@ -11,8 +11,9 @@ and compares, with one cost model (tessera.adapt.seqcost):
 - Tessera adaptive: `tessera.adapt.solve_step`, per-step groups of mixed sizes.
 
 Static plan underneath: ZeRO-3 sharded within each node (HSDP), selective recompute, bf16.
-Also reports the data-parallel balance (max/mean predicted compute over the groups of the best
-static degree) before (token split) and after `tessera.adapt.balance_ranks`.
+Also reports the data-parallel balance (max/mean predicted compute over the groups of the smallest
+static degree that fits) before (token split) and after `tessera.adapt.balance_ranks`, with the
+bound that one indivisible sequence sets.
 
     python benchmarks/varlen.py [--lengths FILE] [--batches 20] [--gpus 16 64 256] [--caps 32768 131072]
 """
@@ -55,7 +56,7 @@ def run_setting(lengths, num_batches, global_batch, cap, gpus, args):
     token_static = {d: 0.0 for d in degrees}
     balanced_static = {d: 0.0 for d in degrees}
     per_batch_best = adaptive = 0.0
-    wall, cpu, methods, before, after = [], [], {}, [], []
+    wall, cpu, methods, before, after, bound = [], [], {}, [], [], []
     batches = [np.minimum(lengths[i * global_batch:(i + 1) * global_batch], cap) for i in range(num_batches)]
     for lens in batches:
         items = Items.of_sequences(lens, cost)
@@ -80,10 +81,12 @@ def run_setting(lengths, num_batches, global_batch, cap, gpus, args):
         costs = cost.compute_time(lens)
         before.append(token_split_ranks(lens, costs, ranks).imbalance)
         after.append(balance_ranks(lens, ranks, lin=cost.lin_s_per_token, attn=cost.attn_s_per_token2).imbalance)
+        share = costs.sum() / ranks
+        bound.append(max(costs.max(), share) / share)  # no split cuts a sequence: the best possible
     return dict(gpus=gpus, cap=cap, n=num_batches, d_tok=d_tok, t_tok=token_static[d_tok], d_bal=d_bal,
                 t_bal=balanced_static[d_bal], t_per_batch=per_batch_best, t_adaptive=adaptive,
                 wall=np.array(wall), cpu=np.array(cpu), methods=methods, ranks=ranks,
-                before=float(np.mean(before)), after=float(np.mean(after)))
+                before=float(np.mean(before)), after=float(np.mean(after)), bound=float(np.mean(bound)))
 
 
 def setting_table(r) -> Table:
@@ -101,7 +104,7 @@ def setting_table(r) -> Table:
                  f"{1e3 * np.percentile(r['cpu'], 99):.1f} ms; wall median {1e3 * np.median(r['wall']):.1f} ms, "
                  f"p99 {1e3 * np.percentile(r['wall'], 99):.1f} ms; chosen: {r['methods']}\n"
                  f"DP balance over {r['ranks']} ranks (groups of {r['gpus'] // r['ranks']}, the smallest static "
-                 f"degree that fits), max/mean predicted compute: token split {r['before']:.2f} -> balanced {r['after']:.3f}")
+                 f"degree that fits), max/mean predicted: token split {r['before']:.2f} -> balanced {r['after']:.2f} (bound {r['bound']:.2f})")
     return t
 
 

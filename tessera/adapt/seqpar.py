@@ -53,6 +53,8 @@ _BUILD_TOLERANCE = 0.002  # then on real packings
 _BUILD_STEPS = 6
 _BUILD_WINDOW = 0.85  # packings search down to this share of the counted target
 _MILP_MAX_BINARIES = 2500
+_STATIC_EXTRA_MICRO_BATCHES = 1
+_TRY_ONE_MORE_MICRO_BATCH = True
 
 
 @dataclass
@@ -213,7 +215,7 @@ def solve_static(b: Items, degree: int, balance: str = "cost") -> StepSolution |
     idx = np.arange(b.n)
     first = max(1, math.ceil(b.lens.sum() / (groups * b.cap[j]) - 1e-9))
     best = None
-    for parts in range(first, first + 4):
+    for parts in range(first, first + _STATIC_EXTRA_MICRO_BATCHES + 1):
         split = _split_micro_batches(b, idx, parts, b.C[:, j], groups * b.cap[j])
         if split is None:
             continue
@@ -404,7 +406,7 @@ def solve_adaptive(b: Items) -> tuple[StepSolution | None, list[Items]]:
         if best is not None:
             return min(best, sol, key=lambda x: x[0].time_s)
         best = sol
-        if parts == 1:
+        if parts == 1 or not _TRY_ONE_MORE_MICRO_BATCH:
             return best
     return best if best is not None else (None, [])
 
