@@ -338,7 +338,8 @@ def _fsdp_kwargs(s: LayerStrategy, dims: ParallelDims, mp_policy) -> dict | None
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     if s.offload_optimizer:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        # Pinned host memory only helps (and only exists) with an accelerator.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=dims.device_type == "cuda")
     return kwargs
 
 
