@@ -119,23 +119,20 @@ class Trainer:
                          if mp_policy is not None and uses_ddp(self.plan) else nullcontext())
 
     def build_pipeline(self, mp_policy) -> None:
-        from .pipeline import build_pipeline  # available when check_plan_supported let pp > 1 pass
+        """Cut the model into the plan's stages; each local chunk is parallelised like a model."""
+        from .parallelize import ParallelLoss, StageContext
+        from .pipeline import build_pipeline, root_fsdp_only
 
-        holder: dict = {}
+        parts: list[Parallelized] = []
 
         def parallelize_chunk(chunk, layers: range):
-            result = parallelize(chunk, self.plan, self.dims, self.rank, layers,
-                                 compile=self.config.compile, mp_policy=mp_policy)
-            holder.setdefault("parts", []).append(result)
-            holder["loss"] = result.loss
-            return result.module
+            parts.append(parallelize(chunk, self.plan, self.dims, self.rank, layers, compile=self.config.compile,
+                                     mp_policy=mp_policy, root_only=root_fsdp_only(self.plan)))
+            return parts[-1].module
 
-        from .parallelize import ParallelLoss, StageContext
-
-        loss = ParallelLoss(StageContext.build(self.plan, self.dims, self.rank))
-        self.loss_fn = loss
-        self.pipeline = build_pipeline(self.model, self.plan, self.dims.mesh, loss, parallelize_chunk)
-        self.pipeline_parts: list[Parallelized] = holder.get("parts", [])
+        self.loss_fn = ParallelLoss(StageContext.build(self.plan, self.dims, self.rank))
+        self.pipeline = build_pipeline(self.model, self.plan, self.dims.mesh, self.loss_fn, parallelize_chunk)
+        self.pipeline_parts = parts
         self.model_parts = list(self.pipeline.model_parts)
         self.autocast = nullcontext()
 
@@ -143,11 +140,15 @@ class Trainer:
         cfg = self.config.optim
         if cfg.total_steps != self.config.steps and self.config.steps:
             cfg = OptimConfig(**{**cfg.__dict__, "total_steps": self.config.steps})
-        params = [p for part in self.model_parts for p in part.parameters()]
+        params = list({id(p): p for part in self.model_parts for p in part.parameters()}.values())
         zero1 = self.pipeline is None and self.parallel.zero1
         self.optimizer = build_optimizer(params, cfg, self.parallel.ddp_group if zero1 else None)
         self.scheduler = build_scheduler(self.optimizer, cfg)
+        # The gradient norm counts a tied weight once: a pipeline's head copy is left out.
         self.params = params
+        self.tied_copies = set()
+        if self.pipeline is not None and not self.pipeline.has_first_stage:
+            self.tied_copies = {id(p) for p in self.pipeline.tied_params}
 
     def build_data(self):
         """The batch iterator of this rank's data block (`data_rank` of `data_size`)."""
@@ -189,7 +190,8 @@ class Trainer:
             loss = self.forward_backward(tokens, labels, positions, mask)
             self.parallel.rescale_grads()
         pp_group = self.dims.mesh.get_group("pp") if self.plan.pipeline.degree > 1 else None
-        self.grad_norm = clip_grad_norm_(self.params, self.config.optim.grad_clip, pp_group)
+        self.grad_norm = clip_grad_norm_(self.params, self.config.optim.grad_clip, pp_group,
+                                         skip_in_norm=self.tied_copies)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -213,16 +215,13 @@ class Trainer:
         return float(total) / self.world_size
 
     def forward_backward_pp(self, tokens, labels, positions, mask) -> float:
+        if positions is not None or mask is not None:
+            raise TesseraError("packed documents (positions, masks) are not supported with pipeline parallelism yet")
         with self.loss_fn.context():
             loss = self.pipeline.step(tokens, labels)
         for part in self.pipeline_parts:
             part.rescale_grads()
-        # The last stage holds the loss; every rank of it holds the same mean.
-        value = torch.zeros((), device=self.device)
-        if loss is not None:
-            value += _plain(loss).detach().float()
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        return float(value) / self.plan.stage_size
+        return self.pipeline.global_loss(loss)
 
     # --- the loop ---------------------------------------------------------------------------------
     def train(self) -> list[StepRecord]:
