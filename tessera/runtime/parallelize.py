@@ -24,6 +24,7 @@ by g / P after backward (`GradScaler`-free: one foreach multiply).
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -402,7 +403,10 @@ def parallelize(model: Transformer, plan: Plan, dims: ParallelDims, rank: int,
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             group = dims.layer_mesh(LayerLayout(layout.dp, layout.sp, 1, 1)).get_group(Axis.DP_REPLICATE)
-            result.module = DDP(chunk, process_group=group, broadcast_buffers=False)
+            with warnings.catch_warnings():  # the rename of broadcast_buffers is newer than torch 2.11
+                warnings.simplefilter("ignore", FutureWarning)
+                # Buffers (RoPE tables) are computed identically on every rank: no per-step broadcast.
+                result.module = DDP(chunk, process_group=group, broadcast_buffers=False)
             if strategies[0].zero == 1:
                 result.zero1 = True
                 result.ddp_group = dims.layer_mesh(layout).get_group(Axis.DP_SHARD)

@@ -154,14 +154,17 @@ class Trainer:
         """The batch iterator of this rank's data block (`data_rank` of `data_size`)."""
         w = self.plan.workload
         if self.config.synthetic_data:
-            return synthetic_batches(self.plan.model.config.vocab_size, w.seq_len, w.global_batch,
-                                     self.data_rank, self.data_size, self.config.seed)
-        try:
-            from .data import build_dataloader
-        except ImportError:
-            raise TesseraError("real-text data needs tessera.runtime.data; use synthetic data") from None
-        return build_dataloader(self.config.data, w.seq_len, w.global_batch, self.data_rank, self.data_size,
-                                self.config.seed)
+            return SyntheticLoader(self.plan.model.config.vocab_size, w.seq_len, w.global_batch,
+                                   self.data_rank, self.data_size, self.config.seed)
+        from .data import build_dataloader
+
+        # Pipeline stages pass one activation between them, so no per-document masks there.
+        loader = build_dataloader(self.config.data, w.seq_len, w.global_batch, self.data_rank, self.data_size,
+                                  self.config.seed, pack=self.pipeline is None)
+        if loader.vocab_size > self.plan.model.config.vocab_size:
+            raise TesseraError(f"the data's tokenizer has {loader.vocab_size} tokens, more than the model's "
+                               f"vocabulary of {self.plan.model.config.vocab_size}")
+        return loader
 
     # --- data placement ---------------------------------------------------------------------------
     @property
@@ -235,8 +238,9 @@ class Trainer:
         while self.step < self.config.steps:
             batch = next(self.data_iter)
             start = time.perf_counter()
-            loss = self.train_step(batch.tokens, batch.labels, getattr(batch, "positions", None),
-                                   batch.doc_mask() if hasattr(batch, "doc_mask") else None)
+            packed = getattr(batch, "packed", False)
+            loss = self.train_step(batch.tokens, batch.labels, batch.positions if packed else None,
+                                   batch.doc_mask() if packed else None)
             elapsed = time.perf_counter() - start
             self.step += 1
             if self.step % self.config.log_every == 0 or self.step == self.config.steps:
@@ -255,9 +259,9 @@ class Trainer:
 
     def gather_peak_memory(self) -> list[float]:
         mine = torch.tensor([peak_memory_bytes(self.device)], dtype=torch.float64, device=self.device)
-        out = torch.empty(self.world_size, dtype=torch.float64, device=self.device)
-        dist.all_gather_into_tensor(out, mine)
-        return out.tolist()
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(out, mine)
+        return [float(t) for t in out]
 
     # --- checkpoints ------------------------------------------------------------------------------
     def _checkpoint_manager(self, directory: str):
@@ -307,16 +311,39 @@ class SyntheticBatch:
     tokens: torch.Tensor
     labels: torch.Tensor
     positions: torch.Tensor | None = None
+    packed: bool = False
 
     def doc_mask(self):
         return None
 
 
-def synthetic_batches(vocab: int, seq_len: int, global_batch: int, dp_rank: int, dp_size: int, seed: int):
-    """Seeded random token sequences: every rank draws the global batch and keeps its rows."""
-    gen = torch.Generator().manual_seed(seed)
-    rows = global_batch // dp_size
-    while True:
+class SyntheticLoader:
+    """Seeded random token sequences: step k's global batch comes from a generator seeded (seed, k),
+    each rank keeps its rows; the position is one integer, so resume is exact."""
+
+    def __init__(self, vocab: int, seq_len: int, global_batch: int, dp_rank: int, dp_size: int, seed: int):
+        self.vocab, self.seq_len, self.global_batch = vocab, seq_len, global_batch
+        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+        self.step = 0
+
+    @staticmethod
+    def global_batch_at(vocab: int, seq_len: int, global_batch: int, seed: int, step: int):
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
         seqs = torch.randint(0, vocab, (global_batch, seq_len + 1), generator=gen)
-        mine = seqs[dp_rank * rows:(dp_rank + 1) * rows]
-        yield SyntheticBatch(tokens=mine[:, :-1].contiguous(), labels=mine[:, 1:].contiguous())
+        return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> SyntheticBatch:
+        tokens, labels = self.global_batch_at(self.vocab, self.seq_len, self.global_batch, self.seed, self.step)
+        self.step += 1
+        rows = self.global_batch // self.dp_size
+        mine = slice(self.dp_rank * rows, (self.dp_rank + 1) * rows)
+        return SyntheticBatch(tokens=tokens[mine], labels=labels[mine])
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
