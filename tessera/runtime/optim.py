@@ -114,10 +114,13 @@ def grad_norm(params, pp_group=None) -> torch.Tensor:
     return total.sqrt()
 
 
-def clip_grad_norm_(params, max_norm: float, pp_group=None) -> float:
-    """Scale gradients so their global norm is at most `max_norm`; return the norm before."""
+def clip_grad_norm_(params, max_norm: float, pp_group=None, skip_in_norm: set[int] = frozenset()) -> float:
+    """Scale gradients so their global norm is at most `max_norm`; return the norm before.
+
+    `skip_in_norm`: ids of parameters that are copies of another stage's (a pipeline's tied head),
+    scaled like the rest but counted once in the norm."""
     params = [p for p in params if p.grad is not None]
-    norm = float(grad_norm(params, pp_group))
+    norm = float(grad_norm([p for p in params if id(p) not in skip_in_norm], pp_group))
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
         by_mesh: dict = {}

@@ -24,6 +24,7 @@ by g / P after backward (`GradScaler`-free: one foreach multiply).
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -81,8 +82,6 @@ def check_plan_supported(plan: Plan, world_size: int | None = None, *, pipeline_
     if cfg.tie_embeddings and LayerLayout.of(plan.layers[0]) != LayerLayout.of(plan.layers[-1]):
         raise TesseraError("plan.layers: a model with tied embeddings needs the same dp/sp/tp/zero on "
                            "its embedding and lm_head layers")
-    if cfg.tie_embeddings and plan.pipeline.degree > 1:
-        raise TesseraError("plan.pipeline.degree > 1 with tied embeddings is not supported")
 
 
 def uses_ddp(plan: Plan) -> bool:
@@ -152,15 +151,13 @@ class ParallelTransformer(nn.Module):
         num_plan_layers = len(ctx.plan.layers)
         self.has_embedding = self.start == 0
         self.has_head = self.end == num_plan_layers
-        if self.has_embedding:
-            self.tok_embeddings = model.tok_embeddings
-            if getattr(model, "pos_embeddings", None) is not None:
-                self.pos_embeddings = model.pos_embeddings
+        # Absent modules are None, as in a pipeline chunk of `Transformer`.
+        self.tok_embeddings = model.tok_embeddings if self.has_embedding else None
+        self.pos_embeddings = getattr(model, "pos_embeddings", None) if self.has_embedding else None
         self.layers = nn.ModuleDict({str(i - 1): model.layers[str(i - 1)]
                                      for i in range(max(self.start, 1), min(self.end, num_plan_layers - 1))})
-        if self.has_head:
-            self.norm = model.norm
-            self.output = model.output
+        self.norm = model.norm if self.has_head else None
+        self.output = model.output if self.has_head else None
         if self.config.position != "learned":
             self.register_buffer("freqs", model.freqs, persistent=False)
 
@@ -180,7 +177,7 @@ class ParallelTransformer(nn.Module):
             act = acts[0]
             tokens = ctx.data_block(x, act)
             h = self.tok_embeddings(tokens)
-            if hasattr(self, "pos_embeddings"):
+            if self.pos_embeddings is not None:
                 h = h + self.pos_embeddings(self._positions(positions, act, seq, h.device))
             prev = act
         else:
@@ -338,7 +335,8 @@ def _fsdp_kwargs(s: LayerStrategy, dims: ParallelDims, mp_policy) -> dict | None
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     if s.offload_optimizer:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        # Pinned host memory only helps (and only exists) with an accelerator.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=dims.device_type == "cuda")
     return kwargs
 
 
@@ -356,15 +354,21 @@ class Parallelized:
 
     def rescale_grads(self) -> None:
         for params, factor in self.grad_rescale:
-            grads = [p.grad for p in params if p.grad is not None]
-            if grads:
+            by_mesh: dict = {}  # foreach kernels never mix meshes (or DTensors with tensors)
+            for p in params:
+                if p.grad is not None:
+                    by_mesh.setdefault(id(getattr(p.grad, "device_mesh", None)), []).append(p.grad)
+            for grads in by_mesh.values():
                 torch._foreach_mul_(grads, factor)
 
 
 def parallelize(model: Transformer, plan: Plan, dims: ParallelDims, rank: int,
                 layers: range | None = None, *, compile: bool = False,
-                mp_policy=None) -> Parallelized:
-    """Apply the plan to `model` (or to the chunk of plan layers `layers`) on this rank."""
+                mp_policy=None, root_only: bool = False) -> Parallelized:
+    """Apply the plan to `model` (or to the chunk of plan layers `layers`) on this rank.
+
+    `root_only`: one `fully_shard` for the whole chunk (zero-bubble pipelines need it); the
+    chunk's layers must then share one sharding layout."""
     ctx = StageContext.build(plan, dims, rank)
     layers = layers if layers is not None else range(len(plan.layers))
     chunk = ParallelTransformer(model, ctx, layers)
@@ -399,7 +403,10 @@ def parallelize(model: Transformer, plan: Plan, dims: ParallelDims, rank: int,
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             group = dims.layer_mesh(LayerLayout(layout.dp, layout.sp, 1, 1)).get_group(Axis.DP_REPLICATE)
-            result.module = DDP(chunk, process_group=group, broadcast_buffers=False)
+            with warnings.catch_warnings():  # the rename of broadcast_buffers is newer than torch 2.11
+                warnings.simplefilter("ignore", FutureWarning)
+                # Buffers (RoPE tables) are computed identically on every rank: no per-step broadcast.
+                result.module = DDP(chunk, process_group=group, broadcast_buffers=False)
             if strategies[0].zero == 1:
                 result.zero1 = True
                 result.ddp_group = dims.layer_mesh(layout).get_group(Axis.DP_SHARD)
@@ -409,31 +416,39 @@ def parallelize(model: Transformer, plan: Plan, dims: ParallelDims, rank: int,
     from torch.distributed.fsdp import fully_shard
 
     tied = model.config.tie_embeddings
-    for key, block in chunk.layers.items():
-        s = strategies[int(key) + 1]
+    if root_only:
+        _fsdp_root_only(chunk, [strategies[i] for i in layers], dims, mp_policy, result)
+        return result
+    units = [(block, strategies[int(key) + 1]) for key, block in chunk.layers.items()]
+    if not tied:  # tied weights stay with the root, which covers both of their modules
+        if first is not None:
+            units += [(m, first) for m in (chunk.tok_embeddings, chunk.pos_embeddings) if m is not None]
+        if last is not None:
+            units += [(chunk.norm, last), (chunk.output, last)]
+    for module, s in units:
         kw = _fsdp_kwargs(s, dims, mp_policy)
         if kw is not None:
-            fully_shard(block, **kw)
-            _note_rescale(result, block.parameters(), s, pieces)
-    if first is not None and not tied:
-        kw = _fsdp_kwargs(first, dims, mp_policy)
-        for name in ("tok_embeddings", "pos_embeddings"):
-            if hasattr(chunk, name) and kw is not None:
-                fully_shard(getattr(chunk, name), **kw)
-                _note_rescale(result, getattr(chunk, name).parameters(), first, pieces)
-    if last is not None and not tied:
-        kw = _fsdp_kwargs(last, dims, mp_policy)
-        if kw is not None:
-            fully_shard(chunk.norm, **kw)
-            fully_shard(chunk.output, **kw)
-            _note_rescale(result, [*chunk.norm.parameters(), *chunk.output.parameters()], last, pieces)
+            fully_shard(module, **kw)
+        _note_rescale(result, module.parameters(), s, pieces)
+    # The root holds what no unit took (tied embeddings: both ends share one layout, no rescale).
     root = first if first is not None else (last if last is not None else strategies[layers.start])
     kw = _fsdp_kwargs(root, dims, mp_policy)
     if kw is not None:
         fully_shard(chunk, **kw)
-    if tied and first is not None:
-        _note_rescale(result, [chunk.tok_embeddings.weight], first, pieces)
     return result
+
+
+def _fsdp_root_only(chunk, strategies, dims, mp_policy, result: Parallelized) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    layouts = {(LayerLayout.of(s), s.zero >= 3, s.offload_optimizer) for s in strategies}
+    if len(layouts) > 1:
+        raise TesseraError("plan.layers: a zero-bubble pipeline stage shards with one fully_shard, so its "
+                           "layers need the same dp/sp/tp/zero/offload")
+    kw = _fsdp_kwargs(strategies[0], dims, mp_policy)
+    if kw is not None:
+        fully_shard(chunk, **kw)
+    _note_rescale(result, chunk.parameters(), strategies[0], result.loss.pieces)
 
 
 def _note_rescale(result: Parallelized, params, s: LayerStrategy, pieces: int) -> None:

@@ -119,23 +119,20 @@ class Trainer:
                          if mp_policy is not None and uses_ddp(self.plan) else nullcontext())
 
     def build_pipeline(self, mp_policy) -> None:
-        from .pipeline import build_pipeline  # available when check_plan_supported let pp > 1 pass
+        """Cut the model into the plan's stages; each local chunk is parallelised like a model."""
+        from .parallelize import ParallelLoss, StageContext
+        from .pipeline import build_pipeline, root_fsdp_only
 
-        holder: dict = {}
+        parts: list[Parallelized] = []
 
         def parallelize_chunk(chunk, layers: range):
-            result = parallelize(chunk, self.plan, self.dims, self.rank, layers,
-                                 compile=self.config.compile, mp_policy=mp_policy)
-            holder.setdefault("parts", []).append(result)
-            holder["loss"] = result.loss
-            return result.module
+            parts.append(parallelize(chunk, self.plan, self.dims, self.rank, layers, compile=self.config.compile,
+                                     mp_policy=mp_policy, root_only=root_fsdp_only(self.plan)))
+            return parts[-1].module
 
-        from .parallelize import ParallelLoss, StageContext
-
-        loss = ParallelLoss(StageContext.build(self.plan, self.dims, self.rank))
-        self.loss_fn = loss
-        self.pipeline = build_pipeline(self.model, self.plan, self.dims.mesh, loss, parallelize_chunk)
-        self.pipeline_parts: list[Parallelized] = holder.get("parts", [])
+        self.loss_fn = ParallelLoss(StageContext.build(self.plan, self.dims, self.rank))
+        self.pipeline = build_pipeline(self.model, self.plan, self.dims.mesh, self.loss_fn, parallelize_chunk)
+        self.pipeline_parts = parts
         self.model_parts = list(self.pipeline.model_parts)
         self.autocast = nullcontext()
 
@@ -143,24 +140,31 @@ class Trainer:
         cfg = self.config.optim
         if cfg.total_steps != self.config.steps and self.config.steps:
             cfg = OptimConfig(**{**cfg.__dict__, "total_steps": self.config.steps})
-        params = [p for part in self.model_parts for p in part.parameters()]
+        params = list({id(p): p for part in self.model_parts for p in part.parameters()}.values())
         zero1 = self.pipeline is None and self.parallel.zero1
         self.optimizer = build_optimizer(params, cfg, self.parallel.ddp_group if zero1 else None)
         self.scheduler = build_scheduler(self.optimizer, cfg)
+        # The gradient norm counts a tied weight once: a pipeline's head copy is left out.
         self.params = params
+        self.tied_copies = set()
+        if self.pipeline is not None and not self.pipeline.has_first_stage:
+            self.tied_copies = {id(p) for p in self.pipeline.tied_params}
 
     def build_data(self):
         """The batch iterator of this rank's data block (`data_rank` of `data_size`)."""
         w = self.plan.workload
         if self.config.synthetic_data:
-            return synthetic_batches(self.plan.model.config.vocab_size, w.seq_len, w.global_batch,
-                                     self.data_rank, self.data_size, self.config.seed)
-        try:
-            from .data import build_dataloader
-        except ImportError:
-            raise TesseraError("real-text data needs tessera.runtime.data; use synthetic data") from None
-        return build_dataloader(self.config.data, w.seq_len, w.global_batch, self.data_rank, self.data_size,
-                                self.config.seed)
+            return SyntheticLoader(self.plan.model.config.vocab_size, w.seq_len, w.global_batch,
+                                   self.data_rank, self.data_size, self.config.seed)
+        from .data import build_dataloader
+
+        # Pipeline stages pass one activation between them, so no per-document masks there.
+        loader = build_dataloader(self.config.data, w.seq_len, w.global_batch, self.data_rank, self.data_size,
+                                  self.config.seed, pack=self.pipeline is None)
+        if loader.vocab_size > self.plan.model.config.vocab_size:
+            raise TesseraError(f"the data's tokenizer has {loader.vocab_size} tokens, more than the model's "
+                               f"vocabulary of {self.plan.model.config.vocab_size}")
+        return loader
 
     # --- data placement ---------------------------------------------------------------------------
     @property
@@ -189,7 +193,8 @@ class Trainer:
             loss = self.forward_backward(tokens, labels, positions, mask)
             self.parallel.rescale_grads()
         pp_group = self.dims.mesh.get_group("pp") if self.plan.pipeline.degree > 1 else None
-        self.grad_norm = clip_grad_norm_(self.params, self.config.optim.grad_clip, pp_group)
+        self.grad_norm = clip_grad_norm_(self.params, self.config.optim.grad_clip, pp_group,
+                                         skip_in_norm=self.tied_copies)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -213,16 +218,13 @@ class Trainer:
         return float(total) / self.world_size
 
     def forward_backward_pp(self, tokens, labels, positions, mask) -> float:
+        if positions is not None or mask is not None:
+            raise TesseraError("packed documents (positions, masks) are not supported with pipeline parallelism yet")
         with self.loss_fn.context():
             loss = self.pipeline.step(tokens, labels)
         for part in self.pipeline_parts:
             part.rescale_grads()
-        # The last stage holds the loss; every rank of it holds the same mean.
-        value = torch.zeros((), device=self.device)
-        if loss is not None:
-            value += _plain(loss).detach().float()
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        return float(value) / self.plan.stage_size
+        return self.pipeline.global_loss(loss)
 
     # --- the loop ---------------------------------------------------------------------------------
     def train(self) -> list[StepRecord]:
@@ -236,8 +238,9 @@ class Trainer:
         while self.step < self.config.steps:
             batch = next(self.data_iter)
             start = time.perf_counter()
-            loss = self.train_step(batch.tokens, batch.labels, getattr(batch, "positions", None),
-                                   batch.doc_mask() if hasattr(batch, "doc_mask") else None)
+            packed = getattr(batch, "packed", False)
+            loss = self.train_step(batch.tokens, batch.labels, batch.positions if packed else None,
+                                   batch.doc_mask() if packed else None)
             elapsed = time.perf_counter() - start
             self.step += 1
             if self.step % self.config.log_every == 0 or self.step == self.config.steps:
@@ -256,9 +259,9 @@ class Trainer:
 
     def gather_peak_memory(self) -> list[float]:
         mine = torch.tensor([peak_memory_bytes(self.device)], dtype=torch.float64, device=self.device)
-        out = torch.empty(self.world_size, dtype=torch.float64, device=self.device)
-        dist.all_gather_into_tensor(out, mine)
-        return out.tolist()
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(out, mine)
+        return [float(t) for t in out]
 
     # --- checkpoints ------------------------------------------------------------------------------
     def _checkpoint_manager(self, directory: str):
@@ -308,16 +311,39 @@ class SyntheticBatch:
     tokens: torch.Tensor
     labels: torch.Tensor
     positions: torch.Tensor | None = None
+    packed: bool = False
 
     def doc_mask(self):
         return None
 
 
-def synthetic_batches(vocab: int, seq_len: int, global_batch: int, dp_rank: int, dp_size: int, seed: int):
-    """Seeded random token sequences: every rank draws the global batch and keeps its rows."""
-    gen = torch.Generator().manual_seed(seed)
-    rows = global_batch // dp_size
-    while True:
+class SyntheticLoader:
+    """Seeded random token sequences: step k's global batch comes from a generator seeded (seed, k),
+    each rank keeps its rows; the position is one integer, so resume is exact."""
+
+    def __init__(self, vocab: int, seq_len: int, global_batch: int, dp_rank: int, dp_size: int, seed: int):
+        self.vocab, self.seq_len, self.global_batch = vocab, seq_len, global_batch
+        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+        self.step = 0
+
+    @staticmethod
+    def global_batch_at(vocab: int, seq_len: int, global_batch: int, seed: int, step: int):
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
         seqs = torch.randint(0, vocab, (global_batch, seq_len + 1), generator=gen)
-        mine = seqs[dp_rank * rows:(dp_rank + 1) * rows]
-        yield SyntheticBatch(tokens=mine[:, :-1].contiguous(), labels=mine[:, 1:].contiguous())
+        return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> SyntheticBatch:
+        tokens, labels = self.global_batch_at(self.vocab, self.seq_len, self.global_batch, self.seed, self.step)
+        self.step += 1
+        rows = self.global_batch // self.dp_size
+        mine = slice(self.dp_rank * rows, (self.dp_rank + 1) * rows)
+        return SyntheticBatch(tokens=tokens[mine], labels=labels[mine])
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])

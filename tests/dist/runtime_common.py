@@ -30,8 +30,10 @@ def S(dp=1, tp=1, sp="none", sp_degree=1, zero=0, dp_shard=0, recompute="none", 
 
 
 def make_plan(config: TransformerConfig, world: int, strategies, num_micro_batches: int = 1,
-              global_batch: int = GLOBAL_BATCH, seq_len: int = SEQ) -> Plan:
-    """A hand-made plan: one strategy for every layer, or a list (embedding, blocks..., head)."""
+              global_batch: int = GLOBAL_BATCH, seq_len: int = SEQ, stages=None,
+              schedule: str = "1f1b") -> Plan:
+    """A hand-made plan: one strategy for every layer, or a list (embedding, blocks..., head);
+    `stages` = the pipeline chunks' layer ranges (pp = world / ranks of a stage)."""
     spec = ModelSpec.from_config(config)
     n = len(spec.layers)
     layers = tuple(strategies) if isinstance(strategies, (list, tuple)) else (strategies,) * n
@@ -40,7 +42,12 @@ def make_plan(config: TransformerConfig, world: int, strategies, num_micro_batch
     return Plan(model=spec, cluster=local_cpu_cluster(world),
                 workload=Workload(global_batch=global_batch, seq_len=seq_len, dtype="fp32"),
                 micro_batch_size=global_batch // dp // num_micro_batches, num_micro_batches=num_micro_batches,
-                pipeline=PipelineSpec(degree=1, stages=((0, n),)), layers=layers)
+                pipeline=_pipeline(world, layers[0].devices, stages or ((0, n),), schedule), layers=layers)
+
+
+def _pipeline(world: int, stage_size: int, stages, schedule: str) -> PipelineSpec:
+    pp = world // stage_size
+    return PipelineSpec(degree=pp, schedule=schedule, virtual_stages=len(stages) // pp, stages=tuple(stages))
 
 
 def global_batches(config: TransformerConfig, steps: int = STEPS, seed: int = 1):
