@@ -146,9 +146,9 @@ def evaluated(plan):
 def make_plan(args, model, cluster, workload, console):
     opts = manual_options(args)
     if opts:
+        check_batch_divides(workload, cluster, opts)
         from ..search import manual_plan
 
-        check_batch_divides(workload, cluster, opts)
         start = time.perf_counter()
         plan = evaluated(manual_plan(model, cluster, workload, **opts))
         return plan, time.perf_counter() - start
