@@ -91,3 +91,75 @@ def test_show_refuses_other_versions_and_invalid_plans(capsys, tmp_path):
     assert "invalid plan: model: Field required" in fails(capsys, ["show", str(path)])
     path.write_text("{")
     assert "plan is not valid JSON" in fails(capsys, ["show", str(path)])
+
+
+# --- planning (needs the search) -----------------------------------------------------------------
+def test_default_plan_runs_as_a_module_without_torch_or_matplotlib():
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "tessera", "plan"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "built-in default job: llama2-7b on 8x8 h100-80gb, global batch 512 x 4096" in r.stdout
+    for heading in ("pipeline:", "step time", "MFU", "peak memory per GPU", "planned in"):
+        assert heading in r.stdout
+    imported = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" not in imported and "matplotlib" not in imported
+
+
+def test_plan_writes_json_that_show_draws(capsys, tmp_path):
+    from tessera.report.plots import simulate_plan
+
+    path = tmp_path / "plans" / "plan.json"
+    assert main(["plan", *SMALL, "-o", str(path)]) == 0
+    out = capsys.readouterr().out
+    plan = Plan.load(path)
+    assert plan.prediction is not None and plan.workload.global_batch == 64
+    assert f"wrote {path}" in out and "layers" in out
+    assert main(["show", str(path), "-o", str(tmp_path / "report")]) == 0
+    shown = capsys.readouterr().out
+    assert "llama2-7b" in shown and "peak memory per GPU" in shown
+    files = {p.name: p for p in (tmp_path / "report").iterdir()}
+    assert sorted(files) == ["plan.memory.png", "plan.memory.svg", "plan.timeline.png", "plan.timeline.svg"]
+    assert all(p.stat().st_size > 5_000 for p in files.values())
+    events = simulate_plan(plan).events
+    assert files["plan.timeline.svg"].read_text().count('id="event-') == len(events)
+
+
+def test_json_goes_to_stdout_alone(capsys, tmp_path):
+    assert main(["plan", *SMALL, "--json", "-o", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    assert Plan.from_json(out) == Plan.load(tmp_path / "p.json")
+
+
+def test_manual_plan_uses_the_same_cost_model(capsys, tmp_path):
+    from tessera.cost import evaluate
+
+    path = tmp_path / "manual.json"
+    assert main(["plan", *SMALL, "--dp", "4", "--tp", "2", "--pp", "2", "--zero", "1", "-o", str(path)]) == 0
+    out = capsys.readouterr().out
+    plan = Plan.load(path)
+    assert plan.pipeline.degree == 2
+    blocks = [s for s, layer in zip(plan.layers, plan.model.layers) if layer.kind == "decoder"]
+    assert all((s.dp, s.tp, s.zero) == (4, 2, 1) for s in blocks)
+    assert "dp4 tp2 zero1" in out
+    assert plan.prediction.step_time_s == pytest.approx(evaluate(plan).step_time_s)
+
+
+def test_compare_puts_the_plan_beside_the_baselines(capsys):
+    from tessera.search import baseline_plans
+    from tessera.spec import Workload
+    from tessera.spec.presets import get_model
+
+    assert main(["plan", *SMALL, "--compare"]) == 0
+    out = capsys.readouterr().out
+    assert "compared with baselines" in out and "1.00x" in out
+    baselines = baseline_plans(get_model("llama2-7b"), make_cluster("h100-80gb", 16, 8),
+                               Workload(global_batch=64, seq_len=2048))
+    assert baselines
+    for b in baselines:
+        assert b.name in out
+
+
+def test_a_model_that_fits_nowhere_says_what_it_needs(capsys):
+    err = fails(capsys, ["plan", "--model", "llama3-405b", "--gpus", "8", "--gpu", "a100-40gb",
+                         "--global-batch", "8", "--seq-len", "4096"])
+    assert "GiB" in err

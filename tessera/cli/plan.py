@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from ..errors import TesseraError
 
@@ -177,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{workload.global_batch} x {workload.seq_len} tokens (see tessera plan --help)[/dim]")
     plan, elapsed = make_plan(args, model, cluster, workload, status)
     if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         plan.save(args.output)
     if args.json:
         sys.stdout.write(plan.to_json() + "\n")
