@@ -39,32 +39,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     what.add_argument("--model", default=DEFAULT_MODEL,
                       help="preset name (e.g. llama3-70b) or a Hugging Face config.json (file or directory)")
     what.add_argument("--model-profile", metavar="JSON", help="measured model profile (tessera profile model)")
-    what.add_argument("--global-batch", type=int, default=DEFAULT_GLOBAL_BATCH, help="sequences per step")
-    what.add_argument("--seq-len", type=int, default=None,
+    what.add_argument("--global-batch", type=int, metavar="N", default=DEFAULT_GLOBAL_BATCH, help="sequences per step")
+    what.add_argument("--seq-len", type=int, metavar="N", default=None,
                       help=f"tokens per sequence (default {DEFAULT_SEQ_LEN}, capped at the model's maximum)")
     what.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     what.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     where = p.add_argument_group("on what")
-    where.add_argument("--gpus", type=int, default=None, help=f"number of GPUs (default {DEFAULT_GPUS})")
-    where.add_argument("--gpus-per-node", type=int, default=None,
+    where.add_argument("--gpus", type=int, metavar="N", default=None, help=f"number of GPUs (default {DEFAULT_GPUS})")
+    where.add_argument("--gpus-per-node", type=int, metavar="N", default=None,
                        help=f"GPUs per node (default {DEFAULT_GPUS_PER_NODE})")
     where.add_argument("--gpu", default=None, help=f"GPU kind (default {DEFAULT_GPU})")
     where.add_argument("--cluster", metavar="JSON", help="cluster spec JSON (tessera profile hardware); "
                                                          "--gpus resizes it")
     manual = p.add_argument_group("a hand-made plan (any of these skips the search)")
-    manual.add_argument("--dp", type=int, help="data-parallel degree (default: what the GPUs leave)")
-    manual.add_argument("--tp", type=int, help="tensor-parallel degree")
-    manual.add_argument("--pp", type=int, help="pipeline-parallel degree")
+    manual.add_argument("--dp", type=int, metavar="N", help="data-parallel degree (default: what the GPUs leave)")
+    manual.add_argument("--tp", type=int, metavar="N", help="tensor-parallel degree")
+    manual.add_argument("--pp", type=int, metavar="N", help="pipeline-parallel degree")
     manual.add_argument("--sp", choices=("none", "megatron", "ulysses"), help="sequence parallelism")
-    manual.add_argument("--sp-degree", type=int, help="Ulysses degree")
+    manual.add_argument("--sp-degree", type=int, metavar="N", help="Ulysses degree")
     manual.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage")
-    manual.add_argument("--dp-shard", type=int, help="hybrid sharding group size (HSDP)")
+    manual.add_argument("--dp-shard", type=int, metavar="N", help="hybrid sharding group size (HSDP)")
     manual.add_argument("--recompute", choices=("none", "selective", "full"))
     manual.add_argument("--offload", action="store_true", default=None, help="offload optimizer state")
-    manual.add_argument("--ep", type=int, help="expert-parallel degree")
+    manual.add_argument("--ep", type=int, metavar="N", help="expert-parallel degree")
     manual.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"))
-    manual.add_argument("--virtual-stages", type=int, help="model chunks per pipeline rank")
-    manual.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch")
+    manual.add_argument("--virtual-stages", type=int, metavar="N", help="model chunks per pipeline rank")
+    manual.add_argument("--micro-batch-size", type=int, metavar="N", help="sequences per micro-batch")
     out = p.add_argument_group("output")
     out.add_argument("--compare", action="store_true", help="show the plan beside the baselines")
     out.add_argument("-o", "--output", metavar="PLAN_JSON", help="write the plan JSON here")
@@ -148,10 +148,16 @@ def make_plan(args, model, cluster, workload, console):
     opts = manual_options(args)
     if opts:
         check_batch_divides(workload, cluster, opts)
+        from pydantic import ValidationError
+
         from ..search import manual_plan
+        from ..spec.loaders import first_validation_error
 
         start = time.perf_counter()
-        plan = evaluated(manual_plan(model, cluster, workload, **opts))
+        try:
+            plan = evaluated(manual_plan(model, cluster, workload, **opts))
+        except ValidationError as e:  # pydantic's message spans lines; the CLI answers in one
+            raise TesseraError(f"invalid hand-made plan: {first_validation_error(e)}") from None
         return plan, time.perf_counter() - start
     from ..search import search
 
