@@ -106,7 +106,7 @@ def test_default_plan_runs_as_a_module_without_torch_or_matplotlib():
 
 
 def test_plan_writes_json_that_show_draws(capsys, tmp_path):
-    from tessera.report.plots import simulate_plan
+    from tessera.cost.evaluate import simulate_plan
 
     path = tmp_path / "plans" / "plan.json"
     assert main(["plan", *SMALL, "-o", str(path)]) == 0
@@ -120,7 +120,7 @@ def test_plan_writes_json_that_show_draws(capsys, tmp_path):
     files = {p.name: p for p in (tmp_path / "report").iterdir()}
     assert sorted(files) == ["plan.memory.png", "plan.memory.svg", "plan.timeline.png", "plan.timeline.svg"]
     assert all(p.stat().st_size > 5_000 for p in files.values())
-    events = simulate_plan(plan).events
+    events = simulate_plan(plan)[0].events
     assert files["plan.timeline.svg"].read_text().count('id="event-') == len(events)
 
 

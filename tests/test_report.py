@@ -28,7 +28,8 @@ def hand_plan(activations_gib=(30.0, 20.0), step_time=3.2, name="tessera") -> Pl
         pipeline=PipelineSpec(degree=2, stages=((0, 17), (17, n))),
         layers=(edge,) + (block,) * (n - 2) + (edge,),
         prediction=Prediction(step_time_s=step_time, tokens_per_s=workload.tokens_per_step / step_time,
-                              mfu=0.45, stage_memory=mems, compute_s=2.5, exposed_comm_s=0.3, bubble_s=0.4),
+                              mfu=0.45, stage_memory=mems, compute_s=2.5, exposed_comm_s=0.3, bubble_s=0.4,
+                              fits=max(m.total for m in mems) <= 80 * GiB),
         search=SearchInfo(search_time_s=0.8, candidates=1234, explanation=("pp2 beats pp1 by 12%",)),
     )
 
@@ -91,3 +92,29 @@ def test_memory_plot_writes_png_and_svg(tmp_path):
     assert paths[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and paths[0].stat().st_size > 10_000
     svg = paths[1].read_text()
     assert "device 80 GiB" in svg and "activations" in svg
+
+
+@pytest.mark.parametrize("schedule, virtual", [("interleaved_1f1b", 2), ("zero_bubble", 1)])
+def test_timeline_draws_every_simulated_event_and_the_bubble(tmp_path, schedule, virtual):
+    from tessera.cost.evaluate import simulate_plan
+    from tessera.report.plots import idle_intervals, plot_timeline
+    from tessera.search import manual_plan
+
+    plan = manual_plan(get_model("llama2-7b"), make_cluster("h100-80gb", 16, 8),
+                       Workload(global_batch=8, seq_len=2048), tp=4, pp=4, schedule=schedule,
+                       virtual_stages=virtual)
+    result, tails = simulate_plan(plan)
+    drawing = plot_timeline(result.events, 4, tmp_path / "t", p2p=1e-4, tails=tails)
+    assert drawing.event_boxes == len(result.events)
+    svg = (tmp_path / "t.svg").read_text()
+    assert svg.count('id="event-') == len(result.events)
+    assert svg.count('id="bubble-') == drawing.bubble_boxes > 0
+    assert svg.count('id="tail-') == sum(t > 0 for t in tails)
+    kinds = {e.kind for e in result.events}
+    assert kinds == ({"F", "B", "W"} if schedule == "zero_bubble" else {"F", "B"})
+    # The grey boxes are exactly the idle time: on the busiest rank, the simulator's bubble.
+    busiest = max(range(4), key=lambda r: result.busy[r])
+    idle = sum(stop - start for stage, start, stop in idle_intervals(result.events, 4, result.step_time)
+               if stage == busiest)
+    assert idle / result.step_time == pytest.approx(result.bubble_fraction, rel=1e-6, abs=1e-9)
+    assert (tmp_path / "t.png").stat().st_size > 20_000

@@ -169,13 +169,11 @@ def make_plan(args, model, cluster, workload, console):
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from ..report.tables import comparison_table, render_plan
+    from ..report.tables import comparison_table, make_console, render_plan
 
     # Tables go to stdout, unless --json keeps stdout for the plan; the spinner always to stderr.
-    out = Console(stderr=args.json, highlight=False)
-    status = Console(stderr=True, highlight=False)
+    out = make_console(stderr=args.json)
+    status = make_console(stderr=True)
     model = build_model(args)
     cluster = build_cluster(args)
     workload = build_workload(args, model)

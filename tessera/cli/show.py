@@ -18,13 +18,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from ..plan import Plan
-    from ..report.tables import render_plan
+    from ..report.tables import make_console, render_plan
     from .plan import evaluated
 
-    console = Console(highlight=False)
+    console = make_console()
     plan = evaluated(Plan.load(args.plan))
     render_plan(plan, console)
     if args.no_plots:

@@ -26,6 +26,7 @@ EVENT_STYLE = {  # kind -> (colour, legend label)
     "W": ("#55a868", "weight grad"),
 }
 COMM_COLOUR = "#8172b3"
+TAIL_COLOUR = "#64b5cd"
 BUBBLE_COLOUR = "#d9d9d9"
 MEMORY_COLOURS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868",
                   "activations": "#c44e52", "buffers": "#937860"}
@@ -42,13 +43,19 @@ class TimelineDrawing:
     comm_boxes: int
 
 
+def _margins(fig: Any, left: float, right: float, top: float, bottom: float) -> None:
+    """Fixed margins in inches: cheaper than bbox_inches="tight", which draws every figure twice."""
+    w, h = fig.get_size_inches()
+    fig.subplots_adjust(left=left / w, right=1 - right / w, top=1 - top / h, bottom=bottom / h)
+
+
 def _save(fig: Any, stem: Path) -> tuple[Path, ...]:
     stem.parent.mkdir(parents=True, exist_ok=True)
     paths = []
     for fmt in FORMATS:
         path = stem.with_name(f"{stem.name}.{fmt}")
         tmp = path.with_name(path.name + ".tmp")
-        fig.savefig(tmp, format=fmt, dpi=150, bbox_inches="tight")
+        fig.savefig(tmp, format=fmt, dpi=150)
         tmp.replace(path)
         paths.append(path)
     return tuple(paths)
@@ -72,15 +79,21 @@ def idle_intervals(events: Iterable[Any], num_stages: int, end: float) -> list[t
 
 
 def plot_timeline(events: Sequence[Any], num_stages: int, stem: str | Path, *, title: str = "",
-                  p2p: float = 0.0, step_time: float | None = None) -> TimelineDrawing:
-    """Draw schedule events (stage, kind, micro_batch, chunk, start, end) to `stem`.png and .svg."""
+                  p2p: float = 0.0, tails: Sequence[float] = ()) -> TimelineDrawing:
+    """Draw schedule events (stage, kind, micro_batch, chunk, start, end) to `stem`.png and .svg.
+
+    `tails[r]`: seconds rank r spends after its last event on the once-per-step work (exposed
+    gradient sync, optimizer update), drawn as one box; the step ends when the last tail does."""
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch, Rectangle
 
-    end = step_time if step_time is not None else max((e.end for e in events), default=0.0)
+    makespan = max((e.end for e in events), default=0.0)
+    end = makespan + max(tails, default=0.0)
     scale, unit = (1e3, "ms") if end < 10 else (1.0, "s")
-    max_chunk = {s: max((e.chunk for e in events if e.stage == s), default=0) for s in range(num_stages)}
-    fig = Figure(figsize=(12, 1.2 + 0.55 * num_stages))
+    num_chunks = max((e.chunk for e in events), default=0) + 1
+    virtual = max(1, num_chunks // num_stages)
+    fig = Figure(figsize=(12, 1.5 + 0.55 * num_stages))
+    _margins(fig, left=0.9, right=0.2, top=0.75, bottom=0.55)
     ax = fig.add_subplot()
     height = 0.8
     min_label_width = end / 60  # label a box with its micro-batch only where the number fits
@@ -91,8 +104,9 @@ def plot_timeline(events: Sequence[Any], num_stages: int, stem: str | Path, *, t
     event_boxes = 0
     for e in events:
         colour, _ = EVENT_STYLE[e.kind]
-        # Later model chunks (interleaved schedules) drawn lighter to tell them apart.
-        alpha = 1.0 - 0.35 * (e.chunk / max(1, max_chunk[e.stage]))
+        # A rank's later model chunks (interleaved schedules) drawn lighter to tell them apart;
+        # `chunk` is the global chunk index, chunk // num_stages the rank's virtual stage.
+        alpha = 1.0 - 0.4 * (e.chunk // num_stages) / max(1, virtual - 1)
         ax.add_patch(Rectangle((e.start * scale, row(e.stage)), (e.end - e.start) * scale, height,
                                facecolor=colour, edgecolor="white", linewidth=0.5, alpha=alpha,
                                gid=f"event-{e.kind}-s{e.stage}-m{e.micro_batch}-c{e.chunk}"))
@@ -102,17 +116,20 @@ def plot_timeline(events: Sequence[Any], num_stages: int, stem: str | Path, *, t
                     ha="center", va="center", fontsize=7, color="white")
     comm_boxes = 0
     if p2p > 0:
-        last_stage = num_stages - 1
         for e in events:
-            # A forward sends to the next stage, a backward to the previous one, except at the ends.
-            sends = ((e.kind == "F" and not (e.stage == last_stage and e.chunk == max_chunk[e.stage]))
-                     or (e.kind == "B" and not (e.stage == 0 and e.chunk == 0)))
+            # A forward sends to the next chunk, a backward to the previous one, except at the ends.
+            sends = (e.kind == "F" and e.chunk < num_chunks - 1) or (e.kind == "B" and e.chunk > 0)
             if sends and num_stages > 1:
                 ax.add_patch(Rectangle((e.end * scale, row(e.stage)), p2p * scale, height * 0.2,
                                        facecolor=COMM_COLOUR, edgecolor="none",
                                        gid=f"comm-{e.kind}-s{e.stage}-m{e.micro_batch}-c{e.chunk}"))
                 comm_boxes += 1
-    gaps = idle_intervals(events, num_stages, end)
+    for stage, tail in enumerate(tails):
+        if tail > 0:
+            ax.add_patch(Rectangle((makespan * scale, row(stage)), tail * scale, height,
+                                   facecolor=TAIL_COLOUR, edgecolor="white", linewidth=0.5,
+                                   gid=f"tail-s{stage}"))
+    gaps = idle_intervals(events, num_stages, makespan)
     for i, (stage, start, stop) in enumerate(gaps):
         ax.add_patch(Rectangle((start * scale, row(stage)), (stop - start) * scale, height,
                                facecolor=BUBBLE_COLOUR, edgecolor="none", hatch="///",
@@ -125,8 +142,12 @@ def plot_timeline(events: Sequence[Any], num_stages: int, stem: str | Path, *, t
     ax.set_title(title, loc="left", fontsize=10, pad=24)
     kinds = [k for k in EVENT_STYLE if any(e.kind == k for e in events)]
     handles = [Patch(facecolor=EVENT_STYLE[k][0], label=EVENT_STYLE[k][1]) for k in kinds]
+    if virtual > 1:
+        handles.append(Patch(facecolor=EVENT_STYLE["F"][0], alpha=0.6, label="lighter: later chunk"))
     if comm_boxes:
         handles.append(Patch(facecolor=COMM_COLOUR, label=f"p2p send ({fmt_seconds(p2p)})"))
+    if any(t > 0 for t in tails):
+        handles.append(Patch(facecolor=TAIL_COLOUR, label="grad sync + optimizer"))
     handles.append(Patch(facecolor=BUBBLE_COLOUR, hatch="///", label="idle (bubble)"))
     ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=len(handles),
               frameon=False, fontsize=8, borderaxespad=0.2)
@@ -144,7 +165,8 @@ def plot_memory(plan: Plan, stem: str | Path) -> tuple[Path, ...]:
         raise ValueError("plan has no prediction to plot; evaluate it first")
     stages = plan.prediction.stage_memory
     capacity = plan.cluster.device.memory_bytes / GiB
-    fig = Figure(figsize=(max(5.0, 1.2 + 0.7 * len(stages)), 4.2))
+    fig = Figure(figsize=(max(6.0, 2.8 + 0.7 * len(stages)), 4.2))
+    _margins(fig, left=0.8, right=1.4, top=0.4, bottom=0.6)
     ax = fig.add_subplot()
     xs = list(range(len(stages)))
     bottom = [0.0] * len(stages)
@@ -162,7 +184,7 @@ def plot_memory(plan: Plan, stem: str | Path) -> tuple[Path, ...]:
     ax.set_xlabel("pipeline rank")
     ax.set_ylabel("peak memory per GPU (GiB)")
     ax.set_ylim(0, max(capacity, max(bottom)) * 1.15)
-    ax.set_title(f"{plan.name}: memory per GPU", loc="left", fontsize=10)
+    ax.set_title(f"{plan.model.name} / {plan.name}: peak memory per GPU", loc="left", fontsize=10)
     handles, labels = ax.get_legend_handles_labels()  # top of the stack first, as drawn
     ax.legend(handles[::-1], labels[::-1], loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False,
               fontsize=8)
@@ -171,62 +193,28 @@ def plot_memory(plan: Plan, stem: str | Path) -> tuple[Path, ...]:
     return _save(fig, Path(stem))
 
 
-def timeline_title(plan: Plan, result: Any) -> str:
+def timeline_title(plan: Plan, result: Any, tails: Sequence[float] = ()) -> str:
     p = plan.pipeline
     v = f", {p.virtual_stages} chunks/rank" if p.virtual_stages > 1 else ""
-    return (f"{plan.name}: {p.schedule.value}, {p.degree} stages{v}, {plan.num_micro_batches} micro-batches"
-            f" - step {fmt_seconds(result.step_time)}, bubble {result.bubble_fraction:.0%}")
+    step = result.step_time + max(tails, default=0.0)
+    return (f"{plan.model.name} / {plan.name}: {p.schedule.value}, {p.degree} stage{'s' if p.degree > 1 else ''}{v}, "
+            f"{plan.num_micro_batches} micro-batches - step {fmt_seconds(step)}, "
+            f"pipeline bubble {result.bubble_fraction:.0%}")
 
-
-def chunk_times(plan: Plan) -> tuple[list[float], list[float], float]:
-    """(forward seconds per model chunk, backward seconds per chunk, p2p seconds) of one micro-batch.
-
-    Compute only, from the FLOPs model (`tessera.cost.compute`): each layer's micro-batch work is
-    `micro_batch_size * dp_of_batch / dp` sequences on this rank, split `tp * sp_degree` ways. The
-    p2p time is the block output of one micro-batch (2 bytes x tokens x hidden, sharded by TP)
-    sent to the next stage, across nodes when a stage spans whole nodes."""
-    from ..cost.compute import layer_compute_time
-    from ..cost.comm import p2p_time
-
-    w = plan.workload
-    fwd, bwd = [], []
-    for start, end in plan.pipeline.stages:
-        f = b = 0.0
-        for i in range(start, end):
-            layer, s = plan.model.layers[i], plan.layers[i]
-            tokens = plan.micro_batch_size * (plan.dp_of_batch // s.dp) * w.seq_len
-            lf, lb = layer_compute_time(layer, w.seq_len, tokens, s.tp * s.sp_degree, plan.cluster,
-                                        w.dtype, s.recompute.value)
-            f, b = f + lf, b + lb
-        fwd.append(f)
-        bwd.append(b)
-    last = plan.layers[plan.pipeline.stages[0][1] - 1]
-    hidden = plan.model.layers[0].hidden
-    nbytes = 2.0 * plan.micro_batch_size * (plan.dp_of_batch // last.dp) * w.seq_len * hidden / last.tp
-    inter = plan.stage_size >= plan.cluster.gpus_per_node
-    p2p = p2p_time(plan.cluster, nbytes, inter) if plan.pipeline.degree > 1 else 0.0
-    return fwd, bwd, p2p
-
-
-def simulate_plan(plan: Plan) -> Any:
-    """The schedule simulator's run of this plan's pipeline (events, step time, bubble)."""
-    from ..cost.schedule import simulate
-
-    fwd, bwd, p2p = chunk_times(plan)
-    p = plan.pipeline
-    return simulate(p.schedule.value, fwd, bwd, plan.num_micro_batches, p.degree,
-                    virtual_stages=p.virtual_stages, p2p=p2p)
 
 
 def plot_plan(plan: Plan, out_dir: str | Path, stem: str = "plan") -> dict[str, tuple[Path, ...]]:
-    """Both pictures of a plan into `out_dir`: `<stem>.timeline.{png,svg}`, `<stem>.memory.{png,svg}`."""
+    """Both pictures of a plan into `out_dir`: `<stem>.timeline.{png,svg}`, `<stem>.memory.{png,svg}`.
+
+    The timeline is the cost model's own simulation of the plan (`tessera.cost.evaluate`), with
+    each rank's once-per-step tail (exposed gradient sync and optimizer update) after it."""
+    from ..cost.evaluate import plan_context, simulate_plan
+    from ..cost.layer import pipeline_p2p_time
+
     out = Path(out_dir)
-    result = simulate_plan(plan)
+    result, tails = simulate_plan(plan)
+    hidden = max(layer.hidden for layer in plan.model.layers)
+    p2p = pipeline_p2p_time(hidden, plan_context(plan)) if plan.pipeline.degree > 1 else 0.0
     drawing = plot_timeline(result.events, plan.pipeline.degree, out / f"{stem}.timeline",
-                            title=timeline_title(plan, result), p2p=_p2p_of(plan),
-                            step_time=result.step_time)
+                            title=timeline_title(plan, result, tails), p2p=p2p, tails=tails)
     return {"timeline": drawing.paths, "memory": plot_memory(plan, out / f"{stem}.memory")}
-
-
-def _p2p_of(plan: Plan) -> float:
-    return chunk_times(plan)[2]

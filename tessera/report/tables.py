@@ -150,14 +150,11 @@ def prediction_table(plan: Plan) -> Table:
 
 
 def plan_fits(plan: Plan) -> bool | None:
-    """Whether the predicted peak fits the device (the prediction's own verdict when it has one)."""
+    """Whether the predicted peak fits the device (None: not evaluated)."""
     pred = plan.prediction
     if pred is None:
         return None
-    fits = getattr(pred, "fits", None)
-    if fits is not None:
-        return bool(fits)
-    return pred.peak_memory <= plan.cluster.device.memory_bytes
+    return pred.fits
 
 
 def memory_table(plan: Plan) -> Table:
@@ -225,6 +222,17 @@ def comparison_table(reference: Plan, others: list[Plan]) -> Table:
                       Text("yes", style="green") if fits else Text("no", style="red"), speedup,
                       style="bold" if i == 0 else None)
     return table
+
+
+def make_console(stderr: bool = False) -> Console:
+    """A console for reports: 120 columns when the output is not a terminal (files, pipes, tests)
+    unless COLUMNS says otherwise, so that tables are not squeezed to rich's default of 80."""
+    import os
+
+    console = Console(stderr=stderr, highlight=False)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console.width = 120
+    return console
 
 
 def render_plan(plan: Plan, console: Console) -> None:
