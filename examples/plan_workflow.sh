@@ -19,7 +19,7 @@ python3 -m tessera plan --model llama3-70b --gpus 1024 --global-batch 1024 --seq
 
 # 4. A model from its Hugging Face config.json, on a cluster described in a JSON file
 #    (write your own with `tessera profile hardware`; --gpus resizes it).
-python3 -m tessera plan --model examples/open-llama-3b-config.json \
+python3 -m tessera plan --model examples/open-llama-3b \
     --cluster examples/cluster-a100-2x8.json --global-batch 256 --seq-len 2048 -o "$out/open-llama-3b.json"
 
 # 5. Pictures: pipeline timeline and memory per stage, PNG and SVG.

@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -9,6 +10,7 @@ from tessera.cli import main
 from tessera.plan import Plan
 from tessera.spec.presets import make_cluster
 
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 SMALL = ["--model", "llama2-7b", "--gpus", "16", "--global-batch", "64", "--seq-len", "2048"]
 
 
@@ -28,7 +30,25 @@ def test_unknown_model_lists_the_known_ones(capsys):
 
 def test_missing_config_file_is_named(capsys, tmp_path):
     err = fails(capsys, ["plan", "--model", str(tmp_path / "nowhere" / "config.json")])
-    assert "does not exist" in err and "nowhere" in err
+    assert "no model preset or Hugging Face config at" in err and "nowhere" in err
+
+
+def test_config_json_missing_a_field_is_named(capsys, tmp_path):
+    config = json.loads((EXAMPLES / "open-llama-3b" / "config.json").read_text())
+    del config["hidden_size"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    err = fails(capsys, ["plan", "--model", str(tmp_path), "--tp", "2"])
+    assert "missing required field 'hidden_size'" in err
+
+
+def test_hf_config_plans_like_a_preset(capsys):
+    # OpenLLaMA 3B's published config: 3,426,473,600 parameters.
+    assert main(["plan", "--model", str(EXAMPLES / "open-llama-3b"), "--cluster",
+                 str(EXAMPLES / "cluster-a100-2x8.json"), "--global-batch", "256", "--seq-len", "2048",
+                 "--tp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "open-llama-3b: 3.43B parameters, 26 blocks" in out
+    assert "lab-a100: 2 nodes x 8 a100-80gb = 16 GPUs" in out and "dp8 tp2" in out
 
 
 def test_unknown_gpu_lists_the_known_ones(capsys):

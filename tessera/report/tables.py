@@ -111,7 +111,8 @@ def header_table(plan: Plan) -> Table:
 
 def stages_table(plan: Plan) -> Table:
     p = plan.pipeline
-    title = f"pipeline: {p.degree} stage{'s' if p.degree > 1 else ''}, schedule {p.schedule.value}"
+    title = (f"pipeline: {p.degree} stages, schedule {p.schedule.value}" if p.degree > 1
+             else "pipeline: 1 stage (no pipeline parallelism)")
     if p.virtual_stages > 1:
         title += f", {p.virtual_stages} virtual stages per rank"
     table = Table(title=title, title_justify="left")

@@ -18,27 +18,14 @@ from .model import ModelSpec
 from .presets.models import MODEL_CONFIGS, get_model
 
 
-def _looks_like_path(text: str) -> bool:
-    return text.endswith(".json") or "/" in text or text.startswith(".")
-
-
 def resolve_model(name_or_path: str) -> ModelSpec:
     """A preset by name, or a model built from a Hugging Face `config.json` (file or its directory)."""
     if name_or_path in MODEL_CONFIGS:
         return get_model(name_or_path)
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        path = path / "config.json"
-        if not path.is_file():
-            raise TesseraError(f"directory {name_or_path} has no config.json")
-    if path.is_file():
-        # Imported here so that a missing or broken config reader never breaks preset planning.
-        from .hf_config import load_hf_config
+    # Imported here so that preset planning never depends on the config reader.
+    from .hf_config import resolve_model_config
 
-        return ModelSpec.from_config(load_hf_config(path))
-    if _looks_like_path(name_or_path):
-        raise TesseraError(f"model config file {name_or_path} does not exist")
-    return get_model(name_or_path)  # raises UnknownModelError listing the known models
+    return ModelSpec.from_config(resolve_model_config(name_or_path))
 
 
 def load_cluster(path: str | Path) -> ClusterSpec:
