@@ -130,6 +130,9 @@ def _hardware(args) -> int:
     if args.collectives:
         opts.collectives = tuple(args.collectives.split(","))
     env = detect_environment()
+    if env.rank == 0:
+        print(f"profiling {env.world} ranks on {env.device.type} ({env.backend}): "
+              f"{planned_units(env, opts)} measurements", flush=True)
     try:
         with _Bar(planned_units(env, opts), "hardware") as bar:
             cluster = profile_hardware(opts, progress=bar, env=env)
@@ -197,10 +200,10 @@ def _print_model(profile, path) -> None:
     from rich.table import Table
 
     t = Table(title=f"{profile.model} on {profile.device} ({profile.dtype}) -> {path}")
-    for col in ("layer", "linear scale", "attn scale", "fit R²", "max err", "act B/token", "bwd/fwd"):
+    for col in ("layer", "lin x", "attn x", "R²", "max err", "act B/tok", "bwd/fwd"):
         t.add_column(col, justify="right")
     for k in profile.layers:
-        t.add_row(f"{k.kind.value} ({k.layer})", f"{k.linear_time_scale:.2f}", f"{k.attn_time_scale:.2f}",
+        t.add_row(k.layer, f"{k.linear_time_scale:.2f}", f"{k.attn_time_scale:.2f}",
                   f"{k.fit_r2:.3f}", f"{k.fit_max_rel_err:.0%}", f"{k.activation_bytes_per_token:,.0f}",
                   f"{k.backward_over_forward:.2f}")
     Console().print(t)

@@ -147,9 +147,15 @@ def fit_layer_kind(kind: LayerKind, layer: str, params: int, flops_per_token: fl
     fit = fit_time_model(lin, att, total)
     with_c = fit_time_model(lin, att, total, intercept=True) if len(ms) >= 3 else fit
     to_scale = reference_flops / 3.0
-    s_lin = fit.a * to_scale if fit.a > 0 else 1.0
-    # Without an identifiable attention term (no attention, or too little of it), keep the linear scale.
-    s_att = fit.b * to_scale if fit.b > 0 else s_lin
+    # The terms separate only if the attention share varies enough (it grows with seq).
+    shares = [y / x for x, y in zip(lin, att) if x > 0]
+    separable = bool(shares) and min(shares) > 0 and max(shares) / min(shares) >= 1.5
+    if separable and fit.a > 0 and fit.b > 0:
+        s_lin, s_att = fit.a * to_scale, fit.b * to_scale
+    else:
+        # The sizes do not separate the two terms (or there is no attention): one common scale.
+        fit = fit_time_model([x + y for x, y in zip(lin, att)], [0.0] * len(ms), total)
+        s_lin = s_att = fit.a * to_scale if fit.a > 0 else 1.0
     act, act_err = fit_activation_bytes([m.tokens for m in ms], [m.activation_bytes for m in ms])
     ratio = float(np.median([m.backward_s / m.forward_s for m in ms]))
     return LayerKindProfile(

@@ -173,10 +173,12 @@ def profile_model(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = Non
     too_long = [s for _, s in sizes if s > spec.config.max_seq_len]
     if too_long:
         raise ValueError(f"sequence length {too_long[0]} exceeds the model's max_seq_len {spec.config.max_seq_len}")
-    model = build_model(spec.config, device=device).to(tdtype)
-    if spec.config.position != "learned":  # Module.to(dtype) casts the complex rope rotations too
-        c = spec.config
-        model.freqs = rope_frequencies(c.head_dim, c.max_seq_len, c.rope_theta).to(device)
+    model = build_model(spec.config, device=device)
+    if tdtype != torch.float32:
+        model.to(tdtype)
+        if spec.config.position != "learned":  # Module.to(dtype) casts the complex rope rotations too
+            c = spec.config
+            model.freqs = rope_frequencies(c.head_dim, c.max_seq_len, c.rope_theta).to(device)
     meter = SavedActivationMeter(model)
     if reference_flops is None:
         n = matmul_size or (8192 if device.type == "cuda" else 1024)
