@@ -39,18 +39,24 @@ def run(args: argparse.Namespace) -> int:
     from ..profile.apply import write_atomic
     from ..profile.validate import run_validation
 
-    results = []
+    results, skipped = [], []
     try:
-        for plan in plans:
-            results.append(run_validation(plan, steps=args.steps, warmup=args.warmup))
+        for path, plan in zip(args.plan, plans):
+            try:
+                results.append(run_validation(plan, steps=args.steps, warmup=args.warmup))
+            except TesseraError as e:  # the runtime refuses it on every rank alike: go on with the next
+                skipped.append((path, str(e)))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     print_results(results)
+    for path, why in skipped:
+        print(f"skipped {path}: {why}")
     if args.json:
-        write_atomic(args.json, json.dumps([r.to_dict() for r in results], indent=1))
+        write_atomic(args.json, json.dumps({"results": [r.to_dict() for r in results],
+                                            "skipped": [{"plan": p, "reason": w} for p, w in skipped]}, indent=1))
     if args.plot:
         plot_results(results, args.plot)
         print(f"plot written to {args.plot}")

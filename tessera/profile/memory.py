@@ -23,21 +23,27 @@ import torch
 from torch import nn
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor behind a DTensor (or the tensor itself)."""
-    inner = getattr(t, "_local_tensor", None)
-    return inner if isinstance(inner, torch.Tensor) else t
+def _plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding the data of `t` (inside a DTensor or another wrapper subclass)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return [x for n in names for x in _plain_tensors(getattr(t, n))]
+    return [t]
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
     """(data pointer, bytes) of the storage behind `t`, or None when it has none."""
-    t = _local(t)
-    try:
-        s = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return None
-    n = s.nbytes()
-    return (s.data_ptr(), n) if n else None
+    for x in _plain_tensors(t):
+        try:
+            s = x.untyped_storage()
+            n = s.nbytes()
+            if n:
+                return s.data_ptr(), n
+        except (RuntimeError, NotImplementedError):  # meta / fake / storage-less tensors
+            continue
+    return None
 
 
 class _Saved:
