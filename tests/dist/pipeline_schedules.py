@@ -1,0 +1,168 @@
+"""2 ranks, pp=2: every schedule (GPipe, 1F1B, interleaved 1F1B with 4 chunks, zero-bubble) and a
+tied-embedding GPT-2 give the single-process losses over 4 AdamW steps. Then, when a checkpoint
+directory is given (written at 4 ranks by `pipeline_dp_checkpoint_save.py`, pp=2 x dp=2 FSDP2),
+resume it here under other plans (dp=2 FSDP2, pp=2, tp=2) from a differently initialised model:
+the next losses equal those of the uninterrupted single-process run."""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from pipeline_checkpoint_common import (TINY_GPT2, TINY_LLAMA, close, global_batch, loss_fn, make_optimizer,
+                                        make_plan, make_scheduler, reference_losses)
+from tessera.models import build_model
+from tessera.runtime.checkpoint import CheckpointManager
+from tessera.runtime.pipeline import build_pipeline
+
+STEPS = 4
+SAVE_AT, RESUME_TO = 3, 6
+
+
+def check(name: str, ok: bool, detail: str = "") -> None:
+    if not ok:
+        raise SystemExit(f"CHECK {name} FAILED {detail}")
+    if dist.get_rank() == 0:
+        print(f"CHECK {name} ok", flush=True)
+
+
+def train_pipeline(config, plan, mesh, steps, parallelize_chunk=None):
+    runner = build_pipeline(build_model(config, seed=0), plan, mesh, loss_fn, parallelize_chunk)
+    opts = [make_optimizer(p.parameters()) for p in runner.model_parts]
+    scheds = [make_scheduler(o) for o in opts]
+    losses = []
+    for step in range(steps):
+        tokens, labels = global_batch(step)
+        loss = runner.step(tokens, labels)
+        for o, s in zip(opts, scheds):
+            o.step()
+            s.step()
+            o.zero_grad()
+        losses.append(runner.global_loss(loss))
+    return losses
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    ref = {c.name: reference_losses(c, STEPS) for c in (TINY_LLAMA, TINY_GPT2)}
+    for schedule, virtual in [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1)]:
+        plan = make_plan(TINY_LLAMA, world=2, pp=2, schedule=schedule, virtual_stages=virtual)
+        losses = train_pipeline(TINY_LLAMA, plan, mesh, STEPS)
+        check(f"pp2_{schedule}_matches_single_process", close(losses, ref[TINY_LLAMA.name]),
+              f"{losses} vs {ref[TINY_LLAMA.name]}")
+    plan = make_plan(TINY_GPT2, world=2, pp=2, schedule="1f1b")
+    losses = train_pipeline(TINY_GPT2, plan, mesh, STEPS)
+    check("pp2_tied_gpt2_matches_single_process", close(losses, ref[TINY_GPT2.name]),
+          f"{losses} vs {ref[TINY_GPT2.name]}")
+    if len(sys.argv) > 1:
+        resume_under_other_plans(sys.argv[1])
+    dist.destroy_process_group()
+
+
+def _tp_blocks(model, tp_mesh):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    layout = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+              "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+              "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+              "feed_forward.w2": RowwiseParallel()}
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, layout)
+    return model
+
+
+def _fsdp(model, dp_mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh)
+    return fully_shard(model, mesh=dp_mesh)
+
+
+def resume_under_other_plans(ckpt_dir: str) -> None:
+    """Resume the 4-rank pp=2 x dp=2 checkpoints at 2 ranks under three other plans."""
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    rows = slice(rank * 8 // world, (rank + 1) * 8 // world)
+    for config, directory in ((TINY_LLAMA, ckpt_dir), (TINY_GPT2, f"{ckpt_dir}-gpt2")):
+        ref = reference_losses(config, RESUME_TO)[SAVE_AT:]
+        manager = CheckpointManager(directory)
+        for layout in ("dp2_fsdp", "pp2", "tp2"):
+            if layout == "tp2" and config.tie_embeddings:
+                continue
+            model = build_model(config, seed=123)  # different weights: everything must come from the checkpoint
+            if layout == "pp2":
+                plan = make_plan(config, world=2, pp=2, schedule="1f1b")
+                mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+                runner = build_pipeline(model, plan, mesh, loss_fn)
+                parts = runner.model_parts
+
+                def step_fn(tokens, labels):
+                    return runner.global_loss(runner.step(tokens, labels))
+            else:
+                name = layout[:2]
+                mesh = init_device_mesh("cpu", (2,), mesh_dim_names=(name,))
+                parts = [_fsdp(model, mesh) if name == "dp" else _tp_blocks(model, mesh)]
+
+                def step_fn(tokens, labels, model=parts[0], name=name):
+                    if name == "dp":
+                        tokens, labels = tokens[rows], labels[rows]
+                    loss = loss_fn(model(tokens), labels)
+                    loss.backward()
+                    value = loss.detach().clone()
+                    dist.all_reduce(value)
+                    return float(value) / world
+            opts = [make_optimizer(p.parameters()) for p in parts]
+            scheds = [make_scheduler(o) for o in opts]
+            extra = manager.load(parts, opts)
+            for s in scheds:
+                s.load_state_dict(extra["lr_scheduler"])
+            losses = []
+            for step in range(extra["data_step"], RESUME_TO):
+                losses.append(step_fn(*global_batch(step)))
+                for o, s in zip(opts, scheds):
+                    o.step()
+                    s.step()
+                    o.zero_grad()
+            check(f"resume_{config.name}_pp2xdp2_at_4_ranks_as_{layout}_at_2_ranks", close(losses, ref),
+                  f"{losses} vs {ref}")
+    refuse_corrupt_checkpoint(ckpt_dir)
+
+
+def refuse_corrupt_checkpoint(ckpt_dir: str) -> None:
+    """A truncated file that rank 1 hashes: every rank raises the same one-line error, the model
+    keeps its weights, and the file is left as it was."""
+    import shutil
+    from pathlib import Path
+
+    from tessera.errors import TesseraError
+
+    corrupt = Path(f"{ckpt_dir}-corrupt")
+    victim = corrupt / "step-3" / "__0_0.distcp"  # sorted files: rank 1 checks the 2nd, 4th, ...
+    if dist.get_rank() == 0:
+        shutil.copytree(ckpt_dir, corrupt)
+        size = victim.stat().st_size
+        with open(victim, "r+b") as f:
+            f.truncate(size - 100)
+    dist.barrier()
+    model = build_model(TINY_LLAMA, seed=9)
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        CheckpointManager(corrupt).load([model], [make_optimizer(model.parameters())])
+        message = ""
+    except TesseraError as e:
+        message = str(e)
+    messages = [None, None]
+    dist.all_gather_object(messages, message)
+    size = victim.stat().st_size
+    expected = f"checkpoint {corrupt / 'step-3'} is corrupt: file __0_0.distcp has {size} bytes, manifest says {size + 100}"
+    check("corrupt_checkpoint_refused_alike_on_every_rank", messages == [expected, expected], f"{messages}")
+    check("corrupt_checkpoint_leaves_model_untouched",
+          all(torch.equal(a, b) for a, b in zip(before, model.parameters())))
+
+
+if __name__ == "__main__":
+    main()
