@@ -166,6 +166,8 @@ class Prediction(Frozen):
     compute_s: float = 0.0
     exposed_comm_s: float = 0.0
     bubble_s: float = 0.0
+    # Whether the largest stage fits in device memory (peak_memory <= device memory_bytes).
+    fits: bool = True
 
     @property
     def peak_memory(self) -> float:

@@ -100,3 +100,44 @@ def p2p_time(cluster: ClusterSpec, nbytes: float, inter: bool) -> float:
         return _curve_time(curve, nbytes)
     link = cluster.inter_node if inter else cluster.intra_node
     return nbytes / link.bandwidth + link.latency
+
+
+def collective_times(cluster: ClusterSpec, collective: str, nbytes, size, stride):
+    """`collective_time` over numpy arrays (broadcast together): the same formulas, vectorised.
+
+    Used by the search to cost hundreds of candidate strategies at once; `collective_time` stays
+    the scalar reference (tests check that both agree)."""
+    import numpy as np
+
+    nbytes, size, stride = np.broadcast_arrays(np.asarray(nbytes, dtype=float),
+                                               np.asarray(size, dtype=np.int64),
+                                               np.asarray(stride, dtype=np.int64))
+    out = np.zeros(nbytes.shape)
+    live = (size > 1) & (nbytes > 0)
+    if not live.any():
+        return out
+    # Few distinct (size, stride) pairs: handle each group with array arithmetic on the bytes.
+    pairs = set(zip(size[live].tolist(), stride[live].tolist()))
+    for p, st in pairs:
+        sel = live & (size == p) & (stride == st) if len(pairs) > 1 else live
+        n = nbytes[sel]
+        local = members_per_node(p, st, cluster.gpus_per_node)
+        inter = local < p
+        curve = find_curve(cluster, collective, p, inter)
+        if curve is not None:
+            t = np.array([_curve_time(curve, float(x)) for x in n])
+            if curve.group_size != p and collective != "p2p":
+                t *= ((p - 1) / p) / ((curve.group_size - 1) / curve.group_size)
+        elif collective == "p2p":
+            link = cluster.inter_node if inter else cluster.intra_node
+            t = n / link.bandwidth + link.latency
+        elif collective == "all_to_all" and inter:
+            t = (np.maximum((p - local) / p * n / cluster.inter_node.bandwidth,
+                            (local - 1) / p * n / cluster.intra_node.bandwidth)
+                 + (p - 1) * cluster.inter_node.latency)
+        else:
+            link = cluster.inter_node if inter else cluster.intra_node
+            f = _RING_FACTOR[collective]
+            t = f * (p - 1) / p * n / link.bandwidth + f * (p - 1) * link.latency
+        out[sel] = t
+    return out

@@ -1,0 +1,134 @@
+"""Predict a plan's step time, throughput, MFU and per-stage memory: `evaluate(plan)`.
+
+Step time:
+    step = makespan(schedule simulator over chunk times F_c, B_c, W_c, p2p)
+           + max over pipeline ranks r of sum_{layers on r} step_l
+with F_c = sum of the chunk's layer forwards + re-sharding transitions between adjacent layers of
+different layouts, B_c likewise (layer.py gives every per-layer term), W_c the weight-gradient
+compute (zero-bubble), and step_l the once-per-step exposed gradient sync and optimizer update.
+Breakdown: bubble = makespan - busy time of the busiest rank; compute = that rank's pure compute
+(m micro-batches) plus its optimizer update; exposed communication = the rest.
+
+MFU = 3 * model forward FLOPs of the step (attention included, recompute excluded)
+      / (step * world * peak bf16 FLOP/s)          (peak of the workload dtype if no bf16 figure)
+
+Memory of pipeline rank r (chunks r, r + pp, ...):
+    sum of layer model states + in_flight(schedule, r) * sum of layer activations
+    + max layer buffer + device reserved bytes
+where the LM head's activation (fp32 logits) is reported under buffers. `fits` = the largest
+rank total <= device memory.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..plan import MemoryBreakdown, Plan, Prediction
+from ..spec.model import LayerKind
+from .layer import (LayerCosts, cost_key, StepContext, StrategyTable, layer_costs, pipeline_p2p_time, shape_key,
+                    transition_time)
+from .schedule import ScheduleResult, in_flight, simulate
+
+
+def plan_context(plan: Plan) -> StepContext:
+    return StepContext(cluster=plan.cluster, workload=plan.workload, stage_size=plan.stage_size,
+                       micro_batch_seqs=plan.micro_batch_size * plan.dp_of_batch)
+
+
+def _per_layer_costs(plan: Plan, ctx: StepContext) -> list[LayerCosts]:
+    """Costs of each layer's own strategy, computed once per distinct (layer, strategy)."""
+    cache: dict[tuple, LayerCosts] = {}
+    out = []
+    for layer, s in zip(plan.model.layers, plan.layers):
+        key = (cost_key(layer), s)
+        if key not in cache:
+            cache[key] = layer_costs(layer, StrategyTable.build([s]), ctx)
+        out.append(cache[key])
+    return out
+
+
+def _scalar(costs: LayerCosts, field: str) -> float:
+    return float(np.asarray(getattr(costs, field))[0])
+
+
+def simulate_plan(plan: Plan) -> tuple[ScheduleResult, list[float]]:
+    """The schedule simulation of the plan and each pipeline rank's once-per-step tail."""
+    return _simulate(plan, plan_context(plan), _per_layer_costs(plan, plan_context(plan)))
+
+
+def _simulate(plan: Plan, ctx: StepContext, costs: list[LayerCosts]) -> tuple[ScheduleResult, list[float]]:
+    pipe = plan.pipeline
+    fwd, bwd, wgrad = [], [], []
+    for start, end in pipe.stages:
+        f = sum(_scalar(costs[i], "fwd") for i in range(start, end))
+        b = sum(_scalar(costs[i], "bwd") for i in range(start, end))
+        w = sum(_scalar(costs[i], "wgrad") for i in range(start, end))
+        for i in range(start + 1, end):
+            trans = transition_time(plan.model.layers[i].hidden, shape_key(plan.layers[i - 1]),
+                                    shape_key(plan.layers[i]), ctx)
+            f += trans / 2
+            b += trans / 2
+        fwd.append(f)
+        bwd.append(b)
+        wgrad.append(w)
+    hidden = max(layer.hidden for layer in plan.model.layers)
+    p2p = pipeline_p2p_time(hidden, ctx) if pipe.degree > 1 else 0.0
+    sim = simulate(pipe.schedule.value, fwd, bwd, plan.num_micro_batches, pipe.degree,
+                   pipe.virtual_stages, p2p, wgrad)
+    tails = [0.0] * pipe.degree
+    for chunk, (start, end) in enumerate(pipe.stages):
+        tails[pipe.rank_of_chunk(chunk)] += sum(_scalar(costs[i], "step") for i in range(start, end))
+    return sim, tails
+
+
+def stage_memory(plan: Plan, costs: list[LayerCosts] | None = None) -> tuple[MemoryBreakdown, ...]:
+    """Peak memory breakdown of each pipeline rank (see the module docstring)."""
+    ctx = plan_context(plan)
+    costs = costs if costs is not None else _per_layer_costs(plan, ctx)
+    pipe = plan.pipeline
+    out = []
+    for r in range(pipe.degree):
+        layers = [i for c, (s, e) in enumerate(pipe.stages) if pipe.rank_of_chunk(c) == r for i in range(s, e)]
+        k = in_flight(pipe.schedule.value, pipe.degree, r, plan.num_micro_batches, pipe.virtual_stages)
+        acts = logits = 0.0
+        for i in layers:
+            a = k * _scalar(costs[i], "act")
+            if plan.model.layers[i].kind == LayerKind.LM_HEAD:
+                logits += a
+            else:
+                acts += a
+        out.append(MemoryBreakdown(
+            params=sum(_scalar(costs[i], "params") for i in layers),
+            grads=sum(_scalar(costs[i], "grads") for i in layers),
+            optimizer=sum(_scalar(costs[i], "optimizer") for i in layers),
+            activations=acts,
+            buffers=logits + max((_scalar(costs[i], "buf") for i in layers), default=0.0)
+            + plan.cluster.device.reserved_bytes,
+        ))
+    return tuple(out)
+
+
+def model_flops_per_step(plan: Plan) -> float:
+    """3 x forward FLOPs of a step (attention included, recompute excluded)."""
+    wl = plan.workload
+    return 3.0 * plan.model.flops_per_token(wl.seq_len) * wl.tokens_per_step
+
+
+def evaluate(plan: Plan) -> Prediction:
+    """The cost model's prediction for `plan` (pure: the plan is not modified)."""
+    ctx = plan_context(plan)
+    costs = _per_layer_costs(plan, ctx)
+    sim, tails = _simulate(plan, ctx, costs)
+    step = sim.step_time + max(tails)
+    pipe, m = plan.pipeline, plan.num_micro_batches
+    crit = int(np.argmax(sim.busy))
+    crit_layers = [i for c, (s, e) in enumerate(pipe.stages) if pipe.rank_of_chunk(c) == crit for i in range(s, e)]
+    compute = sum(m * (_scalar(costs[i], "compute_fwd") + _scalar(costs[i], "compute_bwd"))
+                  + _scalar(costs[i], "optimizer_time") for i in crit_layers)
+    bubble = sim.step_time - sim.busy[crit]
+    memory = stage_memory(plan, costs)
+    peak = "bf16" if "bf16" in plan.cluster.device.peak_flops else plan.workload.dtype
+    mfu = model_flops_per_step(plan) / (step * plan.world_size * plan.cluster.peak(peak))
+    return Prediction(
+        step_time_s=step, tokens_per_s=plan.workload.tokens_per_step / step, mfu=mfu,
+        stage_memory=memory, compute_s=compute, exposed_comm_s=max(0.0, step - compute - bubble),
+        bubble_s=bubble, fits=max(mb.total for mb in memory) <= plan.cluster.device.memory_bytes)

@@ -1,0 +1,236 @@
+"""Time and memory of one layer under each of many strategies (vectorised with numpy).
+
+`layer_costs(layer, table, ctx)` returns, per candidate strategy, per device:
+
+Per micro-batch (seconds):
+    compute  f_c, b_c from FLOPs (compute.py): f_c = tokens * (linear + attn * s) / (tp * sp) / F,
+             b_c = 2 f_c + recompute (one forward for full, the attention core for selective);
+             wgrad = the weight-gradient half of the linear backward (zero-bubble's W).
+    TP       blocks: 2 all-reduces forward and 2 backward of the t x h activation over the tp group
+             (Megatron SP: an all-gather + reduce-scatter pair instead, the same volume);
+             embedding 1 forward; LM head 1 forward, 1 backward.
+    Ulysses  4 all-to-alls forward (q, k, v, output) and 4 backward over the sp group (stride tp).
+    EP       MoE layers: dispatch + combine all-to-alls, 2 forward and 2 backward, over ep ranks.
+    ZeRO-3   all-gather params forward; all-gather + reduce-scatter grads backward, overlapped
+             with the layer's compute: overlapped(c, x) = c + (slowdown - 1) min(c, x) + max(0, x - c)
+             (`ClusterSpec.overlap_slowdown`: compute runs slower while NCCL kernels share the SMs).
+    ZeRO-2   reduce-scatter grads each backward (overlapped).
+Per step (seconds, once): ZeRO-0/1 gradient all-reduce (ZeRO-1: reduce-scatter + all-gather, the
+    same volume) overlapped with the last micro-batch's backward of the layer; ZeRO-2 parameter
+    all-gather after the update overlapped with the first forward; HSDP / Ulysses replica
+    all-reduce of the 1/S shard, exposed; the optimizer update, memory-bound:
+    (3 pb + 2 ob) * local params / HBM bandwidth; with offload, the gradient download and parameter
+    upload over `host_bandwidth` instead (host compute is not modelled).
+Group spans follow the rank layout (tp innermost, then sp, then dp): the tp group has stride 1,
+Ulysses stride tp, ZeRO shard groups stride tp * sp.
+
+Memory: see memory.py. No torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ..plan import LayerStrategy, SPKind
+from ..spec.cluster import ClusterSpec
+from ..spec.model import LayerKind, LayerSpec
+from ..spec.workload import Workload
+from .comm import collective_times, p2p_time, spans_nodes
+from .compute import achieved_flops
+from .memory import (RC_FULL, RC_NONE, RC_SELECTIVE, activation_bytes, buffer_bytes, expert_shard,
+                     model_state_bytes)
+
+_RC_CODE = {"none": RC_NONE, "selective": RC_SELECTIVE, "full": RC_FULL}
+_TP_COLLECTIVES = {LayerKind.EMBEDDING: (1, 0), LayerKind.LM_HEAD: (1, 1)}  # others: (2, 2)
+
+
+@dataclass(frozen=True)
+class StrategyTable:
+    """Candidate strategies as parallel arrays (index i = strategies[i])."""
+
+    strategies: tuple[LayerStrategy, ...]
+    dp: np.ndarray
+    tp: np.ndarray
+    sp: np.ndarray  # Ulysses degree
+    megatron: np.ndarray
+    zero: np.ndarray
+    shard: np.ndarray  # ZeRO shard degree (1 without ZeRO)
+    recompute: np.ndarray
+    offload: np.ndarray
+    ep: np.ndarray
+
+    @classmethod
+    def build(cls, strategies: Sequence[LayerStrategy]) -> "StrategyTable":
+        s = tuple(strategies)
+        arr = lambda f, dtype=np.int64: np.array([f(x) for x in s], dtype=dtype)  # noqa: E731
+        return cls(strategies=s, dp=arr(lambda x: x.dp), tp=arr(lambda x: x.tp),
+                   sp=arr(lambda x: x.sp_degree), megatron=arr(lambda x: x.sp == SPKind.MEGATRON, bool),
+                   zero=arr(lambda x: x.zero), shard=arr(lambda x: x.shard_degree),
+                   recompute=arr(lambda x: _RC_CODE[x.recompute.value]),
+                   offload=arr(lambda x: x.offload_optimizer, bool), ep=arr(lambda x: x.ep))
+
+    def __len__(self) -> int:
+        return len(self.strategies)
+
+    def subset(self, index) -> "StrategyTable":
+        index = np.asarray(index)
+        return StrategyTable(strategies=tuple(self.strategies[i] for i in index), dp=self.dp[index],
+                             tp=self.tp[index], sp=self.sp[index], megatron=self.megatron[index],
+                             zero=self.zero[index], shard=self.shard[index],
+                             recompute=self.recompute[index], offload=self.offload[index], ep=self.ep[index])
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What a layer's cost depends on besides its own strategy."""
+
+    cluster: ClusterSpec
+    workload: Workload
+    stage_size: int  # devices of a pipeline stage (= dp * sp * tp of every layer in it)
+    micro_batch_seqs: int  # sequences per micro-batch over the stage (micro_batch_size * dp_of_batch)
+
+    @property
+    def act_elt(self) -> int:
+        return 4 if self.workload.dtype == "fp32" else 2
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Per strategy (arrays), per device. Times in seconds, memory in bytes."""
+
+    fwd: np.ndarray  # per micro-batch, incl. exposed TP / Ulysses / EP / ZeRO-3 communication
+    bwd: np.ndarray  # per micro-batch, incl. recompute and exposed communication
+    wgrad: np.ndarray  # weight-gradient compute inside bwd
+    compute_fwd: np.ndarray
+    compute_bwd: np.ndarray
+    step: np.ndarray  # once per step: exposed gradient sync + optimizer update
+    optimizer_time: np.ndarray  # the update part of `step`
+    params: np.ndarray
+    grads: np.ndarray
+    optimizer: np.ndarray
+    act: np.ndarray  # per in-flight micro-batch
+    buf: np.ndarray
+
+    @property
+    def states(self) -> np.ndarray:
+        return self.params + self.grads + self.optimizer
+
+
+def cost_key(layer: LayerSpec) -> tuple:
+    """What a layer's cost depends on: every field but its name (all decoder blocks of a dense
+    model share one key, so they are costed once)."""
+    return tuple(v for k, v in layer.__dict__.items() if k != "name")
+
+
+def _overlap_extra(c, x, slowdown):
+    """Extra seconds when x seconds of communication overlap c seconds of compute."""
+    return (slowdown - 1.0) * np.minimum(c, x) + np.maximum(0.0, x - c)
+
+
+def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCosts:
+    cl, wl = ctx.cluster, ctx.workload
+    seq, ab, pb, ob = wl.seq_len, ctx.act_elt, wl.param_bytes, wl.optimizer_bytes
+    tokens = ctx.micro_batch_seqs / t.dp * seq  # per data-parallel replica
+    tokens_dev = tokens / t.sp  # Ulysses shards the sequence
+    rate = achieved_flops(cl, wl.dtype) * t.tp * t.sp
+    lin = tokens * layer.flops_per_token * layer.linear_time_scale
+    att = tokens * layer.attn_flops_coeff * seq * layer.attn_time_scale
+    cf = (lin + att) / rate
+    cb = 2.0 * cf
+    cb = cb + np.where(t.recompute == RC_FULL, cf, 0.0)
+    cb = cb + np.where(t.recompute == RC_SELECTIVE,
+                       (att * layer.selective_attn_fraction
+                        + tokens * layer.selective_flops_per_token * layer.linear_time_scale) / rate, 0.0)
+    wgrad = lin / rate
+
+    # Tensor parallel: activation t x h on the tp group.
+    n_f, n_b = _TP_COLLECTIVES.get(layer.kind, (2, 2))
+    act_msg = tokens_dev * layer.hidden * ab
+    ar = collective_times(cl, "all_reduce", act_msg, t.tp, 1)
+    pair = (collective_times(cl, "all_gather", act_msg, t.tp, 1)
+            + collective_times(cl, "reduce_scatter", act_msg, t.tp, 1))
+    tp_one = np.where(t.megatron, pair, ar)
+    comm_f = n_f * tp_one
+    comm_b = n_b * tp_one
+    if layer.num_heads and layer.attn_flops_coeff:
+        kv = layer.num_kv_heads / layer.num_heads
+        q_msg = tokens_dev * layer.hidden * ab / t.tp
+        a2a = (2 * collective_times(cl, "all_to_all", q_msg, t.sp, t.tp)
+               + 2 * collective_times(cl, "all_to_all", q_msg * kv, t.sp, t.tp))
+        comm_f = comm_f + a2a
+        comm_b = comm_b + a2a
+    if layer.num_experts:
+        msg = tokens_dev / t.tp * layer.top_k * layer.capacity_factor * layer.hidden * ab
+        e2e = 2 * collective_times(cl, "all_to_all", msg, t.ep, t.tp)
+        comm_f = comm_f + e2e
+        comm_b = comm_b + e2e
+
+    # Data parallel / ZeRO over S = shard ranks (stride tp * sp), replicas R = dp * sp / S.
+    es = expert_shard(t.shard, t.dp, t.sp, t.ep)
+    slow = cl.overlap_slowdown
+    pd, pe = layer.dense_params / t.tp, layer.expert_params / (t.tp * t.ep)
+    ag = rs = ar_step = rep = 0.0
+    for p, s, group in ((pd, t.shard, t.dp * t.sp), (pe, es, t.dp * t.sp // t.ep)):
+        if not np.any(p):
+            continue
+        st = t.tp * t.sp
+        ag = ag + collective_times(cl, "all_gather", pb * p, s, st)
+        rs = rs + collective_times(cl, "reduce_scatter", pb * p, s, st)
+        ar_step = ar_step + collective_times(cl, "all_reduce", pb * p, group, t.tp)
+        replicas = group // s
+        rep_stride = np.where(t.sp > 1, t.tp, t.tp * t.sp * s)
+        rep = rep + collective_times(cl, "all_reduce", pb * p / s, replicas, rep_stride)
+    z = t.zero
+    fwd = cf + comm_f + np.where(z == 3, _overlap_extra(cf, ag, slow), 0.0)
+    bwd = cb + comm_b + np.where(z == 3, _overlap_extra(cb, ag + rs, slow),
+                                 np.where(z == 2, _overlap_extra(cb, rs, slow), 0.0))
+    sync = np.where(z == 0, _overlap_extra(cb, ar_step, slow),
+                    np.where(z == 1, _overlap_extra(cb, ag + rs, slow),
+                             np.where(z == 2, _overlap_extra(cf, ag, slow), 0.0)) + rep)
+
+    params, grads, optimizer = model_state_bytes(layer, wl, t.tp, t.ep, z, t.shard, es, t.offload)
+    local = pd / np.where(z >= 1, t.shard, 1) + pe / np.where(z >= 1, es, 1)
+    opt_time = np.where(t.offload, 2 * pb * local / cl.host_bandwidth,
+                        (3 * pb + 2 * ob) * local / cl.device.memory_bandwidth)
+    act = activation_bytes(layer, tokens_dev, t.tp, t.megatron, t.recompute)
+    buf = buffer_bytes(layer, wl, tokens_dev, t.tp, t.ep, t.megatron, z, t.recompute)
+    shape = np.shape(t.dp)
+    full = lambda x: np.broadcast_to(np.asarray(x, dtype=float), shape)  # noqa: E731
+    return LayerCosts(fwd=full(fwd), bwd=full(bwd), wgrad=full(wgrad), compute_fwd=full(cf),
+                      compute_bwd=full(cb), step=full(sync + opt_time), optimizer_time=full(opt_time),
+                      params=full(params), grads=full(grads), optimizer=full(optimizer),
+                      act=full(act), buf=full(buf))
+
+
+def shape_key(s: LayerStrategy) -> tuple[int, int, int, bool]:
+    """What decides how activations are laid out between layers: (dp, tp, sp, megatron)."""
+    return (s.dp, s.tp, s.sp_degree, s.sp == SPKind.MEGATRON)
+
+
+def transition_time(hidden: int, a: tuple[int, int, int, bool], b: tuple[int, int, int, bool],
+                    ctx: StepContext) -> float:
+    """Seconds per micro-batch (forward + backward) to re-shard the activation between two
+    adjacent layers whose layouts differ: an all-gather of the larger per-device share over the
+    ranks whose data change hands (max(tp * sp) of the two layouts, stride 1), forward and again
+    backward. Equal layouts cost nothing."""
+    if a == b:
+        return 0.0
+    seq = ctx.workload.seq_len
+
+    def share(k):
+        dp, tp, sp, meg = k
+        return ctx.micro_batch_seqs / dp * seq / sp * hidden * ctx.act_elt / (tp if meg else 1)
+
+    group = max(a[1] * a[2], b[1] * b[2])
+    n = max(share(a), share(b))
+    return 2.0 * float(collective_times(ctx.cluster, "all_gather", n, group, 1))
+
+
+def pipeline_p2p_time(hidden: int, ctx: StepContext) -> float:
+    """Seconds to pass one micro-batch's activation between adjacent pipeline stages: each device
+    sends its 1/stage_size share to its peer `stage_size` ranks away."""
+    n = ctx.micro_batch_seqs * ctx.workload.seq_len * hidden * ctx.act_elt / ctx.stage_size
+    inter = spans_nodes(2, ctx.stage_size, ctx.cluster.gpus_per_node)
+    return p2p_time(ctx.cluster, n, inter)

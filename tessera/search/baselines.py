@@ -1,0 +1,184 @@
+"""Hand-made plans and the standard baselines, all costed by the same model as the search.
+
+- `manual_plan(...)`: one strategy for every block (the embedding and LM head share its layout,
+  without recompute; EP only on MoE layers), stages balanced by `balanced_stages`.
+- `baseline_plans(...)`: "megatron-default" (tp = GPUs per node, Megatron SP, the smallest pp
+  that fits, 1F1B, full recompute if needed), "fsdp" (ZeRO-3 over all GPUs, recompute if needed),
+  "ddp" and "zero1" (pure data parallel). Infeasible ones are returned too, with fits=False.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..cost.evaluate import evaluate
+from ..cost.layer import StepContext, StrategyTable, layer_costs
+from ..plan import LayerStrategy, PipelineSpec, Plan, Recompute, Schedule, SPKind
+from ..spec.cluster import ClusterSpec
+from ..spec.model import LayerKind, LayerSpec, ModelSpec
+from ..spec.workload import Workload
+
+
+def has_attention(layer: LayerSpec) -> bool:
+    return layer.num_heads > 0 and layer.attn_flops_coeff > 0
+
+
+def balanced_stages(weights: list[float], chunks: int) -> tuple[tuple[int, int], ...]:
+    """Cut `weights` (per layer, in order) into `chunks` contiguous non-empty ranges minimising the
+    heaviest range (bisection on the bound; greedy fill, leaving one layer per remaining chunk)."""
+    n = len(weights)
+    if chunks > n:
+        raise ValueError(f"cannot cut {n} layers into {chunks} pipeline chunks")
+    w = np.asarray(weights, dtype=float)
+
+    def cut(bound: float) -> list[tuple[int, int]] | None:
+        out, start = [], 0
+        for c in range(chunks):
+            left = chunks - c - 1
+            end, total = start + 1, w[start]
+            while end < n - left and total + w[end] <= bound:
+                total += w[end]
+                end += 1
+            if c == chunks - 1:
+                end = n
+            if w[start:end].sum() > bound * (1 + 1e-12) and end - start > 1:
+                return None
+            out.append((start, end))
+            start = end
+        return out
+
+    lo, hi = float(w.max()), float(w.sum())
+    best = cut(hi)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        got = cut(mid)
+        if got is None:
+            lo = mid
+        else:
+            best, hi = got, mid
+    return tuple(best)
+
+
+def manual_plan(model: ModelSpec, cluster: ClusterSpec, workload: Workload, *, dp: int | None = None,
+                tp: int = 1, pp: int = 1, sp: str = "none", sp_degree: int = 1, zero: int = 0,
+                dp_shard: int = 0, recompute: str = "none", offload: bool = False, ep: int = 1,
+                schedule: str = "1f1b", virtual_stages: int = 1, micro_batch_size: int = 1,
+                name: str = "manual") -> Plan:
+    """A plan with the same strategy on every block, costed by `evaluate`."""
+    world = cluster.num_gpus
+    sp_kind = SPKind(sp) if sp in {k.value for k in SPKind} else None
+    if sp_kind is None:
+        raise ValueError(f"unknown sequence parallelism '{sp}'; choose none, megatron or ulysses")
+    if sp_kind != SPKind.ULYSSES:
+        sp_degree = 1
+    if min(tp, pp, sp_degree, ep, micro_batch_size, virtual_stages) < 1:
+        raise ValueError("parallel degrees and the micro-batch size must be >= 1")
+    if world % (pp * tp * sp_degree):
+        raise ValueError(f"pp={pp} x tp={tp} x sp={sp_degree} does not divide {world} GPUs")
+    dp = dp if dp is not None else world // (pp * tp * sp_degree)
+    if dp * pp * tp * sp_degree != world:
+        raise ValueError(f"dp={dp} x pp={pp} x tp={tp} x sp={sp_degree} = {dp * pp * tp * sp_degree}, "
+                         f"but the cluster has {world} GPUs")
+    if sp_kind == SPKind.MEGATRON and tp < 2:
+        raise ValueError("sp=megatron shards over the tensor-parallel group: it needs tp >= 2")
+    if sp_kind == SPKind.ULYSSES and sp_degree < 2:
+        raise ValueError("sp=ulysses needs sp_degree >= 2")
+    for layer in model.layers:
+        if has_attention(layer):
+            if layer.num_heads % (tp * sp_degree) or layer.num_kv_heads % tp:
+                raise ValueError(f"tp={tp} x sp={sp_degree} must divide the {layer.num_heads} attention heads "
+                                 f"(and tp the {layer.num_kv_heads} KV heads) of {model.name}")
+            break
+    experts = max((layer.num_experts for layer in model.layers), default=0)
+    if ep > 1 and (not experts or experts % ep or (dp * sp_degree) % ep):
+        raise ValueError(f"ep={ep} must divide the number of experts ({experts}) and dp x sp ({dp * sp_degree})")
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero stage must be 0, 1, 2 or 3, not {zero}")
+    if dp_shard and (not zero or dp % dp_shard):
+        raise ValueError(f"dp_shard={dp_shard} needs zero >= 1 and must divide dp={dp}")
+    if offload and not zero:
+        raise ValueError("optimizer offload needs zero >= 1")
+    if workload.global_batch % (micro_batch_size * dp):
+        raise ValueError(f"global batch {workload.global_batch} is not divisible by micro-batch size "
+                         f"{micro_batch_size} x dp {dp}")
+    m = workload.global_batch // (micro_batch_size * dp)
+    sched = Schedule(schedule)
+    if virtual_stages > 1 and sched != Schedule.INTERLEAVED_1F1B:
+        raise ValueError("virtual_stages > 1 needs schedule interleaved_1f1b")
+    if sched == Schedule.INTERLEAVED_1F1B and virtual_stages > 1 and m % pp:
+        raise ValueError(f"interleaved 1F1B needs the micro-batch count ({m}) to be a multiple of pp ({pp})")
+    if pp * virtual_stages > len(model.layers):
+        raise ValueError(f"{pp * virtual_stages} pipeline chunks for {len(model.layers)} layers")
+
+    def strategy(layer: LayerSpec) -> LayerStrategy:
+        block = has_attention(layer)
+        return LayerStrategy(dp=dp, tp=tp, sp=sp_kind, sp_degree=sp_degree, zero=zero, dp_shard=dp_shard,
+                             recompute=Recompute(recompute) if block else Recompute.NONE,
+                             offload_optimizer=offload, ep=ep if layer.num_experts else 1)
+
+    layers = tuple(strategy(layer) for layer in model.layers)
+    stages = default_stages(model, cluster, workload, layers, pp * virtual_stages, micro_batch_size * dp)
+    plan = Plan(name=name, model=model, cluster=cluster, workload=workload, micro_batch_size=micro_batch_size,
+                num_micro_batches=m,
+                pipeline=PipelineSpec(degree=pp, schedule=sched, virtual_stages=virtual_stages, stages=stages),
+                layers=layers)
+    return plan.model_copy(update={"prediction": evaluate(plan)})
+
+
+def default_stages(model: ModelSpec, cluster: ClusterSpec, workload: Workload, layers, chunks: int,
+                   micro_batch_seqs: int) -> tuple[tuple[int, int], ...]:
+    """Stage ranges balancing each layer's forward + backward time under its strategy."""
+    if chunks == 1:
+        return ((0, len(model.layers)),)
+    ctx = StepContext(cluster=cluster, workload=workload, stage_size=layers[0].devices,
+                      micro_batch_seqs=micro_batch_seqs)
+    weights = []
+    for layer, s in zip(model.layers, layers):
+        c = layer_costs(layer, StrategyTable.build([s]), ctx)
+        weights.append(float(c.fwd[0] + c.bwd[0]))
+    return balanced_stages(weights, chunks)
+
+
+def _fits(plan: Plan) -> bool:
+    return plan.prediction is not None and plan.prediction.fits
+
+
+def baseline_plans(model: ModelSpec, cluster: ClusterSpec, workload: Workload) -> list[Plan]:
+    """The standard recipes, each costed by `evaluate` (infeasible ones kept, with fits=False)."""
+    world = cluster.num_gpus
+    out: list[Plan] = []
+    heads = next((layer for layer in model.layers if has_attention(layer)), None)
+    tp = cluster.gpus_per_node
+    while tp > 1 and heads is not None and (heads.num_heads % tp or heads.num_kv_heads % tp or world % tp):
+        tp //= 2
+    meg = None
+    for pp in [p for p in range(1, min(world // tp, len(model.layers)) + 1) if (world // tp) % p == 0]:
+        for rc in ("none", "full"):
+            try:
+                cand = manual_plan(model, cluster, workload, tp=tp, pp=pp, sp="megatron" if tp > 1 else "none",
+                                   recompute=rc, schedule="1f1b", name="megatron-default")
+            except ValueError:
+                continue
+            if meg is None or _fits(cand):
+                meg = cand
+            if _fits(cand):
+                break
+        if meg is not None and _fits(meg):
+            break
+    if meg is not None:
+        out.append(meg)
+    for name, kwargs in (("fsdp", dict(zero=3)), ("zero1", dict(zero=1)), ("ddp", dict(zero=0))):
+        best = None
+        for rc in ("none", "full"):
+            try:
+                cand = manual_plan(model, cluster, workload, recompute=rc, name=name, **kwargs)
+            except ValueError:
+                break
+            best = cand
+            if _fits(cand):
+                break
+        if best is not None:
+            out.append(best)
+    return out
+
+
+__all__ = ["manual_plan", "baseline_plans", "balanced_stages", "default_stages"]

@@ -1,0 +1,80 @@
+"""Whole-plan predictions: consistency of the breakdown, MFU, and the vectorised collectives."""
+import numpy as np
+import pytest
+
+from tessera.cost import evaluate
+from tessera.cost.comm import collective_time, collective_times
+from tessera.cost.evaluate import model_flops_per_step, simulate_plan
+from tessera.search import baseline_plans, manual_plan
+from tessera.spec import Workload
+from tessera.spec.presets import get_model, make_cluster
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return get_model("llama2-7b"), make_cluster("h100-80gb", 16), Workload(global_batch=128, seq_len=4096)
+
+
+def test_breakdown_adds_up_and_mfu_follows_its_definition(setup):
+    m, c, w = setup
+    plan = manual_plan(m, c, w, tp=2, pp=2, sp="megatron", zero=1, micro_batch_size=2)
+    p = plan.prediction
+    assert p.compute_s + p.exposed_comm_s + p.bubble_s == pytest.approx(p.step_time_s)
+    assert p.tokens_per_s * p.step_time_s == pytest.approx(w.tokens_per_step)
+    assert p.mfu == pytest.approx(model_flops_per_step(plan) / (p.step_time_s * 16 * 989e12))
+    assert 0.2 < p.mfu < c.compute_efficiency
+    assert evaluate(plan) == p  # pure
+
+
+def test_more_micro_batches_shrink_the_bubble(setup):
+    m, c, w = setup
+    few = manual_plan(m, c, w, pp=4, tp=2, sp="megatron", micro_batch_size=8).prediction
+    many = manual_plan(m, c, w, pp=4, tp=2, sp="megatron", micro_batch_size=1).prediction
+    assert many.bubble_s / many.step_time_s < few.bubble_s / few.step_time_s
+
+
+def test_zero3_pays_gathers_every_micro_batch(setup):
+    m, c, w = setup
+    z1 = manual_plan(m, c, w, zero=1, micro_batch_size=1, recompute="full").prediction
+    z3 = manual_plan(m, c, w, zero=3, micro_batch_size=1, recompute="full").prediction
+    assert z3.peak_memory < z1.peak_memory
+    assert z3.step_time_s > z1.step_time_s
+
+
+def test_step_time_is_simulated_makespan_plus_tail(setup):
+    m, c, w = setup
+    plan = manual_plan(m, c, w, tp=4, pp=2, sp="megatron", schedule="zero_bubble")
+    sim, tails = simulate_plan(plan)
+    assert plan.prediction.step_time_s == pytest.approx(sim.step_time + max(tails))
+
+
+def test_manual_plan_refuses_impossible_combinations(setup):
+    m, c, w = setup
+    with pytest.raises(ValueError, match="must divide the 32 attention heads"):
+        manual_plan(m, make_cluster("h100-80gb", 24), Workload(global_batch=24, seq_len=4096), tp=3)
+    with pytest.raises(ValueError, match="does not divide 16 GPUs"):
+        manual_plan(m, c, w, pp=3)
+    with pytest.raises(ValueError, match="needs tp >= 2"):
+        manual_plan(m, c, w, sp="megatron")
+    with pytest.raises(ValueError, match="not divisible by micro-batch size"):
+        manual_plan(m, c, w, micro_batch_size=3)
+
+
+def test_baselines_are_costed_and_flag_infeasible_ones(setup):
+    m, c, w = setup
+    plans = {p.name: p for p in baseline_plans(get_model("llama2-70b"), c, w)}
+    assert {"megatron-default", "fsdp", "ddp", "zero1"} <= set(plans)
+    assert not plans["ddp"].prediction.fits  # 70B replicated: ~1.1 TB of states per GPU
+    meg = plans["megatron-default"]
+    assert meg.layers[1].tp == 8 and meg.prediction.fits
+
+
+def test_vectorised_collectives_match_the_scalar_reference():
+    c = make_cluster("h100-80gb", 64)
+    sizes = np.array([1, 2, 8, 16, 64, 4])
+    strides = np.array([1, 1, 1, 8, 1, 2])
+    nbytes = np.array([1e6, 1e8, 3e7, 1e9, 5e8, 0.0])
+    for coll in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        got = collective_times(c, coll, nbytes, sizes, strides)
+        want = [collective_time(c, coll, n, s, st) for n, s, st in zip(nbytes, sizes, strides)]
+        assert got == pytest.approx(want)

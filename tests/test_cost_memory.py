@@ -1,0 +1,91 @@
+"""Memory formulas against hand-computed figures."""
+import numpy as np
+import pytest
+
+from tessera.cost.layer import StepContext, StrategyTable, layer_costs
+from tessera.cost.memory import RC_FULL, RC_NONE, RC_SELECTIVE, activation_bytes, model_state_bytes
+from tessera.plan import LayerStrategy
+from tessera.search import manual_plan
+from tessera.spec import ModelSpec, TransformerConfig, Workload
+from tessera.spec.presets import get_model, make_cluster
+
+GB = 1e9
+
+
+def test_llama2_7b_bf16_weights_are_13_5_gb():
+    m = get_model("llama2-7b")
+    plan = manual_plan(m, make_cluster("h100-80gb", 8), Workload(global_batch=8, seq_len=4096), recompute="full")
+    mem = plan.prediction.stage_memory[0]
+    assert m.num_params == pytest.approx(6.74e9, rel=1e-3)
+    assert mem.params / GB == pytest.approx(13.48, abs=0.01)
+    assert mem.grads == pytest.approx(mem.params)  # bf16 gradients
+    assert mem.optimizer == pytest.approx(12 * m.num_params)  # fp32 master + Adam m, v
+
+
+def test_zero3_over_64_gpus_divides_model_states_by_64():
+    m = get_model("llama2-7b")
+    cluster, wl = make_cluster("h100-80gb", 64), Workload(global_batch=64, seq_len=4096)
+    plain = manual_plan(m, cluster, wl, zero=0).prediction.stage_memory[0]
+    z3 = manual_plan(m, cluster, wl, zero=3).prediction.stage_memory[0]
+    for field in ("params", "grads", "optimizer"):
+        assert getattr(z3, field) * 64 == pytest.approx(getattr(plain, field), rel=1e-12)
+
+
+def test_zero_stages_shard_optimizer_then_grads_then_params():
+    layer = get_model("llama2-7b").layers[1]
+    wl = Workload(global_batch=8, seq_len=4096)
+    p, g, o = model_state_bytes(layer, wl, tp=np.array([1] * 4), ep=np.array([1] * 4), zero=np.arange(4),
+                                shard=np.array([1, 8, 8, 8]), expert_shard_deg=np.array([1, 8, 8, 8]),
+                                offload=np.zeros(4, bool))
+    n = layer.params
+    assert list(p) == pytest.approx([2 * n, 2 * n, 2 * n, 2 * n / 8])
+    assert list(g) == pytest.approx([2 * n, 2 * n, 2 * n / 8, 2 * n / 8])
+    assert list(o) == pytest.approx([12 * n, 12 * n / 8, 12 * n / 8, 12 * n / 8])
+    _, g32, o32 = model_state_bytes(layer, Workload(global_batch=8, seq_len=4096, dtype="fp32"), 1, 1, 0, 1, 1, False)
+    assert g32 == pytest.approx(4 * n) and o32 == pytest.approx(8 * n)  # fp32 grads; Adam m, v only
+    *_, off = model_state_bytes(layer, wl, 1, 1, 1, 8, 8, True)
+    assert off == 0.0
+
+
+def _gpt_block(h=1024, heads=16):
+    cfg = TransformerConfig(name="gpt-test", family="gpt2", vocab_size=1000, hidden=h, num_layers=1,
+                            num_heads=heads, num_kv_heads=heads, ffn_hidden=4 * h, norm="layernorm",
+                            mlp="gelu", position="learned", linear_bias=True)
+    return ModelSpec.from_config(cfg).layers[1]
+
+
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
+def test_gpt_block_activations_follow_korthikanti(t):
+    """s b h (34 + 5 a s / h) per layer, minus the two 1-byte dropout masks (2 s b h), minus the
+    attention-score term (flash attention): 32 s b h; with TP s b h (8 + 24/t); with TP + SP 32 s b h / t."""
+    layer, s, b = _gpt_block(), 2048, 4
+    h = layer.hidden
+    sbh = s * b * h
+    tokens = s * b
+    assert activation_bytes(layer, tokens, 1, False, RC_NONE) == pytest.approx(32 * sbh)
+    assert activation_bytes(layer, tokens, t, False, RC_NONE) == pytest.approx(sbh * (8 + 24 / t))
+    assert activation_bytes(layer, tokens, t, t > 1, RC_NONE) == pytest.approx(32 * sbh / t)
+    # Full recompute keeps only the block input (2 s b h in bf16), sharded by SP.
+    assert activation_bytes(layer, tokens, t, t > 1, RC_FULL) == pytest.approx(2 * sbh / t)
+    # Selective drops the attention output and the GeLU output.
+    assert activation_bytes(layer, tokens, 1, False, RC_SELECTIVE) == pytest.approx(32 * sbh - 2 * sbh - 8 * sbh)
+
+
+def test_ulysses_shards_activations_by_the_sequence_degree():
+    layer = get_model("llama2-7b").layers[1]
+    ctx = StepContext(cluster=make_cluster("h100-80gb", 8), workload=Workload(global_batch=8, seq_len=4096),
+                      stage_size=8, micro_batch_seqs=8)
+    table = StrategyTable.build([LayerStrategy(dp=8), LayerStrategy(dp=2, sp="ulysses", sp_degree=4)])
+    act = layer_costs(layer, table, ctx).act
+    # dp=2 runs 4 sequences per replica, split 4 ways along the sequence: 1 sequence's worth each.
+    assert act[1] == pytest.approx(act[0])
+
+
+def test_in_flight_activations_scale_the_stage_memory():
+    m = get_model("llama2-7b")
+    cluster, wl = make_cluster("h100-80gb", 8), Workload(global_batch=64, seq_len=2048)
+    gpipe = manual_plan(m, cluster, wl, pp=4, tp=2, sp="megatron", schedule="gpipe").prediction
+    one = manual_plan(m, cluster, wl, pp=4, tp=2, sp="megatron", schedule="1f1b").prediction
+    m_count = 64  # dp = 8 / (pp 4 x tp 2) = 1, micro-batch 1
+    # Rank 1 holds all m micro-batches under GPipe and pp - 1 = 3 under 1F1B.
+    assert gpipe.stage_memory[1].activations / one.stage_memory[1].activations == pytest.approx(m_count / 3)
