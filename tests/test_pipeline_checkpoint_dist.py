@@ -39,6 +39,7 @@ TWO_RANK_CHECKS = {
     "resume_test-gpt2_pp2xdp2_at_4_ranks_as_dp2_fsdp_at_2_ranks",
     "resume_test-gpt2_pp2xdp2_at_4_ranks_as_pp2_interleaved_one_optimizer_at_2_ranks",
     "resume_test-gpt2_pp2xdp2_at_4_ranks_as_pp2_at_2_ranks",
+    "async_save_keeps_the_weights_of_its_step",
     "corrupt_checkpoint_refused_alike_on_every_rank",
     "corrupt_checkpoint_leaves_model_untouched",
 }

@@ -176,7 +176,42 @@ def resume_under_other_plans(ckpt_dir: str) -> None:
             check(f"resume_{config.name}_pp2xdp2_at_4_ranks_as_{layout}_at_2_ranks", close(losses, ref),
                   f"{losses} vs {ref}")
     zero1_resume_save_and_resume_plain(ckpt_dir)
+    async_save_while_training(f"{ckpt_dir}-async")
     refuse_corrupt_checkpoint(ckpt_dir)
+
+
+def async_save_while_training(directory: str) -> None:
+    """FSDP2 at 2 ranks: an asynchronous save holds the weights of the step it was called at,
+    although training goes on before it finishes; the next save finishes it (manifest, rename)."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    rank = dist.get_rank()
+    rows = slice(rank * 4, rank * 4 + 4)
+
+    def fresh(seed):
+        model = _fsdp(build_model(TINY_LLAMA, seed=seed), mesh)
+        return model, make_optimizer(model.parameters())
+
+    def train_one(model, opt, step):
+        tokens, labels = global_batch(step)
+        loss_fn(model(tokens[rows]), labels[rows]).backward()
+        opt.step()
+        opt.zero_grad()
+
+    model, opt = fresh(0)
+    manager = CheckpointManager(directory, async_save=True)
+    train_one(model, opt, 0)
+    manager.save(1, [model], opt, {"data_step": 1})
+    snapshot = [p.full_tensor().clone() for p in model.parameters()]
+    pending = not (manager.directory / "step-1").exists() or manager.latest() is None
+    train_one(model, opt, 1)
+    manager.save(2, [model], opt, {"data_step": 2})
+    manager.wait()
+    names = [p.name for p in manager.checkpoints()]
+    restored, restored_opt = fresh(7)
+    extra = manager.load([restored], restored_opt, path=manager.directory / "step-1")
+    same = all(torch.equal(a, b.full_tensor()) for a, b in zip(snapshot, restored.parameters()))
+    check("async_save_keeps_the_weights_of_its_step", pending and names == ["step-1", "step-2"] and same
+          and extra["data_step"] == 1, f"{pending} {names} {same}")
 
 
 def zero1_resume_save_and_resume_plain(ckpt_dir: str) -> None:
