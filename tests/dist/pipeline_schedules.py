@@ -197,6 +197,11 @@ def async_save_while_training(directory: str) -> None:
         opt.step()
         opt.zero_grad()
 
+    if rank == 0:
+        import shutil
+
+        shutil.rmtree(directory, ignore_errors=True)
+    dist.barrier()
     model, opt = fresh(0)
     manager = CheckpointManager(directory, async_save=True)
     train_one(model, opt, 0)
