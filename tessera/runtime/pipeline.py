@@ -291,6 +291,8 @@ def build_pipeline(model: Transformer, plan: Plan, mesh, loss_fn: Callable[[torc
     if plan.pipeline.degree < 2:
         raise TesseraError("build_pipeline needs a plan with pipeline degree >= 2")
     pp_mesh, pp_rank = _pp_mesh_and_rank(mesh, plan)
+    # Before parallelising: FSDP replaces the chunks' parameters, which unties `model`'s copies.
+    tied = _is_tied(model)
     chunk_ids = chunks_of_rank(plan, pp_rank)
     parts = split_model(model, plan, pp_rank)
     device = _device_of(mesh)
@@ -307,7 +309,7 @@ def build_pipeline(model: Transformer, plan: Plan, mesh, loss_fn: Callable[[torc
     runner = PipelineRunner(model_parts=parts, chunk_ids=chunk_ids, num_chunks=num_chunks,
                             pp_degree=plan.pipeline.degree, num_micro_batches=plan.num_micro_batches,
                             schedule=_make_schedule(plan, stages, loss_fn), device=device)
-    if _is_tied(model):
+    if tied:
         # First and last chunk are on different ranks (pp >= 2, chunk c on rank c % pp).
         runner.tied_group = _tied_sync_group(mesh, plan)
         for part in parts:
