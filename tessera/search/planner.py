@@ -41,6 +41,7 @@ Method (which function does what)
 """
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from dataclasses import dataclass, field
@@ -60,7 +61,7 @@ from ..spec.workload import Workload
 from .baselines import balanced_stages
 from .dp import Slot, solve_rank
 from .space import (Candidates, SearchOptions, candidate_strategies, divisors, dominated_on_rank,
-                    prune_dominated)
+                    lp_time_bound, prune_dominated)
 
 log = logging.getLogger(__name__)
 GiB = 2**30
@@ -102,6 +103,7 @@ class _Search:
         self.layouts: dict[tuple[int, int], tuple[dict, np.ndarray]] = {}
         self.scored: list[_Scored] = []
         self.best_infeasible: tuple[float, str] | None = None
+        self.dp_cache: dict[tuple, tuple] = {}
         self.stats = dict(contexts=0, skipped=0, splits=0, plans=0, states=0, candidates=0, pruned=0)
 
     # --- the space ------------------------------------------------------------------------------
@@ -211,61 +213,68 @@ class _Search:
             tail = max(tail, sum(S[i] for i in mine))
         return best + tail
 
-    def _solve(self, c: _Context) -> None:
+    def _rank_layers(self, c: _Context, split, r: int) -> list[tuple[int, int]]:
+        return [split[i] for i in range(r, len(split), c.pp)]
+
+    def _split_bound(self, c: _Context, cands, split, p2p: float) -> float:
+        """max(path bound of `_chunk_bound`, per-rank LP relaxation of the memory knapsack)."""
+        bound = self._chunk_bound(cands, split, c, p2p)
+        for r in range(c.pp):
+            k = in_flight(c.schedule, c.pp, r, c.m, c.v)
+            counts: dict[int, int] = {}
+            for s, e in self._rank_layers(c, split, r):
+                for i in range(s, e):
+                    counts[self.kind_of[i]] = counts.get(self.kind_of[i], 0) + 1
+            kinds = [(n, c.m * (cands[kd].costs.fwd + cands[kd].costs.bwd) + cands[kd].costs.step,
+                      cands[kd].costs.states + k * cands[kd].costs.act) for kd, n in counts.items()]
+            bound = max(bound, lp_time_bound(kinds, self.budget))
+            if bound == np.inf:
+                if not self.scored:
+                    self._note_infeasible_lp(c, cands, kinds)
+                break
+        return bound
+
+    def _solve_split(self, c: _Context, split) -> None:
         n, B = self.world // c.pp, self.workload.global_batch // c.m
         cands = self._candidates(n, B)
-        if cands is None:
-            return
         layouts, trans_mb = self.layouts[(n, B)]
         trans = c.m * trans_mb
-        ctx = StepContext(cluster=self.cluster, workload=self.workload, stage_size=n, micro_batch_seqs=B)
-        hidden = max(layer.hidden for layer in self.model.layers)
-        p2p = pipeline_p2p_time(hidden, ctx) if c.pp > 1 else 0.0
         best_step = self.scored[0].step if self.scored else np.inf
-        cache: dict[tuple, object] = {}
-        for split in self._splits(cands, c.pp * c.v):
-            self.stats["splits"] += 1
-            if self._chunk_bound(cands, split, c, p2p) >= best_step:
-                continue
-            choice: list[int] = [0] * len(self.model.layers)
-            feasible = True
-            for r in range(c.pp):
-                k = in_flight(c.schedule, c.pp, r, c.m, c.v)
-                chunks = [split[i] for i in range(r, len(split), c.pp)]
-                key = (tuple(tuple(self.kind_of[s:e]) for s, e in chunks), k)
-                if key not in cache:
-                    slots = self._slots(cands, chunks, layouts, c.m, k, trans)
-                    sol = solve_rank(slots, trans, self.budget, self.opts.memory_bins, self.opts.max_buffer_caps,
-                                     upper_bound=best_step)
-                    if sol is not None:
-                        self.stats["states"] += sol.states_explored
-                    elif not self.scored:
-                        self._note_infeasible(slots, c, cands)
-                    cache[key] = (sol, self._keep)
-                sol, keep = cache[key]
-                if sol is None:
-                    feasible = False
-                    break
-                pos = 0
-                for s, e in chunks:
-                    for i in range(s, e):
-                        choice[i] = int(keep[self.kind_of[i]][sol.choice[pos]])
-                        pos += 1
-            if not feasible:
-                continue
-            plan = self._assemble(c, B, split, choice, cands)
-            if plan is None:
-                continue
-            pred = evaluate(plan)
-            self.stats["plans"] += 1
-            if not pred.fits:  # cannot happen: the DP enforces the same memory model
-                log.warning("search produced a plan that does not fit; skipped")
-                continue
-            plan = plan.model_copy(update={"prediction": pred})
-            self.scored.append(_Scored(pred.step_time_s, plan))
-            self.scored.sort(key=lambda x: x.step)
-            del self.scored[50:]
-            best_step = self.scored[0].step
+        choice: list[int] = [0] * len(self.model.layers)
+        for r in range(c.pp):
+            k = in_flight(c.schedule, c.pp, r, c.m, c.v)
+            chunks = self._rank_layers(c, split, r)
+            key = (n, B, c.m, tuple(tuple(self.kind_of[s:e]) for s, e in chunks), k)
+            hit = self.dp_cache.get(key)
+            if hit is None or (hit[0] is None and hit[2] > best_step):
+                slots = self._slots(cands, chunks, layouts, c.m, k, trans)
+                sol = solve_rank(slots, trans, self.budget, self.opts.memory_bins, self.opts.max_buffer_caps,
+                                 upper_bound=best_step)
+                if sol is not None:
+                    self.stats["states"] += sol.states_explored
+                elif not self.scored:
+                    self._note_infeasible(slots, c, cands)
+                hit = self.dp_cache[key] = (sol, self._keep, best_step)
+            sol, keep, _ = hit
+            if sol is None:
+                return
+            pos = 0
+            for s, e in chunks:
+                for i in range(s, e):
+                    choice[i] = int(keep[self.kind_of[i]][sol.choice[pos]])
+                    pos += 1
+        plan = self._assemble(c, B, split, choice, cands)
+        if plan is None:
+            return
+        pred = evaluate(plan)
+        self.stats["plans"] += 1
+        if not pred.fits:  # cannot happen: the DP enforces the same memory model
+            log.warning("search produced a plan that does not fit; skipped")
+            return
+        plan = plan.model_copy(update={"prediction": pred})
+        self.scored.append(_Scored(pred.step_time_s, plan))
+        self.scored.sort(key=lambda x: x.step)
+        del self.scored[50:]
 
     def _slots(self, cands, chunks, layouts, m: int, k: float, trans: np.ndarray) -> list[Slot]:
         """DP inputs for one rank, per layer kind: the rank's objective terms, without the
@@ -304,7 +313,9 @@ class _Search:
         """Remember the smallest memory any rank assignment of this context could need."""
         i = [int(np.argmin(s.mem + s.buf)) for s in slots]
         need = sum(float(s.mem[j]) for s, j in zip(slots, i)) + max(float(s.buf[j]) for s, j in zip(slots, i))
-        need += self.cluster.device.reserved_bytes
+        self._record_infeasible(need + self.cluster.device.reserved_bytes, c, cands)
+
+    def _record_infeasible(self, need: float, c: _Context, cands) -> None:
         if self.best_infeasible is None or need < self.best_infeasible[0]:
             block = max(cands, key=lambda k: self.kind_of.count(k))
             x = cands[block]
@@ -318,20 +329,45 @@ class _Search:
 
     # --- driver ---------------------------------------------------------------------------------
     def run(self) -> Plan:
+        """Best-first over (context, split) by lower bound; stops when no bound beats the best."""
         t0 = time.perf_counter()
-        contexts = self._contexts()
-        for c in contexts:
-            self.stats["contexts"] += 1
-            if self.scored and c.estimate >= self.scored[0].step:
-                self.stats["skipped"] += len(contexts) - self.stats["contexts"] + 1
+        heap: list[tuple[float, int, _Context, tuple | None]] = []
+        for i, c in enumerate(self._contexts()):
+            heap.append((c.estimate, i, c, None))
+        heapq.heapify(heap)
+        seq = len(heap)
+        hidden = max(layer.hidden for layer in self.model.layers)
+        while heap:
+            bound, _, c, split = heapq.heappop(heap)
+            if self.scored and bound >= self.scored[0].step:
+                self.stats["skipped"] += 1 + len(heap)
                 break
-            self._solve(c)
+            if split is None:
+                self.stats["contexts"] += 1
+                n, B = self.world // c.pp, self.workload.global_batch // c.m
+                cands = self._candidates(n, B)
+                if cands is None:
+                    continue
+                ctx = StepContext(cluster=self.cluster, workload=self.workload, stage_size=n, micro_batch_seqs=B)
+                p2p = pipeline_p2p_time(hidden, ctx) if c.pp > 1 else 0.0
+                for sp in self._splits(cands, c.pp * c.v):
+                    self.stats["splits"] += 1
+                    lb = self._split_bound(c, cands, sp, p2p)
+                    if lb < np.inf:
+                        heapq.heappush(heap, (lb, seq, c, sp))
+                        seq += 1
+            else:
+                self._solve_split(c, split)
         if not self.scored:
             raise self._no_plan()
         best = self.scored[0].plan
         info = SearchInfo(search_time_s=time.perf_counter() - t0, candidates=self.stats["candidates"],
                           explanation=tuple(_explain(best, self.scored, self.stats, self.budget)))
         return best.model_copy(update={"search": info})
+
+    def _note_infeasible_lp(self, c: _Context, cands, kinds) -> None:
+        need = sum(n * float(np.min(mem)) for n, _, mem in kinds) + self.cluster.device.reserved_bytes
+        self._record_infeasible(need, c, cands)
 
     def _no_plan(self) -> NoFeasiblePlanError:
         dev = self.cluster.device.memory_bytes

@@ -4,7 +4,8 @@ Candidates for one layer on a stage of n devices, given B sequences per micro-ba
     tp  divides n, <= GPUs per node (and `max_tp`), divides the attention and KV heads;
         tp > 1 always with Megatron sequence parallelism (TP without SP has the same time and
         more memory: the norms' activations are replicated instead of sharded).
-    sp  Ulysses degree u (attention layers): divides n / tp, tp * u divides the heads.
+    sp  Ulysses degree u (attention layers): divides n / tp, tp * u divides the heads and fits in
+        a node (its four all-to-alls per layer and direction would otherwise cross the network).
     dp  = n / (tp * u), must divide B (whole sequences per replica).
     zero 0..3 (dp > 1), with HSDP sharding inside a node (dp_shard = GPUs per node / (tp u))
         when that is a proper divisor of dp; offload of the optimizer state with zero >= 1.
@@ -60,7 +61,7 @@ class SearchOptions:
     # Memory resolution of the dynamic program (bins of the per-rank budget) and how many
     # distinct buffer caps it enumerates (dp.py).
     memory_bins: int = 256
-    max_buffer_caps: int = 3
+    max_buffer_caps: int = 2
     runner_ups: int = 3
 
     def recompute_levels(self) -> tuple[str, ...]:
@@ -84,7 +85,8 @@ def candidate_strategies(layer: LayerSpec, stage_size: int, micro_batch_seqs: in
             continue
         for u in divisors(stage_size // tp):
             if u > 1 and not (attn and options.allow_ulysses and u <= (options.max_sp or u)
-                              and layer.num_heads % (tp * u) == 0):
+                              and layer.num_heads % (tp * u) == 0
+                              and tp * u <= cluster.gpus_per_node):
                 continue
             dp = stage_size // (tp * u)
             if micro_batch_seqs % dp:
@@ -179,3 +181,45 @@ def dominated_on_rank(time: np.ndarray, mem: np.ndarray, buf: np.ndarray, layout
     order = np.arange(n)
     dominated = np.any((dom & ~same) | (same & (order[None, :] < order[:, None])), axis=1)
     return np.flatnonzero(~dominated)
+
+
+def lp_time_bound(kinds: list[tuple[int, np.ndarray, np.ndarray]], budget: float) -> float:
+    """Lower bound on sum of layer times under sum of layer memory <= budget.
+
+    `kinds`: (count, time[], mem[]) per distinct layer. The linear relaxation of this
+    multiple-choice knapsack (each layer may mix strategies fractionally; re-sharding and buffers,
+    both non-negative, dropped) is solved exactly by the greedy on the lower convex hulls of
+    (memory, time): start every layer at its smallest memory, then buy the steepest time savings
+    per byte until the budget is spent. Returns inf when even the smallest memory does not fit."""
+    base_t = base_m = 0.0
+    edges = []  # (slope, capacity bytes)
+    for count, time, mem in kinds:
+        pts = lower_hull(time, mem)
+        base_m += count * pts[0][0]
+        base_t += count * pts[0][1]
+        for (m0, t0), (m1, t1) in zip(pts, pts[1:]):
+            edges.append(((t1 - t0) / (m1 - m0), count * (m1 - m0)))
+    if base_m > budget:
+        return float("inf")
+    room = budget - base_m
+    for slope, cap in sorted(edges):
+        take = min(cap, room)
+        base_t += slope * take
+        room -= take
+        if room <= 0:
+            break
+    return base_t
+
+
+def lower_hull(time: np.ndarray, mem: np.ndarray) -> list[tuple[float, float]]:
+    """Lower convex hull of the (memory, time) points, memory ascending, time descending."""
+    order = np.lexsort((time, mem))
+    m_sorted, t_sorted = mem[order], time[order]
+    pareto = t_sorted < np.minimum.accumulate(np.concatenate([[np.inf], t_sorted[:-1]]))
+    pts: list[tuple[float, float]] = []
+    for m, t in zip(m_sorted[pareto].tolist(), t_sorted[pareto].tolist()):
+        while len(pts) >= 2 and ((pts[-1][1] - pts[-2][1]) * (m - pts[-1][0])
+                                 >= (t - pts[-1][1]) * (pts[-1][0] - pts[-2][0])):
+            pts.pop()
+        pts.append((m, t))
+    return pts
