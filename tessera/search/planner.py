@@ -32,9 +32,12 @@ Method (which function does what)
                      crossed the chunks before it, it ran m micro-batches, and the last gradient
                      went back (each term with per-layer minimal times); splits it cannot improve
                      on are skipped.
-    dp.solve_rank    the layer-wise dynamic program per rank (exact Pareto fronts, no memory
-                     discretisation) minimising m (f + b) + step + re-sharding under the rank's
-                     memory budget.
+    `_split_bound`   adds, per rank, the LP relaxation of its memory knapsack (space.lp_time_bound):
+                     a valid bound that already prices the memory constraint. (context, split)
+                     pairs are processed best-first by these bounds.
+    dp.solve_rank    the layer-wise dynamic program per rank (memory in bins, buffer caps)
+                     minimising (m + bubble) (f + b + re-sharding) + step under the rank's memory
+                     budget; for pp = 1 this is exactly the step time.
     `evaluate`       scores the assembled plan with the simulator; the fastest feasible wins.
     `_explain`       why this plan, the runner-up with another structure and by how much, and
                      which constraint binds.
@@ -78,11 +81,17 @@ class NoFeasiblePlanError(TesseraError):
 
 @dataclass(order=True)
 class _Context:
+    """One outer choice. `bubble`: micro-batch passes the schedule adds to the critical path of
+    equal stages (pp - 1 for GPipe/1F1B, (pp - 1) / v interleaved, about (pp - 1) / 3 for
+    zero-bubble); the rank program weighs per-micro-batch time by m + bubble, as the makespan
+    (m + bubble) (F + B) of balanced stages does, against once-per-step time."""
+
     estimate: float
     pp: int = field(compare=False)
     m: int = field(compare=False)
     schedule: str = field(compare=False)
     v: int = field(compare=False)
+    bubble: float = field(compare=False, default=0.0)
 
 
 @dataclass
@@ -142,7 +151,7 @@ class _Search:
                         else:
                             scheds.append((s, 1, float(pp - 1)))
                 for s, v, bubble in scheds:
-                    out.append(_Context(per_mb * (m + bubble), pp, m, s, v))
+                    out.append(_Context(per_mb * (m + bubble), pp, m, s, v, bubble))
         return sorted(out)
 
     def _candidates(self, n: int, B: int) -> dict[int, Candidates] | None:
@@ -238,18 +247,20 @@ class _Search:
         n, B = self.world // c.pp, self.workload.global_batch // c.m
         cands = self._candidates(n, B)
         layouts, trans_mb = self.layouts[(n, B)]
-        trans = c.m * trans_mb
+        weight = c.m + c.bubble  # micro-batch passes on the critical path (see _Context)
+        trans = weight * trans_mb
         best_step = self.scored[0].step if self.scored else np.inf
         choice: list[int] = [0] * len(self.model.layers)
         for r in range(c.pp):
             k = in_flight(c.schedule, c.pp, r, c.m, c.v)
             chunks = self._rank_layers(c, split, r)
-            key = (n, B, c.m, tuple(tuple(self.kind_of[s:e]) for s, e in chunks), k)
+            key = (n, B, c.m, weight, tuple(tuple(self.kind_of[s:e]) for s, e in chunks), k)
             hit = self.dp_cache.get(key)
             if hit is None or (hit[0] is None and hit[2] > best_step):
-                slots = self._slots(cands, chunks, layouts, c.m, k, trans)
+                slots = self._slots(cands, chunks, layouts, weight, k, trans)
+                # weight * (f + b) + step <= (weight / m) * (busy + tail) <= (weight / m) * step
                 sol = solve_rank(slots, trans, self.budget, self.opts.memory_bins, self.opts.max_buffer_caps,
-                                 upper_bound=best_step)
+                                 upper_bound=best_step * weight / c.m)
                 if sol is not None:
                     self.stats["states"] += sol.states_explored
                 elif not self.scored:
@@ -276,7 +287,7 @@ class _Search:
         self.scored.sort(key=lambda x: x.step)
         del self.scored[50:]
 
-    def _slots(self, cands, chunks, layouts, m: int, k: float, trans: np.ndarray) -> list[Slot]:
+    def _slots(self, cands, chunks, layouts, m: float, k: float, trans: np.ndarray) -> list[Slot]:
         """DP inputs for one rank, per layer kind: the rank's objective terms, without the
         strategies another dominates for this rank (`dominated_on_rank`)."""
         per_kind: dict[int, tuple] = {}
@@ -341,6 +352,7 @@ class _Search:
             bound, _, c, split = heapq.heappop(heap)
             if self.scored and bound >= self.scored[0].step:
                 self.stats["skipped"] += 1 + len(heap)
+                self.stats["next_bound"] = bound
                 break
             if split is None:
                 self.stats["contexts"] += 1
@@ -362,8 +374,31 @@ class _Search:
             raise self._no_plan()
         best = self.scored[0].plan
         info = SearchInfo(search_time_s=time.perf_counter() - t0, candidates=self.stats["candidates"],
-                          explanation=tuple(_explain(best, self.scored, self.stats, self.budget)))
+                          explanation=tuple(_explain(best, self.scored, self.stats, self._unconstrained(best))))
         return best.model_copy(update={"search": info})
+
+    def _unconstrained(self, plan: Plan) -> tuple[int, float]:
+        """(rank, bytes): the largest rank's memory if every layer took its fastest strategy of the
+        chosen context — above the device memory means memory is what binds."""
+        n, B = plan.stage_size, plan.dp_of_batch * plan.micro_batch_size
+        cands = self._candidates(n, B)
+        pipe = plan.pipeline
+        worst = (0, 0.0)
+        for r in range(pipe.degree):
+            k = in_flight(pipe.schedule.value, pipe.degree, r, plan.num_micro_batches, pipe.virtual_stages)
+            mem = buf = 0.0
+            for c, (s, e) in enumerate(pipe.stages):
+                if pipe.rank_of_chunk(c) != r:
+                    continue
+                for i in range(s, e):
+                    x = cands[self.kind_of[i]].costs
+                    j = int(np.argmin(x.fwd + x.bwd + x.step / max(plan.num_micro_batches, 1)))
+                    mem += float(x.states[j] + k * x.act[j])
+                    buf = max(buf, float(x.buf[j]))
+            total = mem + buf + self.cluster.device.reserved_bytes
+            if total > worst[1]:
+                worst = (r, total)
+        return worst
 
     def _note_infeasible_lp(self, c: _Context, cands, kinds) -> None:
         need = sum(n * float(np.min(mem)) for n, _, mem in kinds) + self.cluster.device.reserved_bytes
@@ -388,7 +423,7 @@ def _structure(plan: Plan) -> str:
     return f"pp={plan.pipeline.degree} {sched}, blocks {common.describe()}"
 
 
-def _explain(best: Plan, scored: list[_Scored], stats: dict, budget: float) -> list[str]:
+def _explain(best: Plan, scored: list[_Scored], stats: dict, unconstrained: tuple[int, float]) -> list[str]:
     p = best.prediction
     lines = [
         f"chosen: {_structure(best)}, {best.num_micro_batches} micro-batches of {best.micro_batch_size}; "
@@ -407,11 +442,17 @@ def _explain(best: Plan, scored: list[_Scored], stats: dict, budget: float) -> l
     if other is not None:
         lines.append(f"runner-up: {_structure(other.plan)} at {other.step:.3f} s/step "
                      f"(+{(other.step / scored[0].step - 1):.1%})")
+    elif "next_bound" in stats:
+        nb = stats["next_bound"]
+        lines.append(f"runner-up: no other structure came close; every remaining choice is bounded at "
+                     f">= {nb:.3f} s/step (+{(nb / scored[0].step - 1):.1%})")
     peak = p.peak_memory
     rank = int(np.argmax([m.total for m in p.stage_memory]))
     dev = best.cluster.device.memory_bytes
-    if peak >= 0.9 * dev:
-        lines.append(f"binding constraint: memory on pipeline rank {rank}: {peak / GiB:.1f} of {dev / GiB:.1f} GiB")
+    if unconstrained[1] > dev:
+        lines.append(f"binding constraint: memory: the fastest strategy of every layer would need "
+                     f"{unconstrained[1] / GiB:.1f} GiB on pipeline rank {unconstrained[0]}; the plan uses "
+                     f"{peak / GiB:.1f} of {dev / GiB:.1f} GiB (rank {rank})")
     else:
         share = max((p.compute_s, "compute"), (p.exposed_comm_s, "communication"), (p.bubble_s, "the pipeline bubble"))
         lines.append(f"binding constraint: none on memory ({peak / GiB:.1f} of {dev / GiB:.1f} GiB); "
