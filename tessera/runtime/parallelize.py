@@ -419,30 +419,40 @@ def parallelize(model: Transformer, plan: Plan, dims: ParallelDims, rank: int,
     if root_only:
         _fsdp_root_only(chunk, [strategies[i] for i in layers], dims, mp_policy, result)
         return result
+    # The root (the chunk) holds the embedding and, when it shards the same way (always with tied
+    # weights), the head: as in a hand-written FSDP2 model; other layers are units of their own.
+    root = first if first is not None else (last if last is not None else strategies[layers.start])
     units = [(block, strategies[int(key) + 1]) for key, block in chunk.layers.items()]
-    if not tied:  # tied weights stay with the root, which covers both of their modules
-        if first is not None:
-            units += [(m, first) for m in (chunk.tok_embeddings, chunk.pos_embeddings) if m is not None]
-        if last is not None:
+    if first is not None:
+        _note_rescale(result, [p for m in (chunk.tok_embeddings, chunk.pos_embeddings) if m is not None
+                               for p in m.parameters()], first, pieces)
+    if last is not None:
+        if tied or _shards_alike(last, root):
+            _note_rescale(result, [*chunk.norm.parameters(), *chunk.output.parameters()], last, pieces)
+        else:
             units += [(chunk.norm, last), (chunk.output, last)]
+    unsharded: set[nn.Parameter] = set()  # parameters of layers that live on one rank (dp * sp = 1)
     for module, s in units:
         kw = _fsdp_kwargs(s, dims, mp_policy)
         if kw is not None:
             fully_shard(module, **kw)
+        else:
+            unsharded.update(module.parameters())
         _note_rescale(result, module.parameters(), s, pieces)
-    # The root holds what no unit took (tied embeddings: both ends share one layout, no rescale).
-    root = first if first is not None else (last if last is not None else strategies[layers.start])
     kw = _fsdp_kwargs(root, dims, mp_policy)
     if kw is not None:
-        fully_shard(chunk, **kw)
+        fully_shard(chunk, **kw, **({"ignored_params": unsharded} if unsharded else {}))
     return result
+
+
+def _shards_alike(a: LayerStrategy, b: LayerStrategy) -> bool:
+    return (LayerLayout.of(a), a.zero >= 3, a.offload_optimizer) == (LayerLayout.of(b), b.zero >= 3, b.offload_optimizer)
 
 
 def _fsdp_root_only(chunk, strategies, dims, mp_policy, result: Parallelized) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    layouts = {(LayerLayout.of(s), s.zero >= 3, s.offload_optimizer) for s in strategies}
-    if len(layouts) > 1:
+    if not all(_shards_alike(s, strategies[0]) for s in strategies):
         raise TesseraError("plan.layers: a zero-bubble pipeline stage shards with one fully_shard, so its "
                            "layers need the same dp/sp/tp/zero/offload")
     kw = _fsdp_kwargs(strategies[0], dims, mp_policy)
