@@ -188,6 +188,7 @@ class PipelineRunner:
     schedule: object
     tied_params: list[nn.Parameter] = field(default_factory=list)
     tied_group: object = None
+    _tied_is_copy: list[bool] = field(default_factory=list)
 
     @property
     def has_first_stage(self) -> bool:
@@ -196,6 +197,13 @@ class PipelineRunner:
     @property
     def has_last_stage(self) -> bool:
         return self.num_chunks - 1 in self.chunk_ids
+
+    @property
+    def tied_copies(self) -> list[nn.Parameter]:
+        """Parameters that duplicate another stage's (the untied LM head copy of a tied embedding).
+
+        Leave them out of a global gradient norm: they would count the tied gradient twice."""
+        return [p for p, is_copy in zip(self.tied_params, self._tied_is_copy) if is_copy]
 
     def step(self, tokens: torch.Tensor | None, labels: torch.Tensor | None) -> torch.Tensor | None:
         """Forward and backward of one batch, split into the plan's micro-batches.
@@ -246,6 +254,14 @@ class PipelineRunner:
             g.copy_(total)
 
 
+def _find_param(module: nn.Module, fqn: str) -> nn.Parameter | None:
+    """The parameter named `fqn` in the full model, looking through recompute/compile wrappers."""
+    for name, p in module.named_parameters():
+        if name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "") == fqn:
+            return p
+    return None
+
+
 def _accepts_return_outputs(schedule) -> bool:
     return "return_outputs" in inspect.signature(schedule.step).parameters
 
@@ -282,11 +298,12 @@ def build_pipeline(model: Transformer, plan: Plan, mesh, loss_fn: Callable[[torc
         # First and last chunk are on different ranks (pp >= 2, chunk c on rank c % pp).
         runner.tied_group = _tied_sync_group(mesh, plan)
         for part in parts:
-            params = dict(part.named_parameters())
-            if part.tok_embeddings is not None:
-                runner.tied_params.append(params[EMBEDDING_WEIGHT])
-            elif part.output is not None:
-                runner.tied_params.append(params[HEAD_WEIGHT])
+            for name, is_copy in ((EMBEDDING_WEIGHT, False), (HEAD_WEIGHT, True)):
+                param = _find_param(part, name)
+                if param is not None:
+                    runner.tied_params.append(param)
+                    runner._tied_is_copy.append(is_copy)
+                    break  # a chunk with the embedding holds the tied weight itself
     logger.info("pipeline rank %d runs chunks %s with %s over %d micro-batches", pp_rank, chunk_ids,
                 type(runner.schedule).__name__, plan.num_micro_batches)
     return runner

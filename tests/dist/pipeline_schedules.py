@@ -1,7 +1,7 @@
 """2 ranks, pp=2: every schedule (GPipe, 1F1B, interleaved 1F1B with 4 chunks, zero-bubble) and a
 tied-embedding GPT-2 give the single-process losses over 4 AdamW steps. Then, when a checkpoint
 directory is given (written at 4 ranks by `pipeline_dp_checkpoint_save.py`, pp=2 x dp=2 FSDP2),
-resume it here under other plans (dp=2 FSDP2, pp=2, tp=2) from a differently initialised model:
+resume it here under other plans (dp=2 FSDP2, pp=2, interleaved pp=2, tp=2, DDP+ZeRO-1) from a differently initialised model:
 the next losses equal those of the uninterrupted single-process run."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from pipeline_checkpoint_common import (TINY_GPT2, TINY_LLAMA, close, global_batch, loss_fn, make_optimizer,
+from pipeline_checkpoint_common import (LR, TINY_GPT2, TINY_LLAMA, close, global_batch, loss_fn, make_optimizer,
                                         make_plan, make_scheduler, reference_losses)
 from tessera.models import build_model
 from tessera.runtime.checkpoint import CheckpointManager
@@ -83,29 +83,36 @@ def _fsdp(model, dp_mesh):
 
 
 def resume_under_other_plans(ckpt_dir: str) -> None:
-    """Resume the 4-rank pp=2 x dp=2 checkpoints at 2 ranks under three other plans."""
+    """Resume the 4-rank pp=2 x dp=2 checkpoints at 2 ranks under other plans: FSDP2, pipelines
+    (one optimizer per chunk, or one for all chunks), tensor parallel, DDP with ZeRO-1."""
     world = dist.get_world_size()
     rank = dist.get_rank()
     rows = slice(rank * 8 // world, (rank + 1) * 8 // world)
     for config, directory in ((TINY_LLAMA, ckpt_dir), (TINY_GPT2, f"{ckpt_dir}-gpt2")):
         ref = reference_losses(config, RESUME_TO)[SAVE_AT:]
         manager = CheckpointManager(directory)
-        for layout in ("dp2_fsdp", "pp2", "tp2"):
+        for layout in ("dp2_fsdp", "pp2", "pp2_interleaved_one_optimizer", "tp2"):
             if layout == "tp2" and config.tie_embeddings:
                 continue
             model = build_model(config, seed=123)  # different weights: everything must come from the checkpoint
-            if layout == "pp2":
-                plan = make_plan(config, world=2, pp=2, schedule="1f1b")
+            if layout.startswith("pp2"):
+                interleaved = layout != "pp2"
+                plan = make_plan(config, world=2, pp=2, schedule="interleaved_1f1b" if interleaved else "1f1b",
+                                 virtual_stages=2 if interleaved else 1)
                 mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
                 runner = build_pipeline(model, plan, mesh, loss_fn)
                 parts = runner.model_parts
+                # The trainer's way: one optimizer over all of a rank's chunks.
+                opts = ([make_optimizer([p for part in parts for p in part.parameters()])] if interleaved
+                        else [make_optimizer(p.parameters()) for p in parts])
 
-                def step_fn(tokens, labels):
+                def step_fn(tokens, labels, runner=runner):
                     return runner.global_loss(runner.step(tokens, labels))
             else:
                 name = layout[:2]
                 mesh = init_device_mesh("cpu", (2,), mesh_dim_names=(name,))
                 parts = [_fsdp(model, mesh) if name == "dp" else _tp_blocks(model, mesh)]
+                opts = [make_optimizer(parts[0].parameters())]
 
                 def step_fn(tokens, labels, model=parts[0], name=name):
                     if name == "dp":
@@ -115,7 +122,6 @@ def resume_under_other_plans(ckpt_dir: str) -> None:
                     value = loss.detach().clone()
                     dist.all_reduce(value)
                     return float(value) / world
-            opts = [make_optimizer(p.parameters()) for p in parts]
             scheds = [make_scheduler(o) for o in opts]
             extra = manager.load(parts, opts)
             for s in scheds:
@@ -129,7 +135,54 @@ def resume_under_other_plans(ckpt_dir: str) -> None:
                     o.zero_grad()
             check(f"resume_{config.name}_pp2xdp2_at_4_ranks_as_{layout}_at_2_ranks", close(losses, ref),
                   f"{losses} vs {ref}")
+    zero1_resume_save_and_resume_plain(ckpt_dir)
     refuse_corrupt_checkpoint(ckpt_dir)
+
+
+def zero1_resume_save_and_resume_plain(ckpt_dir: str) -> None:
+    """DDP + ZeRO-1 resumes the pp x dp checkpoint, trains, and saves its sharded optimizer state
+    (each rank the share it owns); a plain single-model AdamW then resumes that checkpoint."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rows = slice(rank * 8 // world, (rank + 1) * 8 // world)
+    ref = reference_losses(TINY_LLAMA, RESUME_TO + 2)
+    model = DistributedDataParallel(build_model(TINY_LLAMA, seed=123))
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR,
+                                  weight_decay=0.1, betas=(0.9, 0.95))
+    sched = make_scheduler(opt)
+    extra = CheckpointManager(ckpt_dir).load([model], opt)
+    sched.load_state_dict(extra["lr_scheduler"])
+    losses = []
+    for step in range(extra["data_step"], RESUME_TO):
+        tokens, labels = global_batch(step)
+        loss = loss_fn(model(tokens[rows]), labels[rows])
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        value = loss.detach().clone()
+        dist.all_reduce(value)
+        losses.append(float(value) / world)
+    check("resume_test-llama_pp2xdp2_at_4_ranks_as_dp2_ddp_zero1_at_2_ranks", close(losses, ref[SAVE_AT:RESUME_TO]),
+          f"{losses} vs {ref[SAVE_AT:RESUME_TO]}")
+    manager = CheckpointManager(f"{ckpt_dir}-zero1")
+    manager.save(RESUME_TO, [model], opt, {"lr_scheduler": sched.state_dict(), "data_step": RESUME_TO})
+    plain = build_model(TINY_LLAMA, seed=5)
+    plain_opt = make_optimizer(plain.parameters())
+    plain_sched = make_scheduler(plain_opt)
+    plain_sched.load_state_dict(manager.load([plain], plain_opt)["lr_scheduler"])
+    losses = []
+    for step in (RESUME_TO, RESUME_TO + 1):  # the second loss shows the optimizer state was restored
+        tokens, labels = global_batch(step)
+        loss = loss_fn(plain(tokens), labels)
+        loss.backward()
+        plain_opt.step()
+        plain_sched.step()
+        plain_opt.zero_grad()
+        losses.append(loss.item())
+    check("zero1_checkpoint_resumes_as_one_process", close(losses, ref[RESUME_TO:]), f"{losses} vs {ref[RESUME_TO:]}")
 
 
 def refuse_corrupt_checkpoint(ckpt_dir: str) -> None:
@@ -143,6 +196,7 @@ def refuse_corrupt_checkpoint(ckpt_dir: str) -> None:
     corrupt = Path(f"{ckpt_dir}-corrupt")
     victim = corrupt / "step-3" / "__0_0.distcp"  # sorted files: rank 1 checks the 2nd, 4th, ...
     if dist.get_rank() == 0:
+        shutil.rmtree(corrupt, ignore_errors=True)
         shutil.copytree(ckpt_dir, corrupt)
         size = victim.stat().st_size
         with open(victim, "r+b") as f:
