@@ -89,10 +89,10 @@ class Trainer:
             self.device = torch.device("cpu")
             backend = "gloo"
         if not dist.is_initialized():
-            if "RANK" not in os.environ:  # a single process without torchrun
-                os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                                  MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
-            dist.init_process_group(backend)
+            if "RANK" in os.environ:
+                dist.init_process_group(backend)
+            else:  # one process without torchrun: an in-memory store, no port to collide on
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dims = ParallelDims.from_plan(self.plan, self.world_size, self.device.type)
         # bf16 compute only on accelerators: CPUs here have no fast bf16 matmul.
@@ -153,6 +153,11 @@ class Trainer:
         self.tied_copies = set()
         if self.pipeline is not None and not self.pipeline.has_first_stage:
             self.tied_copies = {id(p) for p in self.pipeline.tied_params}
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer of the first model part (all of them: `optimizers`)."""
+        return self.optimizers[0]
 
     def build_data(self):
         """The batch iterator of this rank's data block (`data_rank` of `data_size`)."""
