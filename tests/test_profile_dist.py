@@ -19,6 +19,7 @@ from tessera.errors import TesseraError
 from tessera.profile.apply import apply_model_profile, load_cluster_profile, load_model_profile
 from tessera.spec.model import ModelSpec
 from tessera.spec.presets import get_model, local_cpu_cluster
+from tessera.spec.workload import Workload
 
 from torchrun_util import ROOT, passed_checks, run_torchrun
 
@@ -63,6 +64,25 @@ def test_model_profile_applies_to_its_model_only(profiles):
         block.activation_bytes_per_token)
     with pytest.raises(TesseraError, match="measured on model 'profile-test-llama', not 'tiny-llama'"):
         apply_model_profile(get_model("tiny-llama"), profile)
+
+
+def test_plans_made_with_the_profiles_predict_from_the_measurements(profiles):
+    from dist.profile_check import SMALL
+
+    from tessera.search.baselines import manual_plan
+
+    cluster = load_cluster_profile(profiles / "cluster.json", expect_gpus=2)
+    spec = ModelSpec.from_config(SMALL)
+    measured = apply_model_profile(spec, profiles / "model-profile.json")
+    wl = Workload(global_batch=4, seq_len=64, dtype="fp32")
+    preset_plan = manual_plan(spec, local_cpu_cluster(2), wl, micro_batch_size=1)
+    profiled_plan = manual_plan(measured, cluster, wl, micro_batch_size=1)
+    assert profiled_plan.prediction.step_time_s != pytest.approx(preset_plan.prediction.step_time_s, rel=0.05)
+    # Activations of one in-flight micro-batch (64 tokens per rank): the measured bytes per token.
+    profile = load_model_profile(profiles / "model-profile.json")
+    per_token = sum(profile.for_kind(layer.kind).activation_bytes_per_token for layer in spec.layers[:-1])
+    assert profiled_plan.prediction.stage_memory[0].activations == pytest.approx(64 * per_token)
+    assert preset_plan.prediction.stage_memory[0].activations != pytest.approx(64 * per_token, rel=0.05)
 
 
 def test_interrupted_hardware_profile_leaves_no_half_file(tmp_path):
