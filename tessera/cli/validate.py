@@ -19,6 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", nargs="+", required=True, help="plan JSON file(s), run one after another")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per plan")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (lazy initialisation)")
+    parser.add_argument("--statistic", choices=("median", "min"), default="median",
+                        help="summary of the timed steps (min suits a machine shared with other jobs)")
     parser.add_argument("--plot", default=None, help="write a bar chart of predicted vs measured here (PNG)")
     parser.add_argument("--json", default=None, help="write the results here as JSON")
 
@@ -48,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         except TesseraError as e:  # the runtime refuses it (on every rank alike): go on without it
             skipped.append((path, str(e)))
     try:
-        results = run_validations(runnable, steps=args.steps, warmup=args.warmup) if runnable else []
+        results = run_validations(runnable, steps=args.steps, warmup=args.warmup, statistic=args.statistic) if runnable else []
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -24,6 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from ..plan import Plan
+from .fit import summarize
 
 log = logging.getLogger(__name__)
 
@@ -175,13 +176,14 @@ def _probe_flops(device, n: int) -> float:
 
 
 def run_validations(plans: list[Plan], steps: int = 5, warmup: int = 1, seed: int = 0,
-                    probe_size: int | None = None) -> list[Validation]:
+                    probe_size: int | None = None, statistic: str = "median") -> list[Validation]:
     """Train each plan for warmup + 1 + `steps` steps on synthetic data and measure (collective call).
 
     The plans run interleaved, one step of each in turn, so that a change in the machine's load
     (other jobs on a shared machine) touches every plan alike. Each round also times one square
     matmul of side `probe_size` (default: the hardware profile's), so the machine's speed during
     the runs can be set against the speed the profile saw (`Validation.probe_flops`).
+    `statistic` summarises the timed steps: "median", or "min" to match profiles taken with min.
     """
     import torch
     import torch.distributed as dist
@@ -211,7 +213,7 @@ def run_validations(plans: list[Plan], steps: int = 5, warmup: int = 1, seed: in
         plan, t = run.plan, run.trainer
         times = torch.tensor(run.times, dtype=torch.float64, device=device)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
-        me = RankMeasurement(rank=rank, pp_rank=rank // plan.stage_size, step_s=statistics.median(run.times),
+        me = RankMeasurement(rank=rank, pp_rank=rank // plan.stage_size, step_s=summarize(run.times, statistic),
                              params=run.states.get("params", 0.0), grads=run.states.get("grads", 0.0),
                              optimizer=run.states.get("optimizer", 0.0), activations=run.activations,
                              allocator_peak=run.allocator)
@@ -221,7 +223,7 @@ def run_validations(plans: list[Plan], steps: int = 5, warmup: int = 1, seed: in
         pred = plan.prediction or evaluate(plan)
         step_times = times.tolist()
         results.append(Validation(plan=plan.name, world=world, predicted_step_s=pred.step_time_s,
-                                  measured_step_s=statistics.median(step_times), step_times=step_times,
+                                  measured_step_s=summarize(step_times, statistic), step_times=step_times,
                                   predicted_memory=predicted_memory(plan),
                                   ranks=[RankMeasurement(**g) for g in gathered],
                                   probe_flops=float(probe.item()) / world, profiled_flops=_profiled_rate(plan)))
@@ -236,6 +238,7 @@ def _profiled_rate(plan: Plan) -> float:
     return cl.peak(dtype) * cl.compute_efficiency
 
 
-def run_validation(plan: Plan, steps: int = 5, warmup: int = 1, seed: int = 0) -> Validation:
+def run_validation(plan: Plan, steps: int = 5, warmup: int = 1, seed: int = 0,
+                   statistic: str = "median") -> Validation:
     """`run_validations` of one plan."""
-    return run_validations([plan], steps, warmup, seed)[0]
+    return run_validations([plan], steps, warmup, seed, statistic=statistic)[0]
