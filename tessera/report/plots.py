@@ -126,7 +126,7 @@ def plot_timeline(events: Sequence[Any], num_stages: int, stem: str | Path, *, t
 
     makespan = max((e.end for e in events), default=0.0)
     end = makespan + max(tails, default=0.0)
-    scale, unit = (1e3, "ms") if end < 10 else (1.0, "s")
+    scale, unit = (1e3, "ms") if end < 2 else (1.0, "s")
     num_chunks = max((e.chunk for e in events), default=0) + 1
     virtual = max(1, num_chunks // num_stages)
     one_by_one = len(events) <= max_patches
@@ -192,7 +192,9 @@ def plot_timeline(events: Sequence[Any], num_stages: int, stem: str | Path, *, t
         handles.append(Patch(facecolor=COMM_COLOUR, label=f"p2p send ({fmt_seconds(p2p)})"))
     if any(t > 0 for t in tails):
         handles.append(Patch(facecolor=TAIL_COLOUR, label="grad sync + optimizer"))
-    handles.append(Patch(facecolor=BUBBLE_COLOUR, hatch="///" if one_by_one else None, label="idle (bubble)"))
+    if bubbles.xs:
+        handles.append(Patch(facecolor=BUBBLE_COLOUR, hatch="///" if one_by_one else None,
+                             label="idle (bubble)"))
     ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=len(handles),
               frameon=False, fontsize=8, borderaxespad=0.2)
     for side in ("top", "right"):
@@ -241,9 +243,9 @@ def timeline_title(plan: Plan, result: Any, tails: Sequence[float] = ()) -> str:
     p = plan.pipeline
     v = f", {p.virtual_stages} chunks/rank" if p.virtual_stages > 1 else ""
     step = result.step_time + max(tails, default=0.0)
-    return (f"{plan.model.name} / {plan.name}: {p.schedule.value}, {p.degree} stage{'s' if p.degree > 1 else ''}{v}, "
-            f"{plan.num_micro_batches} micro-batches - step {fmt_seconds(step)}, "
-            f"pipeline bubble {result.bubble_fraction:.0%}")
+    pipe = (f"{p.schedule.value}, {p.degree} stages{v}" if p.degree > 1 else "no pipeline")
+    return (f"{plan.model.name} / {plan.name}: {pipe}, {plan.num_micro_batches} micro-batches - "
+            f"step {fmt_seconds(step)}, pipeline bubble {result.bubble_fraction:.0%}")
 
 
 
