@@ -148,9 +148,14 @@ def _span(first: int, last: int) -> str:
 
 
 def _ranks(ranks: list[int]) -> str:
-    if ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return _span(ranks[0], ranks[-1])
-    return ",".join(map(str, ranks))
+    """'1-7,0-6': runs of consecutive ranks (interleaved chunks wrap around the ranks)."""
+    runs = [[ranks[0], ranks[0]]]
+    for r in ranks[1:]:
+        if r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ",".join(_span(a, b) for a, b in runs)
 
 
 def stage_runs(plan: Plan) -> list[tuple[list[int], list[LayerGroup]]]:
