@@ -8,6 +8,8 @@
 """
 from __future__ import annotations
 
+from bisect import bisect_right
+
 import numpy as np
 
 from ..cost.evaluate import evaluate
@@ -29,13 +31,13 @@ def balanced_stages(weights: list[float], chunks: int) -> tuple[tuple[int, int],
     n = len(weights)
     if chunks > n:
         raise ValueError(f"cannot cut {n} layers into {chunks} pipeline chunks")
-    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(weights, dtype=float))])
+    prefix = [0.0] + np.cumsum(np.asarray(weights, dtype=float)).tolist()
 
     def cut(bound: float) -> list[int] | None:
         ends, start = [], 0
         for c in range(chunks - 1):
             # furthest end with sum <= bound, leaving a layer for each later range
-            end = int(np.searchsorted(prefix, prefix[start] + bound * (1 + 1e-12), side="right")) - 1
+            end = bisect_right(prefix, prefix[start] + bound * (1 + 1e-12)) - 1
             end = min(max(end, start + 1), n - (chunks - c - 1))
             if prefix[end] - prefix[start] > bound * (1 + 1e-12) and end - start > 1:
                 return None

@@ -54,7 +54,7 @@ import numpy as np
 
 from ..cost.compute import achieved_flops
 from ..cost.evaluate import evaluate
-from ..cost.layer import StepContext, StrategyTable, cost_key, layer_costs, pipeline_p2p_time, transition_time
+from ..cost.layer import StepContext, cost_key, layer_costs, pipeline_p2p_time, transition_matrix
 from ..cost.schedule import in_flight
 from ..errors import TesseraError
 from ..plan import PipelineSpec, Plan, Schedule, SearchInfo
@@ -63,8 +63,8 @@ from ..spec.model import ModelSpec
 from ..spec.workload import Workload
 from .baselines import balanced_stages
 from .dp import Slot, solve_rank
-from .space import (Candidates, SearchOptions, candidate_strategies, divisors, dominated_on_rank,
-                    lp_time_bound, prune_dominated)
+from .space import (Candidates, SearchOptions, candidate_table, divisors, dominated_on_rank,
+                    lower_hull, lp_time_bound, prune_dominated)
 
 log = logging.getLogger(__name__)
 GiB = 2**30
@@ -113,6 +113,7 @@ class _Search:
         self.scored: list[_Scored] = []
         self.best_infeasible: tuple[float, str] | None = None
         self.dp_cache: dict[tuple, tuple] = {}
+        self.hulls: dict[tuple, list] = {}
         self.stats = dict(contexts=0, skipped=0, splits=0, plans=0, states=0, candidates=0, pruned=0)
 
     # --- the space ------------------------------------------------------------------------------
@@ -162,15 +163,10 @@ class _Search:
         out: dict[int, Candidates] = {}
         layouts: dict[tuple, int] = {}
         for kind, layer in self.kind_layer.items():
-            strategies = candidate_strategies(layer, n, B, self.cluster, self.opts)
-            if self.opts.dp is not None:
-                strategies = [s for s in strategies if s.dp == self.opts.dp]
-            if self.opts.micro_batch_sizes is not None:
-                strategies = [s for s in strategies if B // s.dp in self.opts.micro_batch_sizes]
-            if not strategies:
+            table = candidate_table(layer, n, B, self.cluster, self.opts)
+            if not len(table):
                 self.tables[key] = None
                 return None
-            table = StrategyTable.build(strategies)
             costs = layer_costs(layer, table, ctx)
             keep = prune_dominated(table, costs)
             self.stats["candidates"] += len(table)
@@ -184,7 +180,7 @@ class _Search:
             out[kind] = Candidates(table=table, costs=costs, layout=lay)
         hidden = max(layer.hidden for layer in self.model.layers)
         names = list(layouts)
-        trans = np.array([[transition_time(hidden, a, b, ctx) for b in names] for a in names])
+        trans = transition_matrix(hidden, names, ctx)
         self.layouts[key] = (layouts, trans)
         self.tables[key] = out
         return out
@@ -234,14 +230,20 @@ class _Search:
             for s, e in self._rank_layers(c, split, r):
                 for i in range(s, e):
                     counts[self.kind_of[i]] = counts.get(self.kind_of[i], 0) + 1
-            kinds = [(n, c.m * (cands[kd].costs.fwd + cands[kd].costs.bwd) + cands[kd].costs.step,
-                      cands[kd].costs.states + k * cands[kd].costs.act) for kd, n in counts.items()]
+            kinds = [(cnt, self._hull(c, kd, k, cands)) for kd, cnt in counts.items()]
             bound = max(bound, lp_time_bound(kinds, self.budget))
             if bound == np.inf:
                 if not self.scored:
                     self._note_infeasible_lp(c, cands, kinds)
                 break
         return bound
+
+    def _hull(self, c: _Context, kind: int, k: float, cands) -> list[tuple[float, float]]:
+        key = (self.world // c.pp, self.workload.global_batch // c.m, c.m, kind, k)
+        if key not in self.hulls:
+            x = cands[kind].costs
+            self.hulls[key] = lower_hull(c.m * (x.fwd + x.bwd) + x.step, x.states + k * x.act)
+        return self.hulls[key]
 
     def _solve_split(self, c: _Context, split) -> None:
         n, B = self.world // c.pp, self.workload.global_batch // c.m
@@ -309,7 +311,7 @@ class _Search:
         return slots
 
     def _assemble(self, c, B, split, choice, cands) -> Plan | None:
-        layers = tuple(cands[self.kind_of[i]].table.strategies[j] for i, j in enumerate(choice))
+        layers = tuple(cands[self.kind_of[i]].table.get(j) for i, j in enumerate(choice))
         dp_batch = max(s.dp for s in layers)
         mbs = B // dp_batch
         if self.opts.micro_batch_sizes is not None and mbs not in self.opts.micro_batch_sizes:
@@ -331,7 +333,7 @@ class _Search:
             block = max(cands, key=lambda k: self.kind_of.count(k))
             x = cands[block]
             j = int(np.argmin(x.costs.states + x.costs.act + x.costs.buf))
-            s = x.table.strategies[j]
+            s = x.table.get(j)
             desc = f"pp={c.pp}, tp={s.tp}" + (f", ulysses={s.sp_degree}" if s.sp_degree > 1 else "")
             desc += f", zero{s.zero}" if s.zero else ", no zero"
             desc += f", {s.recompute.value} recompute" if s.recompute.value != "none" else ""
@@ -401,7 +403,7 @@ class _Search:
         return worst
 
     def _note_infeasible_lp(self, c: _Context, cands, kinds) -> None:
-        need = sum(n * float(np.min(mem)) for n, _, mem in kinds) + self.cluster.device.reserved_bytes
+        need = sum(n * pts[0][0] for n, pts in kinds) + self.cluster.device.reserved_bytes
         self._record_infeasible(need, c, cands)
 
     def _no_plan(self) -> NoFeasiblePlanError:
