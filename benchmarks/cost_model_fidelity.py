@@ -1,0 +1,165 @@
+"""How close is the cost model to this machine? Profile it, run plans, compare.
+
+    python benchmarks/cost_model_fidelity.py [--out DIR] [--steps 3] [--worlds 2 4]
+
+1. At each world size (ranks share the cores here, so a 4-rank profile is not a 2-rank one),
+   right before its plans run: `tessera profile hardware`, then `tessera profile model` of a
+   small LLaMA with its scales relative to that cluster profile's matmul rate.
+2. Hand-made plans (data, ZeRO-3, tensor, pipeline, Ulysses and hybrids, with and without full
+   recompute), each costed by `tessera.cost` with the measured cluster and the profiled model.
+3. `tessera validate` runs each plan for a few steps: the slowest rank's median step time, and
+   peak memory = model states of the local shards + peak saved activations (by instrumentation;
+   see tessera/profile/validate.py), against the prediction without its transient buffers.
+
+Ends with `summary: median_time_err_pct=<x> median_mem_err_pct=<y> spearman=<z>` (Spearman of
+predicted vs measured step time over all runs; the errors are medians of absolute errors).
+
+Timing statistic: on a machine shared with other jobs, whose load swings several-fold within
+minutes, a median of a few repetitions measures the load as much as the machine. Load only adds
+time, so by default every timing here — collectives and matmuls of the hardware profile, layer
+times of the model profile, step times of the runs — is the minimum over its repetitions
+(`--statistic median` for medians throughout). Plans run interleaved, one step each in turn.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tessera.profile.apply import apply_model_profile, load_cluster_profile  # noqa: E402
+from tessera.spec.model import ModelSpec, TransformerConfig  # noqa: E402
+from tessera.spec.workload import Workload  # noqa: E402
+
+# A LLaMA small enough for 2 CPU cores, with a vocabulary that does not drown the blocks.
+MODEL = TransformerConfig(name="fidelity-llama", hidden=256, num_layers=4, num_heads=8, num_kv_heads=4,
+                          ffn_hidden=688, vocab_size=4096, max_seq_len=512)
+WORKLOAD = Workload(global_batch=8, seq_len=256, dtype="fp32")
+PROFILE_SIZES = "2x128,1x256,4x128,2x256,1x512,4x256,2x512"
+
+# name -> manual_plan keyword arguments, per world size. Micro-batches of 512+ tokens per rank
+# where the batch allows, so that per-operation overheads (which a FLOPs model does not see) stay small.
+PLANS = {
+    2: {
+        "dp2": dict(micro_batch_size=4),
+        "dp2-rc": dict(micro_batch_size=4, recompute="full"),
+        "zero3-dp2": dict(zero=3, micro_batch_size=4),
+        "tp2": dict(tp=2, micro_batch_size=4),
+        "pp2-1f1b": dict(pp=2, micro_batch_size=2),
+        "ulysses2": dict(sp="ulysses", sp_degree=2, micro_batch_size=4),
+    },
+    4: {
+        "dp4": dict(micro_batch_size=2),
+        "zero3-dp4-rc": dict(zero=3, micro_batch_size=2, recompute="full"),
+        "tp2-dp2": dict(tp=2, micro_batch_size=4),
+        "tp2-dp2-zero3": dict(tp=2, zero=3, micro_batch_size=4),
+        "tp4": dict(tp=4, micro_batch_size=4),
+        "pp2-dp2": dict(pp=2, micro_batch_size=2),
+        "pp2-tp2": dict(pp=2, tp=2, micro_batch_size=2),
+        "ulysses2-dp2": dict(sp="ulysses", sp_degree=2, micro_batch_size=4),
+    },
+}
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 1800) -> str:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "tessera", *args]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    print(f"  [{time.perf_counter() - t0:5.1f} s] tessera {' '.join(args[:2])} at {nproc} ranks", flush=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"tessera {' '.join(args)} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    return proc.stdout
+
+
+def spearman(x: list[float], y: list[float]) -> float:
+    from scipy.stats import spearmanr
+
+    return float(spearmanr(x, y).statistic) if len(x) > 2 else float("nan")
+
+
+def build_plans(out: Path, world: int, model: ModelSpec) -> list[Path]:
+    from tessera.search.baselines import manual_plan
+
+    cluster = load_cluster_profile(out / f"cluster{world}.json", expect_gpus=world)
+    paths = []
+    for name, kwargs in PLANS[world].items():
+        plan = manual_plan(model, cluster, WORKLOAD, name=name, **kwargs)
+        path = out / f"plan-{name}.json"
+        plan.save(path)
+        paths.append(path)
+    return paths
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="folder for profiles, plans and results (default: a temp dir)")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per plan")
+    parser.add_argument("--statistic", choices=("min", "median"), default="min",
+                        help="summary of repeated timings, in the profiles and the runs alike")
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--reuse-profiles", action="store_true", help="keep profiles already in --out")
+    args = parser.parse_args()
+    out = Path(args.out or tempfile.mkdtemp(prefix="fidelity-"))
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"fidelity of the cost model on this machine ({os.cpu_count()} cores), files in {out}")
+
+    model_json = out / "model.json"
+    model_json.write_text(MODEL.model_dump_json(indent=1))
+    rows, skipped = [], []
+    for world in args.worlds:
+        cluster, profile = out / f"cluster{world}.json", out / f"model-profile{world}.json"
+        if not (args.reuse_profiles and cluster.exists()):
+            torchrun(world, "profile", "hardware", "-o", str(cluster), "--statistic", args.statistic)
+        if not (args.reuse_profiles and profile.exists()):
+            torchrun(world, "profile", "model", "--model", str(model_json), "-o", str(profile),
+                     "--sizes", PROFILE_SIZES, "--reps", "5", "--cluster", str(cluster), "--statistic", args.statistic)
+        model = apply_model_profile(ModelSpec.from_config(MODEL), profile)
+        plans = build_plans(out, world, model)
+        result_path = out / f"results{world}.json"
+        torchrun(world, "validate", "--plan", *map(str, plans), "--steps", str(args.steps), "--json", str(result_path),
+                 "--statistic", args.statistic)
+        data = json.loads(result_path.read_text())
+        skipped += data["skipped"]
+        for r in data["results"]:
+            pred_mem = max(r["predicted_memory"])
+            meas_mem = max(sum(x[k] for k in ("params", "grads", "optimizer", "activations")) for x in r["ranks"])
+            speed = r["probe_flops"] / r["profiled_flops"]
+            rows.append(dict(plan=r["plan"], world=world, pred_t=r["predicted_step_s"], meas_t=r["measured_step_s"],
+                             pred_m=pred_mem, meas_m=meas_mem, speed=speed))
+
+    # speed: one matmul's rate during the runs over the profiled rate, a gauge of how much the load
+    # of other jobs changed between profiling and running (1.00 = as profiled).
+    print(f"\n{'plan':<16}{'ranks':>6}{'pred s':>9}{'meas s':>9}{'err':>8}{'pred MiB':>10}{'meas MiB':>10}"
+          f"{'err':>8}{'speed':>7}")
+    for r in rows:
+        r["t_err"] = 100 * (r["pred_t"] - r["meas_t"]) / r["meas_t"]
+        r["m_err"] = 100 * (r["pred_m"] - r["meas_m"]) / r["meas_m"]
+        print(f"{r['plan']:<16}{r['world']:>6}{r['pred_t']:>9.3f}{r['meas_t']:>9.3f}{r['t_err']:>+7.1f}%"
+              f"{r['pred_m'] / 2**20:>10.1f}{r['meas_m'] / 2**20:>10.1f}{r['m_err']:>+7.1f}%{r['speed']:>7.2f}")
+    for s in skipped:
+        print(f"skipped {Path(s['plan']).stem}: {s['reason']}")
+    if not rows:
+        print("summary: no plan ran")
+        return 1
+    for world in args.worlds:
+        sub = [r for r in rows if r["world"] == world]
+        print(f"spearman at {world} ranks: {spearman([r['pred_t'] for r in sub], [r['meas_t'] for r in sub]):.2f}")
+    t_err = statistics.median(abs(r["t_err"]) for r in rows)
+    m_err = statistics.median(abs(r["m_err"]) for r in rows)
+    rho = spearman([r["pred_t"] for r in rows], [r["meas_t"] for r in rows])
+    print(f"summary: median_time_err_pct={t_err:.1f} median_mem_err_pct={m_err:.1f} spearman={rho:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

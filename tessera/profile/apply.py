@@ -1,0 +1,128 @@
+"""Load measured profiles and fold them into the planner's specs (no torch import).
+
+- `load_cluster_profile(path, expect_gpus)`: the ClusterSpec JSON of `tessera profile hardware`,
+  refused when it describes another number of devices than the one planned for.
+- `apply_model_profile(model, profile)`: the ModelSpec with each layer's measured time scales and
+  activation bytes; refused when the profile was measured on another model.
+
+Activation bytes: the profile measures B bytes per token per layer (all saved tensors, one device,
+no tensor parallelism, no recompute). The spec splits a layer's bytes into `act_bytes_tp` and
+`act_bytes_replicated` (plus the droppable `act_bytes_selective` part and the full-recompute
+`act_bytes_input`); all four are multiplied by B / (act_bytes_tp + act_bytes_replicated), so the
+split's proportions (what TP and SP divide) stay the spec's and the total becomes the measured one.
+A layer the spec gives no activations (the embedding) gets B as replicated bytes.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from ..errors import TesseraError
+from ..spec.cluster import ClusterSpec
+from ..spec.model import LayerSpec, ModelSpec
+from .fit import PROFILE_VERSION, ModelProfile
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write `text` to `path` so that readers see the old file or the whole new one, never half.
+
+    Writes a temporary file beside it, flushes it to disk, then renames it over `path`.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _read_json(path: str | Path, what: str) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise TesseraError(f"{what} {path} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise TesseraError(f"{what} {path} is not valid JSON ({e}); profile again") from None
+    if not isinstance(data, dict):
+        raise TesseraError(f"{what} {path} must hold a JSON object")
+    return data
+
+
+def _first_error(e: ValidationError) -> str:
+    err = e.errors()[0]
+    where = ".".join(str(p) for p in err["loc"])
+    return f"{where}: {err['msg']}" if where else err["msg"]
+
+
+def load_cluster_profile(path: str | Path, expect_gpus: int | None = None,
+                         expect_gpus_per_node: int | None = None) -> ClusterSpec:
+    """The ClusterSpec in `path`; refused if it describes another number of devices (or per node)."""
+    data = _read_json(path, "cluster profile")
+    try:
+        cluster = ClusterSpec.model_validate(data)
+    except ValidationError as e:
+        raise TesseraError(f"cluster profile {path} is not a cluster spec: {_first_error(e)}") from None
+    shape = f"{cluster.num_nodes} node(s) x {cluster.gpus_per_node} device(s)"
+    if expect_gpus is not None and cluster.num_gpus != expect_gpus:
+        raise TesseraError(
+            f"cluster profile {path} was measured on {shape} = {cluster.num_gpus} devices, not the "
+            f"{expect_gpus} asked for; profile again with {expect_gpus} ranks")
+    if expect_gpus_per_node is not None and cluster.gpus_per_node != expect_gpus_per_node:
+        raise TesseraError(
+            f"cluster profile {path} was measured with {cluster.gpus_per_node} devices per node, "
+            f"not {expect_gpus_per_node}; profile again on this layout")
+    return cluster
+
+
+def load_model_profile(path: str | Path) -> ModelProfile:
+    data = _read_json(path, "model profile")
+    if data.get("version") != PROFILE_VERSION:
+        raise TesseraError(f"model profile {path} has version {data.get('version')}, this Tessera reads "
+                           f"version {PROFILE_VERSION}; profile again")
+    try:
+        return ModelProfile.model_validate(data)
+    except ValidationError as e:
+        raise TesseraError(f"model profile {path} is not a model profile: {_first_error(e)}") from None
+
+
+def _scaled_layer(layer: LayerSpec, profile: ModelProfile) -> LayerSpec:
+    kp = profile.for_kind(layer.kind)
+    if kp is None:
+        return layer
+    spec_bytes = layer.act_bytes_tp + layer.act_bytes_replicated
+    measured = kp.activation_bytes_per_token
+    if spec_bytes > 0:
+        r = measured / spec_bytes
+        acts = dict(act_bytes_tp=layer.act_bytes_tp * r, act_bytes_replicated=layer.act_bytes_replicated * r,
+                    act_bytes_selective=layer.act_bytes_selective * r, act_bytes_input=layer.act_bytes_input * r)
+    else:
+        acts = dict(act_bytes_replicated=measured)
+    return layer.model_copy(update=dict(linear_time_scale=kp.linear_time_scale,
+                                        attn_time_scale=kp.attn_time_scale, **acts))
+
+
+def apply_model_profile(model: ModelSpec, profile: str | Path | ModelProfile) -> ModelSpec:
+    """`model` with every layer's time scales and activation bytes from the profile of its kind.
+
+    Refuses a profile of another model, or of a model of the same name whose layers differ.
+    """
+    prof = profile if isinstance(profile, ModelProfile) else load_model_profile(profile)
+    if prof.model != model.name:
+        raise TesseraError(f"model profile was measured on model '{prof.model}', not '{model.name}'; "
+                           f"run `tessera profile model --model {model.name}`")
+    for kp in prof.layers:
+        same = [l for l in model.layers if l.kind == kp.kind]
+        if same and (same[0].params != kp.params or same[0].flops_per_token != kp.flops_per_token):
+            raise TesseraError(
+                f"model profile of '{prof.model}' does not match this '{model.name}': its {kp.kind.value} layer "
+                f"has {kp.params:,} parameters, here {same[0].params:,}; profile this model again")
+    layers = tuple(_scaled_layer(layer, prof) for layer in model.layers)
+    return model.model_copy(update={"layers": layers})

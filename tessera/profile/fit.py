@@ -1,0 +1,180 @@
+"""Fit the cost model's compute coefficients to measured layer timings; the model-profile schema.
+
+For one layer kind measured at several (batch, seq) sizes, each measurement gives the forward FLOPs
+of its linear part L = tokens * flops_per_token and of its attention-score part
+A = tokens * attn_flops_coeff * seq (as `LayerSpec.forward_flops` defines them) and the measured
+time t of forward + backward. The cost model predicts t = 3 (L s_lin + A s_att) / F, with F the
+achieved FLOP/s of large matmuls (backward = 2 x forward). Least squares on
+
+    t = a L + b A (+ c)              with a, b, c >= 0,
+
+each row weighted by 1/t (relative error, so that small and large sizes count alike), gives
+s_lin = a F / 3 and s_att = b F / 3: how much slower than a large matmul this layer's linear and
+attention terms run. The two terms separate only if the attention share A / L (which grows with
+seq) varies by 1.5x or more across the sizes; otherwise one common scale is fitted to L + A.
+`c` (a fixed per-call overhead) is fitted and reported but not applied: the cost model has no
+per-call term, so `fit_layer_kind` fits the scales without it.
+
+No torch import: this module only does arithmetic on measurements.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from pydantic import Field
+
+from ..spec.model import Frozen, LayerKind
+
+PROFILE_VERSION = 1
+
+# How repeated timings are summarised. The median is the default; on a machine shared with other
+# jobs, whose load only ever adds time, the minimum estimates the machine's own speed better
+# (profile and validation must then both use it).
+STATISTICS = {"median": lambda xs: float(np.median(xs)), "min": lambda xs: float(np.min(xs))}
+
+
+def summarize(values: Sequence[float], statistic: str = "median") -> float:
+    try:
+        return STATISTICS[statistic](list(values))
+    except KeyError:
+        raise ValueError(f"unknown statistic '{statistic}'; choose {' or '.join(STATISTICS)}") from None
+
+
+@dataclass(frozen=True)
+class TimeFit:
+    """t ~ a * linear_flops + b * attn_flops + c, and how well it fits."""
+
+    a: float
+    b: float
+    c: float
+    r2: float
+    max_rel_err: float
+
+
+def fit_time_model(linear_flops: Sequence[float], attn_flops: Sequence[float], seconds: Sequence[float],
+                   *, intercept: bool = False) -> TimeFit:
+    """Non-negative relative least squares of `seconds` on the FLOPs terms (see module docstring).
+
+    A term whose FLOPs are all zero (no attention in a head layer) gets coefficient 0.
+    """
+    from scipy.optimize import lsq_linear
+
+    L, A, t = (np.asarray(x, dtype=float) for x in (linear_flops, attn_flops, seconds))
+    if not (len(L) == len(A) == len(t)) or len(t) == 0:
+        raise ValueError("a fit needs as many FLOP counts as timings, and at least one")
+    if np.any(t <= 0):
+        raise ValueError("timings must be positive")
+    cols = [L, A] + ([np.ones_like(t)] if intercept else [])
+    X = np.stack(cols, axis=1)
+    used = [j for j in range(X.shape[1]) if np.any(X[:, j] > 0)]
+    if not used:  # nothing to fit (an embedding lookup has no FLOPs in the model)
+        return TimeFit(a=0.0, b=0.0, c=0.0, r2=0.0, max_rel_err=1.0)
+    if len(used) > len(t):
+        raise ValueError(f"{len(t)} measurements cannot determine {len(used)} coefficients")
+    W = X[:, used] / t[:, None]
+    sol = lsq_linear(W, np.ones_like(t), bounds=(0.0, np.inf), method="bvls")
+    coef = np.zeros(X.shape[1])
+    coef[used] = sol.x
+    pred = X @ coef
+    ss_res = float(np.sum((t - pred) ** 2))
+    ss_tot = float(np.sum((t - t.mean()) ** 2))
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
+    return TimeFit(a=float(coef[0]), b=float(coef[1]), c=float(coef[2]) if intercept else 0.0, r2=r2,
+                   max_rel_err=float(np.max(np.abs(pred - t) / t)))
+
+
+def fit_activation_bytes(tokens: Sequence[float], nbytes: Sequence[float]) -> tuple[float, float]:
+    """(bytes per token, worst relative error): least squares of bytes = k * tokens, through zero."""
+    x, y = np.asarray(tokens, dtype=float), np.asarray(nbytes, dtype=float)
+    k = float(x @ y / (x @ x))
+    err = float(np.max(np.abs(k * x - y) / np.maximum(y, 1.0))) if len(y) else 0.0
+    return k, err
+
+
+# --- the model-profile JSON --------------------------------------------------------------------
+
+
+class LayerMeasurement(Frozen):
+    """One layer at one size: times (median over repetitions) and saved-activation bytes."""
+
+    batch: int = Field(gt=0)
+    seq_len: int = Field(gt=0)
+    forward_s: float = Field(gt=0)
+    backward_s: float = Field(gt=0)
+    # Unique storages autograd saved for backward during one forward (parameters excluded).
+    activation_bytes: float = Field(ge=0)
+    # CUDA only: peak allocated bytes during forward + backward, above what was allocated before.
+    peak_allocated_bytes: float | None = None
+    linear_flops: float = Field(ge=0, description="forward FLOPs of the linear term (the spec's)")
+    attn_flops: float = Field(ge=0, description="forward FLOPs of the attention-score term")
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq_len
+
+
+class LayerKindProfile(Frozen):
+    """Measurements and fitted coefficients of one layer kind (identical blocks share one)."""
+
+    kind: LayerKind
+    layer: str = Field(description="the layer that was measured, e.g. block0")
+    params: int
+    flops_per_token: float
+    attn_flops_coeff: float
+    measurements: tuple[LayerMeasurement, ...]
+    linear_time_scale: float = Field(gt=0)
+    attn_time_scale: float = Field(gt=0)
+    overhead_s: float = Field(ge=0, description="fitted per-call overhead (reported, not applied)")
+    fit_r2: float
+    fit_max_rel_err: float
+    activation_bytes_per_token: float = Field(ge=0)
+    activation_fit_max_rel_err: float = Field(ge=0)
+    backward_over_forward: float = Field(gt=0, description="measured backward / forward time")
+
+
+class ModelProfile(Frozen):
+    """What `tessera profile model` writes: per layer kind, measured times and fitted scales."""
+
+    version: int = PROFILE_VERSION
+    model: str
+    device: str
+    dtype: str
+    # Achieved FLOP/s of large matmuls in the same processes, same time: the F of the scales.
+    reference_flops: float = Field(gt=0)
+    ranks_measuring: int = Field(default=1, ge=1, description="ranks that measured at once")
+    statistic: str = Field(default="median", description="how repeated timings were summarised")
+    layers: tuple[LayerKindProfile, ...]
+
+    def for_kind(self, kind: LayerKind) -> LayerKindProfile | None:
+        return next((p for p in self.layers if p.kind == kind), None)
+
+
+def fit_layer_kind(kind: LayerKind, layer: str, params: int, flops_per_token: float,
+                   attn_flops_coeff: float, measurements: Sequence[LayerMeasurement],
+                   reference_flops: float) -> LayerKindProfile:
+    """Fit one layer kind's scales from its measurements (see module docstring for the formula)."""
+    ms = list(measurements)
+    total = [m.forward_s + m.backward_s for m in ms]
+    lin = [m.linear_flops for m in ms]
+    att = [m.attn_flops for m in ms]
+    fit = fit_time_model(lin, att, total)
+    with_c = fit_time_model(lin, att, total, intercept=True) if len(ms) >= 3 else fit
+    to_scale = reference_flops / 3.0
+    # The terms separate only if the attention share varies enough (it grows with seq).
+    shares = [y / x for x, y in zip(lin, att) if x > 0]
+    separable = bool(shares) and min(shares) > 0 and max(shares) / min(shares) >= 1.5
+    if separable and fit.a > 0 and fit.b > 0:
+        s_lin, s_att = fit.a * to_scale, fit.b * to_scale
+    else:
+        # The sizes do not separate the two terms (or there is no attention): one common scale.
+        fit = fit_time_model([x + y for x, y in zip(lin, att)], [0.0] * len(ms), total)
+        s_lin = s_att = fit.a * to_scale if fit.a > 0 else 1.0
+    act, act_err = fit_activation_bytes([m.tokens for m in ms], [m.activation_bytes for m in ms])
+    ratio = float(np.median([m.backward_s / m.forward_s for m in ms]))
+    return LayerKindProfile(
+        kind=kind, layer=layer, params=params, flops_per_token=flops_per_token,
+        attn_flops_coeff=attn_flops_coeff, measurements=tuple(ms), linear_time_scale=s_lin,
+        attn_time_scale=s_att, overhead_s=with_c.c, fit_r2=fit.r2, fit_max_rel_err=fit.max_rel_err,
+        activation_bytes_per_token=act, activation_fit_max_rel_err=act_err, backward_over_forward=ratio)

@@ -1,0 +1,434 @@
+"""Measure the hardware this job runs on and describe it as a `ClusterSpec`.
+
+Run under `torchrun` (every rank takes part; rank 0 gets the result). Device and backend come from
+the environment: CUDA + NCCL when a GPU is visible, otherwise CPU + gloo.
+
+What is measured (median of `reps` timed repetitions after one warm-up, slowest rank):
+- collectives (all_reduce, all_gather, reduce_scatter, all_to_all, p2p) per group size 2, 4, …,
+  world and per span: `intra_node` groups are consecutive ranks of one node, `inter_node` groups
+  take one rank per node (multi-node only) or the whole world. All disjoint groups of a size run
+  at once, as the ranks of a real job do. Message sizes grow by 4x from `min_bytes` to `max_bytes`
+  and mean what `tessera.cost.comm` means: the full buffer for all_reduce, the gathered size for
+  all_gather / reduce_scatter, the bytes each rank sends for all_to_all, one message for p2p
+  (half a ping-pong round trip).
+- matmul FLOP/s per dtype: square matmuls of side `matmul_size`, on every rank at once.
+- overlap slowdown: matmul time while all-reduces run in the background / matmul time alone.
+- device memory, memory bandwidth (a large copy) and host bandwidth.
+
+Links are then fitted to the curves by least squares on the alpha-beta model of
+`tessera.cost.comm` (t = f (p-1) a + f (p-1)/p n / B, with f = 2 for all-reduce, 1 otherwise),
+weighting each point by 1/t so that small and large messages count alike.
+
+Compute peak and efficiency: on a known GPU (the presets' datasheet figures) the efficiency is the
+measured rate of the reference dtype (bf16) over its datasheet peak; the other dtypes' `peak_flops`
+are then set to measured / efficiency so that peak x efficiency is the measured rate for every dtype.
+On a CPU (or an unknown GPU) the peak is unknown: the peak of each dtype IS its measured rate and
+the efficiency is 1.0.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..spec.cluster import ClusterSpec, CollectiveCurve, DeviceSpec, LinkSpec
+from ..spec.presets.clusters import DEVICES
+from .fit import summarize
+
+log = logging.getLogger(__name__)
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+_RING_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}
+_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+Progress = Callable[[str, int], None]  # (what is being measured, units done since last call)
+
+
+@dataclass
+class HardwareOptions:
+    min_bytes: int = 4 * 1024
+    max_bytes: int | None = None  # default: 16 MiB on CPU, 1 GiB on CUDA
+    reps: int = 5
+    matmul_size: int | None = None  # default: 1024 on CPU, 8192 on CUDA
+    dtypes: Sequence[str] | None = None  # default: fp32, bf16 on CPU; fp32, tf32, bf16, fp16 on CUDA
+    collectives: Sequence[str] = COLLECTIVES
+    name: str | None = None
+    statistic: str = "median"  # or "min" (see tessera.profile.fit.STATISTICS)
+
+
+@dataclass
+class Environment:
+    """Where this process runs: device, backend and the node layout of the job."""
+
+    device: torch.device
+    backend: str
+    rank: int
+    world: int
+    local_world: int
+    num_nodes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.world % self.local_world:
+            raise ValueError(f"world size {self.world} is not a multiple of the {self.local_world} ranks per node")
+        self.num_nodes = self.world // self.local_world
+
+
+def detect_environment() -> Environment:
+    """Device and backend from the environment; initialises the default process group if needed."""
+    cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            raise ValueError("the hardware profile needs torchrun (RANK/WORLD_SIZE are not set)")
+        dist.init_process_group(backend)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    world = dist.get_world_size()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return Environment(device=device, backend=dist.get_backend(), rank=dist.get_rank(), world=world,
+                       local_world=local_world)
+
+
+def message_sizes(min_bytes: int, max_bytes: int) -> list[int]:
+    """Message sizes growing 4x from `min_bytes` to `max_bytes` (inclusive)."""
+    if min_bytes <= 0 or max_bytes < min_bytes:
+        raise ValueError(f"message sizes need 0 < --min-bytes <= --max-bytes (got {min_bytes}, {max_bytes})")
+    sizes, n = [], min_bytes
+    while n <= max_bytes:
+        sizes.append(n)
+        n *= 4
+    return sizes
+
+
+def group_sizes(n: int) -> list[int]:
+    """2, 4, 8, … up to n, plus n itself when it is not a power of two."""
+    sizes, g = [], 2
+    while g <= n:
+        sizes.append(g)
+        g *= 2
+    if n >= 2 and n not in sizes:
+        sizes.append(n)
+    return sizes
+
+
+def group_layouts(env: Environment) -> list[tuple[str, int, list[list[int]]]]:
+    """(span, group size, disjoint rank groups that run at once) for every measured layout."""
+    layouts = []
+    L, N = env.local_world, env.num_nodes
+    for g in group_sizes(L):
+        groups = [[node * L + i * g + j for j in range(g)] for node in range(N) for i in range(L // g)]
+        layouts.append(("intra_node", g, groups))
+    if N > 1:
+        for g in group_sizes(N):
+            groups = [[(k * g + j) * L + lr for j in range(g)] for k in range(N // g) for lr in range(L)]
+            layouts.append(("inter_node", g, groups))
+        if L > 1:
+            layouts.append(("inter_node", env.world, [list(range(env.world))]))
+    return layouts
+
+
+def _sync(env: Environment) -> None:
+    if env.device.type == "cuda":
+        torch.cuda.synchronize(env.device)
+
+
+def _slowest(env: Environment, seconds: float) -> float:
+    """The largest of every rank's `seconds` (a step waits for its slowest rank)."""
+    t = torch.tensor([seconds], dtype=torch.float64, device=env.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _mean(env: Environment, value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=env.device)
+    dist.all_reduce(t)
+    return float(t.item()) / env.world
+
+
+class _CollectiveBench:
+    """Buffers and the call for one collective on one group, sized for a message of n bytes."""
+
+    def __init__(self, env: Environment, collective: str, group, members: list[int], nbytes: int):
+        self.env, self.collective, self.group, self.members = env, collective, group, members
+        p = len(members)
+        numel = max(p, nbytes // 4 // p * p)
+        dev = env.device
+        self.full = torch.ones(numel, dtype=torch.float32, device=dev)
+        self.shard = torch.ones(numel // p, dtype=torch.float32, device=dev)
+        self.out = torch.empty(numel, dtype=torch.float32, device=dev, memory_format=torch.contiguous_format)
+        me = members.index(env.rank)
+        self.peer = members[me ^ 1] if collective == "p2p" else None
+        self.leader = me % 2 == 0
+
+    def run(self) -> None:
+        c, g = self.collective, self.group
+        if c == "all_reduce":
+            dist.all_reduce(self.full, group=g)
+        elif c == "all_gather":
+            dist.all_gather_into_tensor(self.out, self.shard, group=g)
+        elif c == "reduce_scatter":
+            dist.reduce_scatter_tensor(self.shard, self.full, group=g)
+        elif c == "all_to_all":
+            dist.all_to_all_single(self.out, self.full, group=g)
+        elif self.leader:  # p2p ping-pong: send then receive back
+            dist.send(self.full, self.peer, group=g)
+            dist.recv(self.full, self.peer, group=g)
+        else:
+            dist.recv(self.full, self.peer, group=g)
+            dist.send(self.full, self.peer, group=g)
+
+
+def _time_reps(env: Environment, fn: Callable[[], None], reps: int, barrier_group=None,
+               statistic: str = "median") -> float:
+    """Median (or min) seconds of `fn` over `reps` runs after one warm-up, each after a barrier."""
+    fn()
+    _sync(env)
+    times = []
+    for _ in range(reps):
+        dist.barrier(group=barrier_group)
+        _sync(env)
+        t0 = time.perf_counter()
+        fn()
+        _sync(env)
+        times.append(time.perf_counter() - t0)
+    return summarize(times, statistic)
+
+
+def monotone(seconds: Sequence[float]) -> list[float]:
+    """Each time replaced by the least time measured at its size or any larger one.
+
+    A collective never gets faster with a larger message; timing noise (scheduling, other jobs)
+    only ever adds time, so the least of the larger sizes' times bounds each point from above.
+    """
+    out, low = [], float("inf")
+    for t in reversed(seconds):
+        low = min(low, t)
+        out.append(low)
+    return out[::-1]
+
+
+def measure_collectives(env: Environment, sizes: Sequence[int], reps: int, collectives: Sequence[str],
+                        progress: Progress | None = None, statistic: str = "median") -> list[CollectiveCurve]:
+    curves = []
+    for span, g, groups in group_layouts(env):
+        # Every rank creates every group, in the same order (new_group is collective).
+        handles = [dist.new_group(members) for members in groups]
+        mine = next(((h, m) for h, m in zip(handles, groups) if env.rank in m), None)
+        for collective in collectives:
+            if collective == "p2p" and g != 2:
+                continue
+            seconds = []
+            for n in sizes:
+                t = 0.0
+                if mine is not None:
+                    bench = _CollectiveBench(env, collective, mine[0], mine[1], n)
+                    # Small messages are cheap and jittery: time them more often.
+                    r = reps * 3 if n < (1 << 20) else reps
+                    t = _time_reps(env, bench.run, r, barrier_group=mine[0], statistic=statistic)
+                    if collective == "p2p":
+                        t /= 2.0  # half a round trip
+                seconds.append(_slowest(env, t))
+            curves.append(CollectiveCurve(collective=collective, span=span, group_size=g,
+                                          message_bytes=tuple(float(n) for n in sizes),
+                                          seconds=tuple(monotone(seconds))))
+            log.debug("%s %s p=%d: %s", collective, span, g, seconds)
+            if progress:
+                progress(f"{collective} {span} x{g}", 1)
+        for h in handles:
+            dist.destroy_process_group(h)
+    return curves
+
+
+def _matmul_operands(env: Environment, dtype: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device=env.device).manual_seed(env.rank)
+    a = torch.randn(n, n, generator=gen, device=env.device).to(_DTYPES[dtype])
+    b = torch.randn(n, n, generator=gen, device=env.device).to(_DTYPES[dtype])
+    return a, b
+
+
+def _set_tf32(env: Environment, on: bool) -> None:
+    if env.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = on
+
+
+def measure_matmul(env: Environment, dtype: str, n: int, reps: int, statistic: str = "median") -> float:
+    """Achieved FLOP/s of an n x n x n matmul in `dtype`, every rank at once (mean over ranks)."""
+    _set_tf32(env, dtype == "tf32")
+    a, b = _matmul_operands(env, dtype, n)
+    t = _time_reps(env, lambda: torch.mm(a, b), reps, statistic=statistic)
+    _set_tf32(env, False)
+    return _mean(env, 2.0 * n**3 / t)
+
+
+def measure_overlap_slowdown(env: Environment, n: int, nbytes: int, reps: int) -> float:
+    """(matmul time while all-reduces of `nbytes` run in the background) / (matmul time alone), >= 1."""
+    a, b = _matmul_operands(env, "fp32", n)
+    buf = torch.ones(max(env.world, nbytes // 4), dtype=torch.float32, device=env.device)
+    k = 3  # matmuls per timing
+
+    def matmuls() -> None:
+        for _ in range(k):
+            torch.mm(a, b)
+
+    alone = _time_reps(env, matmuls, reps)
+    t_ar = _time_reps(env, lambda: dist.all_reduce(buf), 1)
+    copies = max(1, int(np.ceil(alone / max(t_ar, 1e-6))) + 1)  # keep the link busy throughout
+    ratios = []
+    for _ in range(reps):
+        dist.barrier()
+        works = [dist.all_reduce(buf, async_op=True) for _ in range(copies)]
+        _sync(env)
+        t0 = time.perf_counter()
+        matmuls()
+        _sync(env)
+        ratios.append((time.perf_counter() - t0) / alone)
+        for w in works:
+            w.wait()
+    return max(1.0, _mean(env, statistics.median(ratios)))
+
+
+def measure_memory(env: Environment) -> tuple[float, float, float, float]:
+    """(device memory bytes, memory bandwidth B/s, host bandwidth B/s, reserved bytes) of this rank."""
+    nbytes = 1 << 30 if env.device.type == "cuda" else 64 << 20
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=env.device).fill_(1.0)
+    dst = torch.empty_like(src)
+    t = _time_reps(env, lambda: dst.copy_(src), 3)
+    mem_bw = _mean(env, 2.0 * nbytes / t)  # read + write
+    if env.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(env.device)
+        reserved = float(total - free - torch.cuda.memory_reserved(env.device))
+        host = torch.empty(nbytes // 4, dtype=torch.float32, pin_memory=True)
+        t_h2d = _time_reps(env, lambda: src.copy_(host, non_blocking=True), 3)
+        host_bw = _mean(env, nbytes / t_h2d)
+        del host
+        memory = float(total)
+    else:
+        memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / env.local_world
+        host_bw, reserved = mem_bw, 0.0
+    del src, dst
+    return memory, mem_bw, host_bw, max(0.0, reserved)
+
+
+def fit_link(curves: Sequence[CollectiveCurve]) -> LinkSpec | None:
+    """Least-squares (alpha, 1/beta) of the alpha-beta model over ring collectives' points.
+
+    Each point gives t = f (p-1) a + f (p-1)/p n (1/B); rows are divided by t (relative error).
+    Non-negative least squares keeps a >= 0 and 1/B >= 0.
+    """
+    from scipy.optimize import nnls
+
+    rows, rhs = [], []
+    for c in curves:
+        if c.collective not in _RING_FACTOR:
+            continue
+        f, p = _RING_FACTOR[c.collective], c.group_size
+        for n, t in zip(c.message_bytes, c.seconds):
+            if t > 0:
+                rows.append([f * (p - 1) / t, f * (p - 1) / p * n / t])
+                rhs.append(1.0)
+    if len(rows) < 2:
+        return None
+    (alpha, inv_bw), _ = nnls(np.array(rows), np.array(rhs))
+    if inv_bw <= 0:
+        return None
+    return LinkSpec(bandwidth=1.0 / inv_bw, latency=float(alpha))
+
+
+def _known_device(env: Environment) -> DeviceSpec | None:
+    if env.device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(env.device).lower()
+    total = torch.cuda.get_device_properties(env.device).total_memory
+    for key, spec in DEVICES.items():
+        family = key.split("-")[0]
+        if family in name and abs(spec.memory_bytes - total) < 0.2 * spec.memory_bytes:
+            return spec
+    return None
+
+
+def build_device(env: Environment, measured: dict[str, float], memory: float, mem_bw: float,
+                 reserved: float) -> tuple[DeviceSpec, float]:
+    """The DeviceSpec and compute efficiency from measured matmul rates (see module docstring)."""
+    known = _known_device(env)
+    ref = "bf16" if env.device.type == "cuda" else "fp32"
+    if known is not None and ref in measured and ref in known.peak_flops:
+        efficiency = min(1.0, measured[ref] / known.peak_flops[ref])
+        name = known.name
+    else:
+        efficiency = 1.0
+        name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
+    peaks = {d: rate / efficiency for d, rate in measured.items()}
+    device = DeviceSpec(name=name, memory_bytes=memory, peak_flops=peaks, memory_bandwidth=mem_bw,
+                        reserved_bytes=reserved)
+    return device, efficiency
+
+
+def profile_hardware(options: HardwareOptions | None = None, progress: Progress | None = None,
+                     env: Environment | None = None) -> ClusterSpec:
+    """Measure everything (a collective call: every rank calls it; all get the same spec).
+
+    `planned_units(env, options)` tells how many progress units it reports.
+    """
+    o = options or HardwareOptions()
+    env = env or detect_environment()
+    cuda = env.device.type == "cuda"
+    max_bytes = o.max_bytes or ((1 << 30) if cuda else (16 << 20))
+    sizes = message_sizes(o.min_bytes, max_bytes)
+    n = o.matmul_size or (8192 if cuda else 1024)
+    dtypes = list(o.dtypes or (("fp32", "tf32", "bf16", "fp16") if cuda else ("fp32", "bf16")))
+    unknown = [c for c in o.collectives if c not in COLLECTIVES]
+    if unknown:
+        raise ValueError(f"unknown collective(s) {', '.join(unknown)}; known: {', '.join(COLLECTIVES)}")
+
+    with warnings.catch_warnings():  # the *_into_tensor names are deprecated in newer torch, kept for 2.11
+        warnings.simplefilter("ignore", FutureWarning)
+        curves = (measure_collectives(env, sizes, o.reps, o.collectives, progress, o.statistic)
+                  if env.world > 1 else [])
+    measured = {}
+    for d in dtypes:
+        # A slow dtype (bf16 on most CPUs) gets a smaller matrix so that it stays quick.
+        side = n if cuda or d == "fp32" else max(128, n // 4)
+        measured[d] = measure_matmul(env, d, side, max(2, o.reps // 2), o.statistic)
+        if progress:
+            progress(f"matmul {d}", 1)
+    slowdown = 1.0
+    if env.world > 1:
+        slowdown = measure_overlap_slowdown(env, n if cuda else n // 2, max_bytes, max(3, o.reps // 2))
+    if progress:
+        progress("overlap", 1)
+    memory, mem_bw, host_bw, reserved = measure_memory(env)
+    if progress:
+        progress("memory", 1)
+
+    device, efficiency = build_device(env, measured, memory, mem_bw, reserved)
+    intra = fit_link([c for c in curves if c.span == "intra_node"])
+    inter = fit_link([c for c in curves if c.span == "inter_node"])
+    intra = intra or inter or LinkSpec(bandwidth=mem_bw, latency=0.0)
+    inter = inter or intra
+    name = o.name or f"profiled {env.num_nodes}x{env.local_world} {device.name} ({env.backend})"
+    cluster = ClusterSpec(name=name, num_nodes=env.num_nodes, gpus_per_node=env.local_world, device=device,
+                          intra_node=intra, inter_node=inter, compute_efficiency=efficiency,
+                          overlap_slowdown=slowdown, host_bandwidth=host_bw, collectives=tuple(curves))
+    return cluster
+
+
+def planned_units(env: Environment, options: HardwareOptions | None = None) -> int:
+    """How many progress units `profile_hardware` reports (for a progress bar's total)."""
+    o = options or HardwareOptions()
+    units = 0
+    if env.world > 1:
+        for _, g, _ in group_layouts(env):
+            units += sum(1 for c in o.collectives if c != "p2p" or g == 2)
+    cuda = env.device.type == "cuda"
+    units += len(o.dtypes or (("fp32", "tf32", "bf16", "fp16") if cuda else ("fp32", "bf16")))
+    return units + 2

@@ -1,0 +1,221 @@
+"""Measure a model's layers on one device and fit the cost model's coefficients to them.
+
+For each layer kind (the embedding, the first block of each block kind — identical blocks share
+one measurement — and the head: final norm, vocabulary projection and the loss), at a few
+(batch, seq) sizes: forward and backward time (median of `reps` after a warm-up) and the bytes of
+activations autograd saves for backward (`SavedActivationMeter`). Under `torchrun` every rank
+measures at once, as ranks of a real job compute at once, and the per-measurement median over
+ranks is kept. `tessera.profile.fit` turns the measurements into `LayerSpec` time scales relative
+to the achieved FLOP/s of large matmuls measured in the same processes (`reference_flops`), or
+the cluster profile's rate when one is given.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..spec.model import LayerKind, ModelSpec, TransformerConfig
+from .fit import LayerMeasurement, ModelProfile, fit_layer_kind, summarize
+from .memory import SavedActivationMeter
+
+log = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DEFAULT_SIZES_CPU = ((1, 64), (2, 64), (1, 128), (4, 64), (2, 128), (1, 256))
+DEFAULT_SIZES_CUDA = ((1, 512), (2, 512), (1, 1024), (4, 512), (2, 1024), (1, 2048))
+
+Progress = Callable[[str, int], None]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def matmul_flops(device: torch.device, dtype: torch.dtype, n: int, reps: int, statistic: str = "median") -> float:
+    """Achieved FLOP/s of an n x n x n matmul (median or min time of `reps`), on this rank."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    torch.mm(a, b)
+    times = []
+    for _ in range(reps):
+        _barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return 2.0 * n**3 / summarize(times, statistic)
+
+
+class _LayerRunner:
+    """Forward and backward of one layer kind on random inputs of one size."""
+
+    def __init__(self, model: torch.nn.Module, config: TransformerConfig, kind: LayerKind, index: int,
+                 batch: int, seq: int, device: torch.device, dtype: torch.dtype):
+        self.model, self.config, self.kind, self.index = model, config, kind, index
+        gen = torch.Generator(device=device).manual_seed(batch * 7919 + seq)
+        h, v = config.hidden, config.vocab_size
+        self.tokens = torch.randint(0, v, (batch, seq), generator=gen, device=device)
+        self.x = torch.randn(batch, seq, h, generator=gen, device=device).to(dtype)
+        self.grad_h = torch.randn(batch, seq, h, generator=gen, device=device).to(dtype)
+        self.freqs = model.freqs[:seq] if config.position != "learned" else None
+        self.out: torch.Tensor | None = None
+
+    def forward(self) -> None:
+        m = self.model
+        if self.kind == LayerKind.EMBEDDING:
+            h = m.tok_embeddings(self.tokens)
+            if self.config.position == "learned":
+                h = h + m.pos_embeddings(torch.arange(self.tokens.shape[1], device=self.tokens.device))
+            self.out = h
+        elif self.kind == LayerKind.LM_HEAD:
+            x = self.x.detach().requires_grad_()
+            logits = m.output(m.norm(x))
+            self.out = F.cross_entropy(logits.flatten(0, 1).float(), self.tokens.flatten())
+        else:
+            x = self.x.detach().requires_grad_()
+            self.out = m.layers[str(self.index)](x, self.freqs)
+
+    def backward(self) -> None:
+        if self.out.dim() == 0:
+            self.out.backward()
+        else:
+            self.out.backward(self.grad_h)
+        self.out = None
+        for p in self.model.parameters():
+            p.grad = None
+
+
+def _measure(runner: _LayerRunner, device: torch.device, reps: int, meter: SavedActivationMeter,
+             statistic: str = "median") -> tuple[float, float, float, float | None]:
+    """(median forward s, median backward s, saved activation bytes, CUDA peak bytes or None)."""
+    runner.forward()
+    runner.backward()
+    fwd, bwd = [], []
+    for _ in range(reps):
+        _barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        runner.forward()
+        _sync(device)
+        t1 = time.perf_counter()
+        runner.backward()
+        _sync(device)
+        fwd.append(t1 - t0)
+        bwd.append(time.perf_counter() - t1)
+    peak = None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    with meter.track():
+        runner.forward()
+    saved = meter.peak_bytes
+    runner.backward()
+    if device.type == "cuda":
+        peak = float(torch.cuda.max_memory_allocated(device) - base)
+    return summarize(fwd, statistic), summarize(bwd, statistic), float(saved), peak
+
+
+def _layers_to_measure(spec: ModelSpec) -> list[tuple[LayerKind, int, int]]:
+    """(kind, index into spec.layers, block index) of the first layer of every kind."""
+    seen, out = set(), []
+    block = -1
+    for i, layer in enumerate(spec.layers):
+        if layer.kind not in (LayerKind.EMBEDDING, LayerKind.LM_HEAD):
+            block += 1
+        if layer.kind not in seen:
+            seen.add(layer.kind)
+            out.append((layer.kind, i, block))
+    return out
+
+
+def _median_over_ranks(values: list[float]) -> list[float]:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    gathered: list[list[float] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, values)
+    return [statistics.median(col) for col in zip(*gathered)]
+
+
+def profile_model(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = None, reps: int = 3,
+                  dtype: str | None = None, device: torch.device | None = None,
+                  reference_flops: float | None = None, matmul_size: int | None = None,
+                  progress: Progress | None = None, statistic: str = "median") -> ModelProfile:
+    """Measure every layer kind of `spec` at `sizes` and fit its scales (see module docstring).
+
+    `statistic`: how the `reps` timings of a point are summarised ("median" or "min").
+
+    `reference_flops`: the achieved FLOP/s the scales are relative to (a cluster profile's
+    peak x efficiency); measured here on `matmul_size` square matmuls when not given.
+    """
+    from ..models import build_model
+    from ..models.transformer import rope_frequencies
+
+    if spec.config is None:
+        raise ValueError(f"model '{spec.name}' has no architecture config to build, so it cannot be profiled")
+    device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                        else torch.device("cpu"))
+    dtype = dtype or ("bf16" if device.type == "cuda" else "fp32")
+    if dtype not in _TORCH_DTYPES:
+        raise ValueError(f"unknown dtype '{dtype}'; known: {', '.join(_TORCH_DTYPES)}")
+    tdtype = _TORCH_DTYPES[dtype]
+    sizes = list(sizes or (DEFAULT_SIZES_CUDA if device.type == "cuda" else DEFAULT_SIZES_CPU))
+    too_long = [s for _, s in sizes if s > spec.config.max_seq_len]
+    if too_long:
+        raise ValueError(f"sequence length {too_long[0]} exceeds the model's max_seq_len {spec.config.max_seq_len}")
+    model = build_model(spec.config, device=device)
+    if tdtype != torch.float32:
+        model.to(tdtype)
+        if spec.config.position != "learned":  # Module.to(dtype) casts the complex rope rotations too
+            c = spec.config
+            model.freqs = rope_frequencies(c.head_dim, c.max_seq_len, c.rope_theta).to(device)
+    meter = SavedActivationMeter(model)
+    if reference_flops is None:
+        n = matmul_size or (8192 if device.type == "cuda" else 1024)
+        reference_flops = statistics.median(_median_over_ranks([matmul_flops(device, tdtype, n, reps, statistic)]))
+
+    kinds = []
+    for kind, index, block in _layers_to_measure(spec):
+        layer = spec.layers[index]
+        rows = []
+        for batch, seq in sizes:
+            runner = _LayerRunner(model, spec.config, kind, block, batch, seq, device, tdtype)
+            rows.append(list(_measure(runner, device, reps, meter, statistic)))
+            if progress:
+                progress(f"{layer.name} b={batch} s={seq}", 1)
+        flat = _median_over_ranks([v if v is not None else -1.0 for r in rows for v in r])
+        measurements = []
+        for j, (batch, seq) in enumerate(sizes):
+            fwd, bwd, saved, peak = flat[4 * j: 4 * j + 4]
+            tokens = batch * seq
+            lin, att = tokens * layer.flops_per_token, tokens * layer.attn_flops_coeff * seq
+            measurements.append(LayerMeasurement(
+                batch=batch, seq_len=seq, forward_s=max(fwd, 1e-9), backward_s=max(bwd, 1e-9),
+                activation_bytes=saved, peak_allocated_bytes=peak if peak >= 0 else None,
+                linear_flops=lin, attn_flops=att))
+        kinds.append(fit_layer_kind(kind, layer.name, layer.params, layer.flops_per_token,
+                                    layer.attn_flops_coeff, measurements, reference_flops))
+        log.info("%s: linear scale %.3f, attention scale %.3f, %.0f activation bytes/token",
+                 layer.name, kinds[-1].linear_time_scale, kinds[-1].attn_time_scale,
+                 kinds[-1].activation_bytes_per_token)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return ModelProfile(model=spec.name, device=name, dtype=dtype, reference_flops=reference_flops,
+                        ranks_measuring=world, statistic=statistic, layers=tuple(kinds))
+
+
+def planned_units(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = None, cuda: bool = False) -> int:
+    n = len(sizes or (DEFAULT_SIZES_CUDA if cuda else DEFAULT_SIZES_CPU))
+    return n * len(_layers_to_measure(spec))

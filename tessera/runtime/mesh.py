@@ -1,0 +1,215 @@
+"""Ranks and meshes: where each rank sits for every layer of a plan.
+
+Words: a mesh *axis* is a named dimension of a `DeviceMesh` ("pp", "dp", "sp", "tp"); a tensor
+*dim* is a dimension of a tensor.
+
+Rank layout (outermost to innermost): pp, dp, sp, tp. A rank's index inside its pipeline stage
+(`stage_rank`, 0 <= stage_rank < world / pp) decomposes, for a layer with degrees (dp, sp, tp), as
+
+    stage_rank = (d * sp + s) * tp + t,      0 <= d < dp, 0 <= s < sp, 0 <= t < tp
+
+so tensor parallelism stays innermost (inside a node). Layers of one stage may choose different
+degrees; each decomposes the same stage ranks its own way. The arithmetic is pure
+(`layer_coords`, `axis_groups`) and unit-tested without processes; `ParallelDims` validates the
+degrees of a plan and builds the `DeviceMesh` objects the runtime needs, cached per layout.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from ..errors import TesseraError
+from ..plan import LayerStrategy, Plan
+
+if TYPE_CHECKING:  # torch only at run time
+    from torch.distributed.device_mesh import DeviceMesh
+
+log = logging.getLogger(__name__)
+
+
+class Axis(StrEnum):
+    PP = "pp"
+    DP = "dp"
+    SP = "sp"
+    TP = "tp"
+    # Axes of a layer's sharding mesh (FSDP2 HSDP wants (replicate, shard) as two axes).
+    DP_REPLICATE = "dp_replicate"
+    DP_SHARD = "dp_shard"
+
+
+# --- pure rank arithmetic -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerCoords:
+    """Where one rank sits for one layer: pipeline stage, and (d, s, t) inside the stage."""
+
+    pp: int
+    dp: int
+    sp: int
+    tp: int
+
+
+def layer_coords(rank: int, stage_size: int, dp: int, sp: int, tp: int) -> LayerCoords:
+    """Split a global rank into (pp, dp, sp, tp) coordinates; dp * sp * tp must equal stage_size."""
+    if dp * sp * tp != stage_size:
+        raise ValueError(f"dp*sp*tp = {dp * sp * tp} does not equal the stage size {stage_size}")
+    pp, r = divmod(rank, stage_size)
+    return LayerCoords(pp=pp, dp=r // (sp * tp), sp=(r // tp) % sp, tp=r % tp)
+
+
+def axis_groups(shape: dict[str, int], axis: str | tuple[str, ...]) -> list[list[int]]:
+    """Rank groups along `axis` (or several axes taken together) of a row-major mesh.
+
+    `shape` maps axis names, outermost first, to sizes. Each group holds the ranks that differ
+    only in the named axes (Megatron's RankGenerator). Example: shape {pp:1, dp:2, sp:1, tp:2},
+    axis "tp" -> [[0, 1], [2, 3]]; axis "dp" -> [[0, 2], [1, 3]].
+    """
+    names = list(shape)
+    axes = (axis,) if isinstance(axis, str) else tuple(axis)
+    for a in axes:
+        if a not in shape:
+            raise ValueError(f"unknown mesh axis '{a}'; axes: {', '.join(names)}")
+    strides, stride = {}, 1
+    for name in reversed(names):
+        strides[name] = stride
+        stride *= shape[name]
+    others = [n for n in names if n not in axes]
+
+    def offsets(axis_names):
+        out = [0]
+        for n in axis_names:
+            out = [o + i * strides[n] for o in out for i in range(shape[n])]
+        return out
+
+    return [sorted(base + off for off in offsets(axes)) for base in sorted(offsets(others))]
+
+
+# --- degrees of a plan ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """The degrees that decide which ranks share a layer's parameters.
+
+    `shard` is the ZeRO shard group size (1 without ZeRO; dp or the HSDP dp_shard otherwise);
+    the remaining `dp * sp / shard` ranks that hold the same tensor-parallel slice replicate.
+    """
+
+    dp: int
+    sp: int
+    tp: int
+    shard: int
+
+    @classmethod
+    def of(cls, s: LayerStrategy) -> "LayerLayout":
+        return cls(dp=s.dp, sp=s.sp_degree, tp=s.tp, shard=s.shard_degree)
+
+    @property
+    def replicate(self) -> int:
+        return self.dp * self.sp // self.shard
+
+
+@dataclass
+class ParallelDims:
+    """Validated degrees of a plan and the meshes built from them (torchtitan's ParallelDims).
+
+    `mesh` is the stage-wide mesh ("pp", "dp", "sp", "tp") of the plan's reference layout (the
+    most common layer layout); `layer_mesh(strategy)` returns the sharding mesh of one layer,
+    ("pp", "dp_replicate", "dp_shard", "tp"), built once per distinct layout. Callers never build
+    process groups themselves.
+    """
+
+    pp: int
+    stage_size: int
+    world_size: int
+    reference: LayerLayout
+    device_type: str = "cpu"
+    _mesh: "DeviceMesh | None" = field(default=None, repr=False)
+    _layer_meshes: dict = field(default_factory=dict, repr=False)
+    _sp_meshes: dict = field(default_factory=dict, repr=False)
+    _stage_group: object = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.pp * self.stage_size != self.world_size:
+            raise TesseraError(f"pp={self.pp} x stage size {self.stage_size} != world size {self.world_size}")
+        r = self.reference
+        if r.dp * r.sp * r.tp != self.stage_size:
+            raise TesseraError(f"dp*sp*tp={r.dp * r.sp * r.tp} does not fill a stage of {self.stage_size} ranks")
+
+    @classmethod
+    def from_plan(cls, plan: Plan, world_size: int, device_type: str = "cpu") -> "ParallelDims":
+        plan.check_matches(world_size=world_size)
+        layouts = [LayerLayout.of(s) for s in plan.layers]
+        reference = max(set(layouts), key=lambda lay: (layouts.count(lay), -layouts.index(lay)))
+        return cls(pp=plan.pipeline.degree, stage_size=plan.stage_size, world_size=world_size,
+                   reference=reference, device_type=device_type)
+
+    # --- meshes (need an initialised process group) ----------------------------------------------
+    @property
+    def mesh(self) -> "DeviceMesh":
+        """The world mesh ("pp", "dp", "sp", "tp") of the reference layout."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            r = self.reference
+            self._mesh = init_device_mesh(self.device_type, (self.pp, r.dp, r.sp, r.tp),
+                                          mesh_dim_names=(Axis.PP, Axis.DP, Axis.SP, Axis.TP))
+        return self._mesh
+
+    def layer_mesh(self, layout: LayerLayout) -> "DeviceMesh":
+        """Mesh ("pp", "dp_replicate", "dp_shard", "tp") for one layer layout.
+
+        Ranks (d, s, t) with d = d_rep * shard + d_shard: the shard axis runs over d_shard, the
+        replicate axis over (d_rep, s) — Ulysses ranks hold the same parameters, like dp ranks.
+        """
+        if layout not in self._layer_meshes:
+            import torch
+            from torch.distributed.device_mesh import DeviceMesh
+
+            rep_dp = layout.dp // layout.shard
+            ranks = torch.arange(self.world_size).view(self.pp, rep_dp, layout.shard, layout.sp, layout.tp)
+            ranks = ranks.permute(0, 1, 3, 2, 4).reshape(self.pp, rep_dp * layout.sp, layout.shard, layout.tp)
+            self._layer_meshes[layout] = DeviceMesh(
+                self.device_type, ranks,
+                mesh_dim_names=(Axis.PP, Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.TP))
+        return self._layer_meshes[layout]
+
+    def sp_group(self, layout: LayerLayout):
+        """Process group of the Ulysses ranks of a layer (those that differ only in s)."""
+        key = (layout.dp, layout.sp, layout.tp)
+        if key not in self._sp_meshes:
+            import torch
+            from torch.distributed.device_mesh import DeviceMesh
+
+            if key == (self.reference.dp, self.reference.sp, self.reference.tp):
+                self._sp_meshes[key] = self.mesh
+            else:
+                ranks = torch.arange(self.world_size).view(self.pp, *key)
+                self._sp_meshes[key] = DeviceMesh(self.device_type, ranks,
+                                                  mesh_dim_names=(Axis.PP, Axis.DP, Axis.SP, Axis.TP))
+        return self._sp_meshes[key].get_group(Axis.SP)
+
+    @property
+    def stage_group(self):
+        """Process group of the ranks of this rank's pipeline stage (all of them when pp = 1)."""
+        if self._stage_group is None:
+            import torch
+            import torch.distributed as dist
+            from torch.distributed.device_mesh import DeviceMesh
+
+            if self.pp == 1:
+                self._stage_group = dist.group.WORLD
+            else:
+                ranks = torch.arange(self.world_size).view(self.pp, self.stage_size)
+                self._stage_group = DeviceMesh(self.device_type, ranks,
+                                               mesh_dim_names=(Axis.PP, "stage")).get_group("stage")
+        return self._stage_group
+
+    def stage_rank(self, rank: int) -> int:
+        return rank % self.stage_size
+
+    def pp_rank(self, rank: int) -> int:
+        return rank // self.stage_size

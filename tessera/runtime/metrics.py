@@ -1,0 +1,96 @@
+"""Per-step training metrics: throughput, MFU, memory, and the plan's prediction beside them.
+
+MFU (model FLOPs utilisation, PaLM appendix B): achieved model FLOP/s over the peak of all ranks,
+
+    MFU = 3 * F(s) * tokens_per_s / (world * peak)
+
+with F(s) the forward FLOPs per token at sequence length s (`ModelSpec.flops_per_token`; training
+is forward + backward = 3x forward, recompute not counted) and `peak` the device's dense peak for
+the dtype that actually runs (fp32 on CPU).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..plan import Plan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepRecord:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float | None
+    peak_memory_bytes: list[float] = field(default_factory=list)  # per rank
+    predicted_step_time_s: float | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def peak_memory_bytes(device: torch.device) -> float:
+    """Peak bytes this process used: accelerator allocations, or the resident set on CPU."""
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return float(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def train_flops_per_token(plan: Plan) -> float:
+    return 3.0 * plan.model.flops_per_token(plan.workload.seq_len)
+
+
+def model_flops_utilisation(plan: Plan, tokens_per_s: float, world_size: int, dtype: str) -> float | None:
+    peak = plan.cluster.device.peak_flops.get(dtype)
+    if not peak:
+        return None
+    return train_flops_per_token(plan) * tokens_per_s / (world_size * peak)
+
+
+class MetricsWriter:
+    """Append one JSON line per step (and TensorBoard scalars when the package is installed)."""
+
+    def __init__(self, path: str | Path | None, tensorboard_dir: str | Path | None = None):
+        self.file = None
+        if path is not None:
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = path.open("a")
+        self.tb = None
+        if tensorboard_dir is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(tensorboard_dir))
+            except ImportError:
+                log.info("tensorboard is not installed: metrics go to the JSONL file only")
+
+    def write(self, record: StepRecord) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(record.to_dict()) + "\n")
+            self.file.flush()
+        if self.tb is not None:
+            for key in ("loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "mfu"):
+                value = getattr(record, key)
+                if value is not None:
+                    self.tb.add_scalar(f"train/{key}", value, record.step)
+            if record.peak_memory_bytes:
+                self.tb.add_scalar("train/peak_memory_gib", max(record.peak_memory_bytes) / 2**30, record.step)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.tb is not None:
+            self.tb.close()

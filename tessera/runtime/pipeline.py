@@ -1,0 +1,322 @@
+"""Pipeline parallelism: cut the model at the plan's stage boundaries and run a
+`torch.distributed.pipelining` schedule over the "pp" mesh axis.
+
+Layer indices are those of the plan's `ModelSpec`: 0 is the embedding, 1..N are the decoder
+blocks `layers.<i-1>`, N+1 is the LM head (final norm + output projection). Chunk `c` owns the
+layer range `plan.pipeline.stages[c]` and runs on pipeline rank `c % pp` (interleaved schedules
+place several chunks on a rank). A chunk is a `Transformer` whose modules outside its range are
+`None` (blocks outside the range are absent from `layers`), so parameter names stay those of the
+full model and a pipeline checkpoint loads into any other plan.
+
+Loss and gradients. Each micro-batch's loss is the mean over its tokens; the schedule divides
+gradients by the number of micro-batches m (`scale_grads=True`), so the gradient is that of
+    L = (1/m) * sum_j loss_j,
+which is the full batch's mean loss when micro-batches hold equally many tokens. `step` returns L
+on the ranks that hold the last stage. Packed documents: every rank holds the batch, so the
+positions and the block-diagonal mask reach every chunk as keyword arguments of the schedule
+(split into micro-batches like the tokens) instead of travelling between stages.
+
+Tied embeddings (GPT-2): when the embedding and the LM head land in different chunks, the head
+gets its own copy of the weight (same initial value) and, after each backward, the two copies'
+gradients are summed with an all-reduce between the first- and last-stage ranks of each
+pipeline column. Since d(loss)/dW_tied = g_embedding + g_head, both copies then receive the
+tied gradient and the same optimizer update, so they stay equal. Both copies must be sharded the
+same way (same FSDP/TP placements) for the element-wise sum to be valid.
+
+Zero-bubble schedules split the backward into input- and weight-gradient passes; with FSDP2 that
+is exact only when each chunk has a single root `fully_shard` (nested per-block sharding yields
+a wrong loss), which `build_pipeline` enforces.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import TesseraError
+from ..models.transformer import Transformer
+from ..plan import Plan, Schedule
+
+logger = logging.getLogger(__name__)
+
+EMBEDDING_WEIGHT = "tok_embeddings.weight"
+HEAD_WEIGHT = "output.weight"
+
+
+def chunks_of_rank(plan: Plan, pp_rank: int) -> list[int]:
+    """Indices of the model chunks pipeline rank `pp_rank` runs, in model order."""
+    pp = plan.pipeline.degree
+    if not 0 <= pp_rank < pp:
+        raise TesseraError(f"pipeline rank {pp_rank} is outside the plan's pipeline degree {pp}")
+    return [c for c in range(len(plan.pipeline.stages)) if plan.pipeline.rank_of_chunk(c) == pp_rank]
+
+
+def root_fsdp_only(plan: Plan) -> bool:
+    """True when the plan's schedule needs one root `fully_shard` per chunk (no per-block FSDP)."""
+    return plan.pipeline.degree > 1 and plan.pipeline.schedule == Schedule.ZERO_BUBBLE
+
+
+def _check_model_matches(model: Transformer, plan: Plan) -> None:
+    n_blocks = len(model.layers)
+    if len(plan.model.layers) != n_blocks + 2:
+        raise TesseraError(
+            f"plan describes {len(plan.model.layers)} layers (embedding + blocks + head) but the "
+            f"model has {n_blocks} blocks, i.e. {n_blocks + 2} layers")
+
+
+def _is_tied(model: Transformer) -> bool:
+    return (model.config.tie_embeddings and model.output is not None and model.tok_embeddings is not None
+            and model.output.weight is model.tok_embeddings.weight)
+
+
+def _make_chunk(model: Transformer, start: int, end: int) -> Transformer:
+    """A Transformer owning plan layers [start, end) of `model`, sharing its modules (no copy)."""
+    n_blocks = len(model.layers)
+    head = n_blocks + 1
+    chunk = Transformer.__new__(Transformer)
+    nn.Module.__init__(chunk)
+    chunk.config = model.config
+    owns_embedding, owns_head = start == 0, end > head
+    chunk.tok_embeddings = model.tok_embeddings if owns_embedding else None
+    if hasattr(model, "pos_embeddings"):
+        chunk.pos_embeddings = model.pos_embeddings if owns_embedding else None
+    if "freqs" in model._buffers:
+        chunk.register_buffer("freqs", model.freqs, persistent=False)
+    # Blocks are plan layers 1..N, i.e. module keys 0..N-1.
+    first_block, last_block = max(start, 1) - 1, min(end, head) - 1
+    chunk.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in range(first_block, last_block)})
+    chunk.norm = model.norm if owns_head else None
+    chunk.output = model.output if owns_head else None
+    if owns_head and _is_tied(model) and not owns_embedding:
+        # Untie: the head keeps its own copy, kept equal by summing gradients (module docstring).
+        weight = model.tok_embeddings.weight
+        chunk.output = nn.Linear(weight.shape[1], weight.shape[0], bias=False,
+                                 device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            chunk.output.weight = nn.Parameter(weight.detach().clone())
+    return chunk
+
+
+def split_model(model: Transformer, plan: Plan, pp_rank: int) -> list[nn.Module]:
+    """The model chunks that pipeline rank `pp_rank` owns, in model order.
+
+    Chunks share modules with `model` (each block belongs to exactly one chunk), so build the
+    full model once per rank (on the meta device if weights come from a checkpoint)."""
+    _check_model_matches(model, plan)
+    return [_make_chunk(model, *plan.pipeline.stages[c]) for c in chunks_of_rank(plan, pp_rank)]
+
+
+def _pp_mesh_and_rank(mesh, plan: Plan):
+    names = mesh.mesh_dim_names or ()
+    if "pp" not in names:
+        raise TesseraError(f"the device mesh has no 'pp' axis (axes: {', '.join(names) or 'none'})")
+    pp_mesh = mesh["pp"]
+    if pp_mesh.size() != plan.pipeline.degree:
+        raise TesseraError(f"the mesh's pp axis has {pp_mesh.size()} ranks, the plan's pipeline degree is "
+                           f"{plan.pipeline.degree}")
+    return pp_mesh, pp_mesh.get_local_rank()
+
+
+def _device_of(mesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _tied_sync_group(mesh, plan: Plan):
+    """The process group {first-stage rank, last-stage rank} of this rank's pipeline column.
+
+    Every rank creates every column's group, in the same order (`new_group` is collective)."""
+    names = list(mesh.mesh_dim_names)
+    ranks = mesh.mesh.movedim(names.index("pp"), 0).reshape(plan.pipeline.degree, -1)
+    first = plan.pipeline.rank_of_chunk(0)
+    last = plan.pipeline.rank_of_chunk(len(plan.pipeline.stages) - 1)
+    mine = None
+    me = dist.get_rank()
+    for column in ranks.t().tolist():
+        pair = sorted({column[first], column[last]})
+        group = dist.new_group(pair)
+        if me in pair:
+            mine = group
+    return mine
+
+
+def _check_root_only_fsdp(chunk: nn.Module, chunk_index: int) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    nested = [name for name, m in chunk.named_modules() if name and isinstance(m, FSDPModule)]
+    if nested:
+        raise TesseraError(
+            f"zero-bubble pipelines need one fully_shard per stage, but chunk {chunk_index} also shards "
+            f"'{nested[0]}' (nested sharding gives wrong gradients with the split backward)")
+
+
+_SCHEDULES = {
+    Schedule.GPIPE: "ScheduleGPipe",
+    Schedule.ONE_F_ONE_B: "Schedule1F1B",
+    Schedule.INTERLEAVED_1F1B: "ScheduleInterleaved1F1B",
+    Schedule.ZERO_BUBBLE: "ScheduleInterleavedZeroBubble",
+}
+
+
+def _make_schedule(plan: Plan, stages: list, loss_fn: Callable):
+    from torch.distributed import pipelining
+
+    cls = getattr(pipelining, _SCHEDULES[plan.pipeline.schedule])
+    multi = cls.__name__ in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble")
+    if not multi and len(stages) != 1:
+        raise TesseraError(f"schedule {plan.pipeline.schedule.value} runs one chunk per rank, "
+                           f"this rank has {len(stages)}")
+    return cls(stages if multi else stages[0], n_microbatches=plan.num_micro_batches,
+               loss_fn=loss_fn, scale_grads=True)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+@dataclass
+class PipelineRunner:
+    """This rank's share of a pipeline: its chunks (`model_parts`) and the schedule that runs them."""
+
+    model_parts: list[nn.Module]
+    chunk_ids: list[int]
+    num_chunks: int
+    pp_degree: int
+    num_micro_batches: int
+    schedule: object
+    device: torch.device = torch.device("cpu")
+    tied_params: list[nn.Parameter] = field(default_factory=list)
+    tied_group: object = None
+    _tied_is_copy: list[bool] = field(default_factory=list)
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self.chunk_ids
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.num_chunks - 1 in self.chunk_ids
+
+    @property
+    def tied_copies(self) -> list[nn.Parameter]:
+        """Parameters that duplicate another stage's (the untied LM head copy of a tied embedding).
+
+        Leave them out of a global gradient norm: they would count the tied gradient twice."""
+        return [p for p, is_copy in zip(self.tied_params, self._tied_is_copy) if is_copy]
+
+    def step(self, tokens: torch.Tensor | None, labels: torch.Tensor | None,
+             positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Forward and backward of one batch, split into the plan's micro-batches.
+
+        Every rank of the pipeline calls this; `tokens` are used on the first stage, `labels` on
+        the last (pass None elsewhere). Packed documents: `positions` (B, S) and the boolean
+        `mask` (B, 1, S, S) go to every stage's chunks (as keyword arguments, split into
+        micro-batches like the tokens), so every rank must pass them. Returns the mean
+        micro-batch loss (detached) on ranks with the last stage, None on the others. Gradients
+        are left in `.grad` for the optimizer."""
+        m = self.num_micro_batches
+        extra = {k: v for k, v in (("positions", positions), ("mask", mask)) if v is not None}
+        for name, t in (("tokens", tokens), ("labels", labels), *extra.items()):
+            if t is not None and t.shape[0] % m:
+                raise TesseraError(f"{name} batch of {t.shape[0]} sequences does not split into {m} micro-batches")
+        losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
+        args = (tokens,) if self.has_first_stage else ()
+        target = labels if self.has_last_stage else None
+        if _accepts_return_outputs(self.schedule):
+            extra["return_outputs"] = False  # the logits are not needed, only the losses
+        self.schedule.step(*args, target=target, losses=losses, **extra)
+        self._sync_tied_gradients()
+        if losses is None:
+            return None
+        return torch.stack([_plain(l).detach().float() for l in losses]).mean()
+
+    def global_loss(self, loss: torch.Tensor | None) -> float:
+        """The step's loss on every rank: mean over the last stage's ranks (all ranks call this).
+
+        The last stage's ranks hold equal shares of the global batch (dp) or equal copies (tp),
+        so their mean is the global batch's mean loss."""
+        stage_ranks = dist.get_world_size() // self.pp_degree
+        value = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if loss is not None:
+            value += float(loss) / stage_ranks
+        dist.all_reduce(value)
+        return float(value)
+
+    @torch.no_grad()
+    def _sync_tied_gradients(self) -> None:
+        if not self.tied_params:
+            return
+        grads = [p.grad for p in self.tied_params]
+        if any(g is None for g in grads):
+            raise RuntimeError("a tied embedding/head weight has no gradient after backward")
+        locals_ = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        total = locals_[0].clone()
+        for g in locals_[1:]:
+            total += g
+        if self.tied_group is not None:
+            dist.all_reduce(total, group=self.tied_group)
+        for g in locals_:
+            g.copy_(total)
+
+
+def _find_param(module: nn.Module, fqn: str) -> nn.Parameter | None:
+    """The parameter named `fqn` in the full model, looking through recompute/compile wrappers."""
+    for name, p in module.named_parameters():
+        if name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "") == fqn:
+            return p
+    return None
+
+
+def _accepts_return_outputs(schedule) -> bool:
+    return "return_outputs" in inspect.signature(schedule.step).parameters
+
+
+def build_pipeline(model: Transformer, plan: Plan, mesh, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   parallelize_chunk: Callable[[nn.Module, range], nn.Module] | None = None) -> PipelineRunner:
+    """Split `model` by the plan, parallelise each local chunk, and build the plan's schedule.
+
+    `mesh` is the full device mesh with a "pp" axis; `parallelize_chunk(chunk, layer_ids)`
+    applies the plan's TP/FSDP to a chunk (`layer_ids` = its plan layer range) and returns it.
+    `loss_fn(logits, labels)` returns the micro-batch mean loss."""
+    from torch.distributed.pipelining import PipelineStage
+
+    if plan.pipeline.degree < 2:
+        raise TesseraError("build_pipeline needs a plan with pipeline degree >= 2")
+    pp_mesh, pp_rank = _pp_mesh_and_rank(mesh, plan)
+    chunk_ids = chunks_of_rank(plan, pp_rank)
+    parts = split_model(model, plan, pp_rank)
+    device = _device_of(mesh)
+    num_chunks = len(plan.pipeline.stages)
+    stages = []
+    for c, chunk in zip(chunk_ids, parts):
+        if parallelize_chunk is not None:
+            chunk = parallelize_chunk(chunk, range(*plan.pipeline.stages[c]))
+        if root_fsdp_only(plan):
+            _check_root_only_fsdp(chunk, c)
+        stages.append(PipelineStage(chunk, stage_index=c, num_stages=num_chunks, device=device,
+                                    group=pp_mesh.get_group()))
+    parts = [s.submod for s in stages]
+    runner = PipelineRunner(model_parts=parts, chunk_ids=chunk_ids, num_chunks=num_chunks,
+                            pp_degree=plan.pipeline.degree, num_micro_batches=plan.num_micro_batches,
+                            schedule=_make_schedule(plan, stages, loss_fn), device=device)
+    if _is_tied(model):
+        # First and last chunk are on different ranks (pp >= 2, chunk c on rank c % pp).
+        runner.tied_group = _tied_sync_group(mesh, plan)
+        for part in parts:
+            for name, is_copy in ((EMBEDDING_WEIGHT, False), (HEAD_WEIGHT, True)):
+                param = _find_param(part, name)
+                if param is not None:
+                    runner.tied_params.append(param)
+                    runner._tied_is_copy.append(is_copy)
+                    break  # a chunk with the embedding holds the tied weight itself
+    logger.info("pipeline rank %d runs chunks %s with %s over %d micro-batches", pp_rank, chunk_ids,
+                type(runner.schedule).__name__, plan.num_micro_batches)
+    return runner

@@ -1,0 +1,360 @@
+"""The training loop: build everything from a Plan, then step, log, checkpoint.
+
+    trainer = Trainer(TrainConfig(plan=plan, steps=100))   # process group, mesh, model, optimizer
+    trainer.train()                                         # resume; step; log; save
+
+Every rank loads its block of the global batch in the plan's data layout: the batch split over
+the smallest dp of any layer (`data_rank`, `data_size`); layers with a wider dp take sub-blocks
+of it without communication. A step runs the plan's micro-batches (gradient accumulation, or
+the pipeline schedule), rescales gradients of layers replicated over fewer or more ranks than the
+loss is split over, clips the global norm, and steps AdamW and the LR schedule.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..errors import TesseraError
+from ..models.transformer import build_model
+from ..plan import Plan
+from .mesh import ParallelDims
+from .metrics import MetricsWriter, StepRecord, model_flops_utilisation, peak_memory_bytes
+from .optim import OptimConfig, build_optimizer, build_scheduler, clip_grad_norm_
+from .parallelize import Parallelized, check_plan_supported, parallelize, uses_ddp
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainConfig:
+    plan: Plan
+    steps: int = 100
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    seed: int = 0
+    data: str | None = None  # a directory or file of text/tokens; None = the built-in corpus
+    synthetic_data: bool = False  # seeded random tokens (tests, benchmarks)
+    metrics_path: str | None = None
+    tensorboard_dir: str | None = None
+    log_every: int = 1
+    compile: bool = False
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    resume: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise TesseraError(f"steps must be >= 0, got {self.steps}")
+        if self.data is not None and not Path(self.data).exists():
+            raise TesseraError(f"data directory {self.data} does not exist")
+
+
+def _pipeline_available() -> bool:
+    from importlib.util import find_spec
+
+    return find_spec("tessera.runtime.pipeline") is not None
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, on_step: Callable[[StepRecord], None] | None = None):
+        self.config = config
+        self.plan = config.plan
+        self.on_step = on_step
+        self.step = 0
+        self.build_distributed()
+        check_plan_supported(self.plan, self.world_size, pipeline_available=_pipeline_available())
+        self.build_model()
+        if (config.checkpoint_dir or config.resume) and self.pipeline is None and self.parallel.zero1:
+            raise TesseraError("checkpointing a ZeRO-1 data-parallel run (ZeroRedundancyOptimizer state) is not "
+                               "supported; use zero=2, whose sharded state reshards on load")
+        self.build_optimizer()
+        self.loader = None
+        self.data_iter = None
+        self.metrics = MetricsWriter(config.metrics_path, config.tensorboard_dir) if self.rank == 0 else None
+
+    # --- build --------------------------------------------------------------------------------
+    def build_distributed(self) -> None:
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(self.device)
+            backend = "nccl"
+        else:
+            self.device = torch.device("cpu")
+            backend = "gloo"
+        if not dist.is_initialized():
+            if "RANK" in os.environ:
+                dist.init_process_group(backend)
+            else:  # one process without torchrun: an in-memory store, no port to collide on
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.dims = ParallelDims.from_plan(self.plan, self.world_size, self.device.type)
+        # bf16 compute only on accelerators: CPUs here have no fast bf16 matmul.
+        self.dtype = self.plan.workload.dtype if self.device.type == "cuda" else "fp32"
+        if self.dtype != self.plan.workload.dtype:
+            log.info("workload dtype %s runs as fp32 on CPU", self.plan.workload.dtype)
+
+    def build_model(self) -> None:
+        """Build the full model from the seed on every rank (same init as one process), then shard."""
+        self.model = build_model(self.plan.model.config, seed=self.config.seed, device=self.device)
+        mp_policy = None
+        if self.dtype in ("bf16", "fp16"):
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            mp_policy = MixedPrecisionPolicy(param_dtype=getattr(torch, {"bf16": "bfloat16"}.get(self.dtype, "float16")),
+                                             reduce_dtype=torch.float32)
+        self.pipeline = None
+        if self.plan.pipeline.degree > 1:
+            self.build_pipeline(mp_policy)
+            return
+        self.parallel: Parallelized = parallelize(self.model, self.plan, self.dims, self.rank,
+                                                  compile=self.config.compile, mp_policy=mp_policy)
+        self.model_parts = [self.parallel.module]
+        self.loss_fn = self.parallel.loss
+        # FSDP2 casts through its MixedPrecisionPolicy; the DDP path autocasts.
+        self.autocast = (torch.autocast(self.device.type, dtype=mp_policy.param_dtype)
+                         if mp_policy is not None and uses_ddp(self.plan) else nullcontext())
+
+    def build_pipeline(self, mp_policy) -> None:
+        """Cut the model into the plan's stages; each local chunk is parallelised like a model."""
+        from .parallelize import ParallelLoss, StageContext
+        from .pipeline import build_pipeline, root_fsdp_only
+
+        parts: list[Parallelized] = []
+
+        def parallelize_chunk(chunk, layers: range):
+            parts.append(parallelize(chunk, self.plan, self.dims, self.rank, layers, compile=self.config.compile,
+                                     mp_policy=mp_policy, root_only=root_fsdp_only(self.plan)))
+            return parts[-1].module
+
+        self.loss_fn = ParallelLoss(StageContext.build(self.plan, self.dims, self.rank))
+        self.pipeline = build_pipeline(self.model, self.plan, self.dims.mesh, self.loss_fn, parallelize_chunk)
+        self.pipeline_parts = parts
+        self.model_parts = list(self.pipeline.model_parts)
+        self.autocast = nullcontext()
+
+    def build_optimizer(self) -> None:
+        """AdamW and its LR schedule per model part (pipeline chunks checkpoint one pair each)."""
+        cfg = self.config.optim
+        if cfg.total_steps != self.config.steps and self.config.steps:
+            cfg = OptimConfig(**{**cfg.__dict__, "total_steps": self.config.steps})
+        zero1 = self.pipeline is None and self.parallel.zero1
+        self.optimizers = [build_optimizer(part.parameters(), cfg, self.parallel.ddp_group if zero1 else None)
+                           for part in self.model_parts]
+        self.schedulers = [build_scheduler(opt, cfg) for opt in self.optimizers]
+        self.params = list({id(p): p for part in self.model_parts for p in part.parameters()}.values())
+        # The gradient norm counts a tied weight once: a pipeline's head copy is left out.
+        self.tied_copies = set()
+        if self.pipeline is not None and not self.pipeline.has_first_stage:
+            self.tied_copies = {id(p) for p in self.pipeline.tied_params}
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer of the first model part (all of them: `optimizers`)."""
+        return self.optimizers[0]
+
+    def build_data(self):
+        """The batch iterator of this rank's data block (`data_rank` of `data_size`)."""
+        w = self.plan.workload
+        if self.config.synthetic_data:
+            return SyntheticLoader(self.plan.model.config.vocab_size, w.seq_len, w.global_batch,
+                                   self.data_rank, self.data_size, self.config.seed)
+        from .data import build_dataloader
+
+        loader = build_dataloader(self.config.data, w.seq_len, w.global_batch, self.data_rank, self.data_size,
+                                  self.config.seed, pack=True)
+        if loader.vocab_size > self.plan.model.config.vocab_size:
+            raise TesseraError(f"the data's tokenizer has {loader.vocab_size} tokens, more than the model's "
+                               f"vocabulary of {self.plan.model.config.vocab_size}")
+        return loader
+
+    # --- data placement ---------------------------------------------------------------------------
+    @property
+    def data_size(self) -> int:
+        return min(s.dp for s in self.plan.layers)
+
+    @property
+    def data_rank(self) -> int:
+        return self.dims.stage_rank(self.rank) // (self.plan.stage_size // self.data_size)
+
+    def local_rows(self, global_batch: torch.Tensor) -> torch.Tensor:
+        """This rank's block of a global-batch tensor (tests feed the same global batch everywhere)."""
+        rows = global_batch.shape[0] // self.data_size
+        return global_batch[self.data_rank * rows:(self.data_rank + 1) * rows]
+
+    # --- one step ---------------------------------------------------------------------------------
+    def train_step(self, tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None,
+                   mask: torch.Tensor | None = None) -> float:
+        """One optimizer step on this rank's data block; returns the mean loss of the global batch."""
+        tokens, labels = tokens.to(self.device), labels.to(self.device)
+        positions = positions.to(self.device) if positions is not None else None
+        mask = mask.to(self.device) if mask is not None else None
+        if self.pipeline is not None:
+            loss = self.forward_backward_pp(tokens, labels, positions, mask)
+        else:
+            loss = self.forward_backward(tokens, labels, positions, mask)
+            self.parallel.rescale_grads()
+        pp_group = self.dims.mesh.get_group("pp") if self.plan.pipeline.degree > 1 else None
+        self.grad_norm = clip_grad_norm_(self.params, self.config.optim.grad_clip, pp_group,
+                                         skip_in_norm=self.tied_copies)
+        for opt, sched in zip(self.optimizers, self.schedulers):
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+        return loss
+
+    def forward_backward(self, tokens, labels, positions, mask) -> float:
+        n = self.plan.num_micro_batches
+        module = self.parallel.module
+        total = torch.zeros((), device=self.device)
+        chunks = [t.chunk(n) if t is not None else [None] * n for t in (tokens, labels, positions, mask)]
+        for i in range(n):
+            sync = i == n - 1
+            no_sync = module.no_sync() if (hasattr(module, "no_sync") and not sync) else nullcontext()
+            with no_sync, self.loss_fn.context():
+                with self.autocast:
+                    logits = module(chunks[0][i], chunks[2][i], chunks[3][i])
+                    loss = self.loss_fn(logits, chunks[1][i])
+                (loss / n).backward()
+            total += _plain(loss).detach() / n
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return float(total) / self.world_size
+
+    def forward_backward_pp(self, tokens, labels, positions, mask) -> float:
+        # Every rank holds the batch: positions and masks reach each stage as keyword arguments.
+        with self.loss_fn.context():
+            loss = self.pipeline.step(tokens, labels, positions, mask)
+        for part in self.pipeline_parts:
+            part.rescale_grads()
+        return self.pipeline.global_loss(loss)
+
+    # --- the loop ---------------------------------------------------------------------------------
+    def train(self) -> list[StepRecord]:
+        self.maybe_resume()
+        if self.data_iter is None:
+            self.loader = self.build_data()
+            self.data_iter = iter(self.loader)
+        records = []
+        tokens_per_step = self.plan.workload.tokens_per_step
+        predicted = self.plan.prediction.step_time_s if self.plan.prediction is not None else None
+        while self.step < self.config.steps:
+            batch = next(self.data_iter)
+            start = time.perf_counter()
+            packed = getattr(batch, "packed", False)
+            loss = self.train_step(batch.tokens, batch.labels, batch.positions if packed else None,
+                                   batch.doc_mask() if packed else None)
+            elapsed = time.perf_counter() - start
+            self.step += 1
+            if self.step % self.config.log_every == 0 or self.step == self.config.steps:
+                record = StepRecord(
+                    step=self.step, loss=loss, lr=self.schedulers[0].get_last_lr()[0], grad_norm=self.grad_norm,
+                    step_time_s=elapsed, tokens_per_s=tokens_per_step / elapsed,
+                    mfu=model_flops_utilisation(self.plan, tokens_per_step / elapsed, self.world_size, self.dtype),
+                    peak_memory_bytes=self.gather_peak_memory(), predicted_step_time_s=predicted)
+                records.append(record)
+                if self.rank == 0:
+                    log.info("step %d loss %.4f %.0f tok/s", record.step, record.loss, record.tokens_per_s)
+                    self.metrics and self.metrics.write(record)
+                    self.on_step and self.on_step(record)
+            self.maybe_checkpoint()
+        return records
+
+    def gather_peak_memory(self) -> list[float]:
+        mine = torch.tensor([peak_memory_bytes(self.device)], dtype=torch.float64, device=self.device)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(out, mine)
+        return [float(t) for t in out]
+
+    # --- checkpoints ------------------------------------------------------------------------------
+    def _checkpoint_manager(self, directory: str):
+        from .checkpoint import CheckpointManager
+
+        return CheckpointManager(directory)
+
+    def extra_state(self) -> dict:
+        state = {"step": self.step, "schedulers": [s.state_dict() for s in self.schedulers]}
+        if self.loader is not None and hasattr(self.loader, "state_dict"):
+            state["data"] = self.loader.state_dict()
+        return state
+
+    def maybe_checkpoint(self) -> None:
+        cfg = self.config
+        if cfg.checkpoint_dir and cfg.checkpoint_every and (self.step % cfg.checkpoint_every == 0
+                                                            or self.step == cfg.steps):
+            self._checkpoint_manager(cfg.checkpoint_dir).save(self.step, self.model_parts, self.optimizers,
+                                                              self.extra_state())
+
+    def maybe_resume(self) -> None:
+        if not self.config.resume:
+            return
+        resume = Path(self.config.resume)
+        # Either a checkpoint directory (its latest step) or one `step-N` inside it.
+        is_step = resume.name.startswith("step-") and (resume / "manifest.json").exists()
+        manager = self._checkpoint_manager(str(resume.parent if is_step else resume))
+        extra = manager.load(self.model_parts, self.optimizers, path=resume if is_step else None)
+        self.step = int(extra["step"])
+        # The schedule depends on the step only; another plan may have other chunk counts.
+        for sched in self.schedulers:
+            sched.load_state_dict(extra["schedulers"][0])
+        self.loader = self.build_data()
+        if "data" in extra and hasattr(self.loader, "load_state_dict"):
+            self.loader.load_state_dict(extra["data"])
+        self.data_iter = iter(self.loader)
+        log.info("resumed from %s at step %d", self.config.resume, self.step)
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+
+
+def _plain(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@dataclass
+class SyntheticBatch:
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    positions: torch.Tensor | None = None
+    packed: bool = False
+
+    def doc_mask(self):
+        return None
+
+
+class SyntheticLoader:
+    """Seeded random token sequences: step k's global batch comes from a generator seeded (seed, k),
+    each rank keeps its rows; the position is one integer, so resume is exact."""
+
+    def __init__(self, vocab: int, seq_len: int, global_batch: int, dp_rank: int, dp_size: int, seed: int):
+        self.vocab, self.seq_len, self.global_batch = vocab, seq_len, global_batch
+        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+        self.step = 0
+
+    @staticmethod
+    def global_batch_at(vocab: int, seq_len: int, global_batch: int, seed: int, step: int):
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        seqs = torch.randint(0, vocab, (global_batch, seq_len + 1), generator=gen)
+        return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> SyntheticBatch:
+        tokens, labels = self.global_batch_at(self.vocab, self.seq_len, self.global_batch, self.seed, self.step)
+        self.step += 1
+        rows = self.global_batch // self.dp_size
+        mine = slice(self.dp_rank * rows, (self.dp_rank + 1) * rows)
+        return SyntheticBatch(tokens=tokens[mine], labels=labels[mine])
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])

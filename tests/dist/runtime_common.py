@@ -1,0 +1,144 @@
+"""Shared by the runtime's torchrun scripts: small models, hand-made plans, the one-process reference."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tessera.models.transformer import build_model
+from tessera.plan import LayerStrategy, PipelineSpec, Plan, Recompute, SPKind
+from tessera.runtime.optim import OptimConfig, build_optimizer, build_scheduler, clip_grad_norm_
+from tessera.runtime.trainer import TrainConfig, Trainer
+from tessera.spec.model import ModelSpec, TransformerConfig
+from tessera.spec.presets.clusters import local_cpu_cluster
+from tessera.spec.workload import Workload
+
+LLAMA = TransformerConfig(name="test-llama", vocab_size=512, hidden=64, num_layers=4, num_heads=4,
+                          num_kv_heads=2, ffn_hidden=96, max_seq_len=64)
+GPT2 = TransformerConfig(name="test-gpt2", family="gpt2", vocab_size=512, hidden=64, num_layers=4, num_heads=4,
+                         num_kv_heads=4, ffn_hidden=128, max_seq_len=64, norm="layernorm", mlp="gelu",
+                         position="learned", linear_bias=True, tie_embeddings=True)
+MOE = TransformerConfig(name="test-moe", family="mixtral", vocab_size=512, hidden=64, num_layers=2, num_heads=4,
+                        num_kv_heads=2, ffn_hidden=64, max_seq_len=64, num_experts=4, top_k=2)
+
+GLOBAL_BATCH, SEQ, STEPS = 8, 16, 3
+OPTIM = OptimConfig(lr=3e-3, warmup_steps=2, total_steps=STEPS, grad_clip=0.5)
+
+
+def S(dp=1, tp=1, sp="none", sp_degree=1, zero=0, dp_shard=0, recompute="none", offload=False) -> LayerStrategy:
+    return LayerStrategy(dp=dp, tp=tp, sp=SPKind(sp), sp_degree=sp_degree, zero=zero, dp_shard=dp_shard,
+                         recompute=Recompute(recompute), offload_optimizer=offload)
+
+
+def make_plan(config: TransformerConfig, world: int, strategies, num_micro_batches: int = 1,
+              global_batch: int = GLOBAL_BATCH, seq_len: int = SEQ, stages=None,
+              schedule: str = "1f1b") -> Plan:
+    """A hand-made plan: one strategy for every layer, or a list (embedding, blocks..., head);
+    `stages` = the pipeline chunks' layer ranges (pp = world / ranks of a stage)."""
+    spec = ModelSpec.from_config(config)
+    n = len(spec.layers)
+    layers = tuple(strategies) if isinstance(strategies, (list, tuple)) else (strategies,) * n
+    assert len(layers) == n, (len(layers), n)
+    dp = max(s.dp for s in layers)
+    return Plan(model=spec, cluster=local_cpu_cluster(world),
+                workload=Workload(global_batch=global_batch, seq_len=seq_len, dtype="fp32"),
+                micro_batch_size=global_batch // dp // num_micro_batches, num_micro_batches=num_micro_batches,
+                pipeline=_pipeline(world, layers[0].devices, stages or ((0, n),), schedule), layers=layers)
+
+
+def _pipeline(world: int, stage_size: int, stages, schedule: str) -> PipelineSpec:
+    pp = world // stage_size
+    return PipelineSpec(degree=pp, schedule=schedule, virtual_stages=len(stages) // pp, stages=tuple(stages))
+
+
+def global_batches(config: TransformerConfig, steps: int = STEPS, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        seqs = torch.randint(0, config.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=gen)
+        out.append((seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()))
+    return out
+
+
+_REFERENCE: dict = {}
+
+
+def reference_losses(config: TransformerConfig, batches) -> list[float]:
+    """Losses of a one-process run on the same global batches (same init, optimizer, clipping)."""
+    if config.name not in _REFERENCE:
+        model = build_model(config, seed=0)
+        opt = build_optimizer(model.parameters(), OPTIM)
+        sched = build_scheduler(opt, OPTIM)
+        losses = []
+        for tokens, labels in batches:
+            loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), labels.flatten())
+            loss.backward()
+            clip_grad_norm_(list(model.parameters()), OPTIM.grad_clip)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        _REFERENCE[config.name] = losses
+    return _REFERENCE[config.name]
+
+
+def run_plan(plan: Plan, batches) -> list[float]:
+    trainer = Trainer(TrainConfig(plan=plan, steps=STEPS, optim=OPTIM, seed=0))
+    losses = [trainer.train_step(trainer.local_rows(t), trainer.local_rows(l)) for t, l in batches]
+    trainer.close()
+    return losses
+
+
+def check(name: str, plan: Plan, config: TransformerConfig, rtol: float = 1e-5) -> None:
+    batches = global_batches(config)
+    want = reference_losses(config, batches)
+    got = run_plan(plan, batches)
+    for step, (g, w) in enumerate(zip(got, want)):
+        if abs(g - w) > rtol * abs(w):
+            raise AssertionError(f"{name}: step {step} loss {g:.8f} != one-process {w:.8f}")
+    if dist.get_rank() == 0:
+        print(f"CHECK {name} ok", flush=True)
+
+
+TRAIN_STEPS = 4
+
+
+def reference_trained_losses(config: TransformerConfig) -> list[float]:
+    """One process, `Trainer.train`'s synthetic batches, TRAIN_STEPS steps."""
+    from tessera.runtime.trainer import SyntheticLoader
+
+    optim = OptimConfig(**{**OPTIM.__dict__, "total_steps": TRAIN_STEPS})
+    model = build_model(config, seed=0)
+    opt = build_optimizer(model.parameters(), optim)
+    sched = build_scheduler(opt, optim)
+    losses = []
+    for step in range(TRAIN_STEPS):
+        tokens, labels = SyntheticLoader.global_batch_at(config.vocab_size, SEQ, GLOBAL_BATCH, 0, step)
+        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), labels.flatten())
+        loss.backward()
+        clip_grad_norm_(list(model.parameters()), optim.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def check_trained(name: str, plan: Plan, config: TransformerConfig, checkpoint_dir: str | None = None,
+                  resume: str | None = None, rtol: float = 1e-5) -> None:
+    """`Trainer.train()` (synthetic data, optional checkpoints / resume) matches one process."""
+    trainer = Trainer(TrainConfig(plan=plan, steps=TRAIN_STEPS, optim=OPTIM, seed=0, synthetic_data=True,
+                                  checkpoint_dir=checkpoint_dir, checkpoint_every=2 if checkpoint_dir else 0,
+                                  resume=resume))
+    records = trainer.train()
+    trainer.close()
+    want = reference_trained_losses(config)
+    first = TRAIN_STEPS - len(records)
+    for r in records:
+        w = want[r.step - 1]
+        if abs(r.loss - w) > rtol * abs(w):
+            raise AssertionError(f"{name}: step {r.step} loss {r.loss:.8f} != one-process {w:.8f}")
+    assert [r.step for r in records] == list(range(first + 1, TRAIN_STEPS + 1)), [r.step for r in records]
+    if resume is not None:
+        assert first > 0, "resume did not skip the saved steps"
+    if dist.get_rank() == 0:
+        print(f"CHECK {name} ok", flush=True)

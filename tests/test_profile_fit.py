@@ -1,0 +1,132 @@
+"""Torch-free profile pieces: the least-squares fits, applying profiles, refusing the wrong ones."""
+import json
+
+import numpy as np
+import pytest
+
+from tessera.errors import TesseraError
+from tessera.profile.apply import apply_model_profile, load_cluster_profile, load_model_profile, write_atomic
+from tessera.profile.fit import (LayerMeasurement, ModelProfile, fit_activation_bytes, fit_layer_kind,
+                                 fit_time_model)
+from tessera.spec.model import LayerKind
+from tessera.spec.presets import get_model, local_cpu_cluster
+
+
+def test_fit_recovers_known_coefficients_from_noisy_timings():
+    rng = np.random.default_rng(0)
+    sizes = [(b, s) for b in (1, 2, 4) for s in (64, 128, 256, 512)]
+    lin = np.array([b * s * 1.5e6 for b, s in sizes])
+    att = np.array([b * s * s * 512.0 for b, s in sizes])
+    a, b, c = 2.0e-11, 7.0e-11, 3e-4
+    t = (a * lin + b * att + c) * (1 + 0.01 * rng.standard_normal(len(sizes)))
+    fit = fit_time_model(lin, att, t, intercept=True)
+    assert fit.a == pytest.approx(a, rel=0.05) and fit.b == pytest.approx(b, rel=0.1)
+    assert fit.c == pytest.approx(c, rel=0.3) and fit.r2 > 0.99
+    exact = fit_time_model(lin, att, a * lin + b * att)
+    assert exact.a == pytest.approx(a, rel=1e-6) and exact.b == pytest.approx(b, rel=1e-6)
+    assert exact.max_rel_err < 1e-6
+
+
+def test_layer_scales_are_relative_to_the_reference_rate():
+    layer = get_model("tiny-llama").layers[1]
+    rate, s_lin, s_att = 50e9, 1.7, 4.0
+    ms = []
+    for b, s in [(1, 64), (2, 64), (1, 128), (4, 64), (2, 128), (1, 256)]:
+        lin, att = b * s * layer.flops_per_token, b * s * layer.attn_flops_coeff * s
+        fwd = (lin * s_lin + att * s_att) / rate  # the cost model's forward, backward = 2x
+        ms.append(LayerMeasurement(batch=b, seq_len=s, forward_s=fwd, backward_s=2 * fwd,
+                                   activation_bytes=123.0 * b * s, linear_flops=lin, attn_flops=att))
+    kp = fit_layer_kind(layer.kind, layer.name, layer.params, layer.flops_per_token, layer.attn_flops_coeff, ms, rate)
+    assert kp.linear_time_scale == pytest.approx(s_lin, rel=1e-6)
+    assert kp.attn_time_scale == pytest.approx(s_att, rel=1e-6)
+    assert kp.activation_bytes_per_token == pytest.approx(123.0) and kp.backward_over_forward == pytest.approx(2.0)
+
+
+def test_inseparable_terms_fall_back_to_one_common_scale():
+    # Every size has the same seq: the attention term cannot be told apart from the linear one.
+    lin = [100.0, 200.0, 400.0]
+    att = [10.0, 20.0, 40.0]
+    ms = [LayerMeasurement(batch=b, seq_len=64, forward_s=1e-9 * (l + a), backward_s=2e-9 * (l + a),
+                           activation_bytes=0.0, linear_flops=l, attn_flops=a)
+          for b, l, a in zip((1, 2, 4), lin, att)]
+    kp = fit_layer_kind(LayerKind.DECODER, "block0", 1, 1.0, 1.0, ms, reference_flops=1e9)
+    assert kp.linear_time_scale == pytest.approx(kp.attn_time_scale) == pytest.approx(1.0)
+
+
+def test_fit_activation_bytes_and_bad_input():
+    k, err = fit_activation_bytes([100, 200, 400], [1000, 2000, 4000])
+    assert k == pytest.approx(10.0) and err == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="positive"):
+        fit_time_model([1.0], [0.0], [0.0])
+    with pytest.raises(ValueError, match="as many"):
+        fit_time_model([1.0, 2.0], [0.0], [1.0])
+
+
+def _profile_for(model, linear=2.0, attn=3.0, act_per_token=None):
+    kinds = []
+    for kind in (LayerKind.EMBEDDING, LayerKind.DECODER, LayerKind.LM_HEAD):
+        layer = next(l for l in model.layers if l.kind == kind)
+        act = act_per_token if act_per_token is not None else 2 * (layer.act_bytes_tp + layer.act_bytes_replicated) + 8
+        m = LayerMeasurement(batch=1, seq_len=64, forward_s=1.0, backward_s=2.0, activation_bytes=act * 64,
+                             linear_flops=1.0, attn_flops=0.0)
+        kinds.append(dict(kind=kind, layer=layer.name, params=layer.params, flops_per_token=layer.flops_per_token,
+                          attn_flops_coeff=layer.attn_flops_coeff, measurements=(m,), linear_time_scale=linear,
+                          attn_time_scale=attn, overhead_s=0.0, fit_r2=1.0, fit_max_rel_err=0.0,
+                          activation_bytes_per_token=act, activation_fit_max_rel_err=0.0, backward_over_forward=2.0))
+    return ModelProfile(model=model.name, device="cpu", dtype="fp32", reference_flops=1e10, layers=tuple(kinds))
+
+
+def test_apply_model_profile_updates_every_layer_of_a_kind(tmp_path):
+    model = get_model("tiny-llama")
+    path = tmp_path / "mp.json"
+    write_atomic(path, _profile_for(model).model_dump_json())
+    applied = apply_model_profile(model, path)
+    for before, after in zip(model.layers, applied.layers):
+        assert (after.linear_time_scale, after.attn_time_scale) == (2.0, 3.0)
+        spec = before.act_bytes_tp + before.act_bytes_replicated
+        got = after.act_bytes_tp + after.act_bytes_replicated
+        assert got == pytest.approx(2 * spec + 8)
+        if spec:  # the split (what TP divides) keeps the spec's proportions
+            assert after.act_bytes_tp / got == pytest.approx(before.act_bytes_tp / spec)
+            assert after.act_bytes_input / before.act_bytes_input == pytest.approx(got / spec)
+    assert applied.layers[0].params == model.layers[0].params and applied.name == model.name
+
+
+def test_profile_of_another_model_is_refused(tmp_path):
+    path = tmp_path / "mp.json"
+    write_atomic(path, _profile_for(get_model("tiny-llama")).model_dump_json())
+    with pytest.raises(TesseraError, match="measured on model 'tiny-llama', not 'tiny-gpt2'"):
+        apply_model_profile(get_model("tiny-gpt2"), path)
+    other = get_model("tiny-gpt2").model_copy(update={"name": "tiny-llama"})
+    with pytest.raises(TesseraError, match="does not match"):
+        apply_model_profile(other, path)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"version": 99}))
+    with pytest.raises(TesseraError, match="version 99"):
+        load_model_profile(bad)
+
+
+def test_cluster_profile_of_another_shape_is_refused(tmp_path):
+    path = tmp_path / "cluster.json"
+    write_atomic(path, local_cpu_cluster(2).model_dump_json())
+    assert load_cluster_profile(path, expect_gpus=2).num_gpus == 2
+    with pytest.raises(TesseraError, match="measured on 1 node\\(s\\) x 2 device\\(s\\) = 2 devices, not the 4"):
+        load_cluster_profile(path, expect_gpus=4)
+    with pytest.raises(TesseraError, match="8 devices per node|2 devices per node, not 8"):
+        load_cluster_profile(path, expect_gpus_per_node=8)
+    (tmp_path / "half.json").write_text('{"name": "x", "num_nodes": 1, ')
+    with pytest.raises(TesseraError, match="not valid JSON"):
+        load_cluster_profile(tmp_path / "half.json")
+
+
+def test_write_atomic_keeps_the_old_file_when_interrupted(tmp_path, monkeypatch):
+    path = tmp_path / "cluster.json"
+    path.write_text("old")
+
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("os.replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_atomic(path, "new " * 1000)
+    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["cluster.json"]
