@@ -19,8 +19,10 @@ Per step (seconds, once): ZeRO-0/1 gradient all-reduce (ZeRO-1: reduce-scatter +
     same volume) overlapped with the last micro-batch's backward of the layer; ZeRO-2 parameter
     all-gather after the update overlapped with the first forward; HSDP / Ulysses replica
     all-reduce of the 1/S shard, exposed; the optimizer update, memory-bound:
-    (3 pb + 2 ob) * local params / HBM bandwidth; with offload, the gradient download and parameter
-    upload over `host_bandwidth` instead (host compute is not modelled).
+    (3 pb + 2 ob) * local params / HBM bandwidth. With offload: gradients down and parameters up
+    (2 pb) plus the host update's own traffic (2 ob + 2 pb), all at `host_bandwidth`, not
+    overlapped — a GPU's share of its node's DRAM bandwidth is of the order of its PCIe link, so
+    one measured figure bounds both.
 Group spans follow the rank layout (tp innermost, then sp, then dp): the tp group has stride 1,
 Ulysses stride tp, ZeRO shard groups stride tp * sp.
 
@@ -209,7 +211,7 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
 
     params, grads, optimizer = model_state_bytes(layer, wl, t.tp, t.ep, z, shard, es, t.offload)
     local = pd / np.where(z >= 1, shard, 1) + pe / np.where(z >= 1, es, 1)
-    opt_time = np.where(t.offload, 2 * pb * local / cl.host_bandwidth,
+    opt_time = np.where(t.offload, (4 * pb + 2 * ob) * local / cl.host_bandwidth,
                         (3 * pb + 2 * ob) * local / cl.device.memory_bandwidth)
     act = activation_bytes(layer, tokens_dev, t.tp, t.megatron, t.recompute)
     buf = buffer_bytes(layer, wl, tokens_dev, t.tp, t.ep, t.megatron, z, t.recompute)
