@@ -27,7 +27,8 @@ Method (which function does what)
     `_candidates`    builds each distinct layer's candidates once per (n, B) — all decoder blocks of
                      a dense model are one layer spec — costs them vectorised (cost/layer.py) and
                      drops dominated ones (space.prune_dominated, with its proof).
-    `_splits`        all stage boundaries when there are few, else the balanced split.
+    `_splits`        all stage boundaries when there are few, else the balanced split; when that
+                     cannot fit (up to `shifted_splits_up_to` chunks), each boundary moved by one.
     `_chunk_bound`   a valid lower bound per split: rank r cannot finish before micro-batch 0
                      crossed the chunks before it, it ran m micro-batches, and the last gradient
                      went back (each term with per-layer minimal times); splits it cannot improve
@@ -196,6 +197,19 @@ class _Search:
         weights = [float(np.min(cands[k].costs.fwd + cands[k].costs.bwd)) for k in self.kind_of]
         return [balanced_stages(weights, chunks)]
 
+    def _shifted(self, split) -> list[tuple[tuple[int, int], ...]]:
+        """`split` with each boundary moved by one layer (memory is uneven across ranks:
+        in-flight micro-batches, embedding, logits)."""
+        L = len(self.model.layers)
+        ends = [e for _, e in split[:-1]]
+        out = []
+        for i in range(len(ends)):
+            for d in (-1, 1):
+                cuts = [0] + ends[:i] + [ends[i] + d] + ends[i + 1:] + [L]
+                if all(a < b for a, b in zip(cuts, cuts[1:])):
+                    out.append(tuple(zip(cuts[:-1], cuts[1:])))
+        return out
+
     # --- one context ----------------------------------------------------------------------------
     def _chunk_bound(self, cands, split, c: _Context, p2p: float) -> float:
         """Valid lower bound on the step for this split (per-layer minimal times)."""
@@ -316,6 +330,8 @@ class _Search:
         mbs = B // dp_batch
         if self.opts.micro_batch_sizes is not None and mbs not in self.opts.micro_batch_sizes:
             return None
+        if any(dp_batch % s.dp for s in layers):  # e.g. dp 4 and 6 in a stage of 12: no common batch split
+            return None
         return Plan(name="tessera", model=self.model, cluster=self.cluster, workload=self.workload,
                     micro_batch_size=mbs, num_micro_batches=c.m,
                     pipeline=PipelineSpec(degree=c.pp, schedule=Schedule(c.schedule), virtual_stages=c.v,
@@ -364,12 +380,22 @@ class _Search:
                     continue
                 ctx = StepContext(cluster=self.cluster, workload=self.workload, stage_size=n, micro_batch_seqs=B)
                 p2p = pipeline_p2p_time(hidden, ctx) if c.pp > 1 else 0.0
-                for sp in self._splits(cands, c.pp * c.v):
+                splits = self._splits(cands, c.pp * c.v)
+                pushed = False
+                for sp in splits:
                     self.stats["splits"] += 1
                     lb = self._split_bound(c, cands, sp, p2p)
                     if lb < np.inf:
                         heapq.heappush(heap, (lb, seq, c, sp))
                         seq += 1
+                        pushed = True
+                if not pushed and len(splits) == 1 and c.pp * c.v <= self.opts.shifted_splits_up_to:
+                    for sp in self._shifted(splits[0]):  # the balanced cut does not fit: move a boundary
+                        self.stats["splits"] += 1
+                        lb = self._split_bound(c, cands, sp, p2p)
+                        if lb < np.inf:
+                            heapq.heappush(heap, (lb, seq, c, sp))
+                            seq += 1
             else:
                 self._solve_split(c, split)
         if not self.scored:

@@ -59,6 +59,7 @@ class SearchOptions:
     micro_batch_sizes: tuple[int, ...] | None = None
     # Exhaustive stage boundaries when there are at most this many splits, else balanced.
     max_splits: int = 64
+    shifted_splits_up_to: int = 16
     # Memory resolution of the dynamic program (bins of the per-rank budget) and how many
     # distinct buffer caps it enumerates (dp.py).
     memory_bins: int = 256
