@@ -16,7 +16,7 @@ from ..cost.evaluate import evaluate
 from ..cost.layer import StepContext, StrategyTable, layer_costs
 from ..plan import LayerStrategy, PipelineSpec, Plan, Recompute, Schedule, SPKind
 from ..spec.cluster import ClusterSpec
-from ..spec.model import LayerKind, LayerSpec, ModelSpec
+from ..spec.model import LayerSpec, ModelSpec
 from ..spec.workload import Workload
 
 

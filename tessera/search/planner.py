@@ -40,7 +40,7 @@ Method (which function does what)
                      minimising (m + bubble) (f + b + re-sharding) + step under the rank's memory
                      budget; for pp = 1 this is exactly the step time.
     `evaluate`       scores the assembled plan with the simulator; the fastest feasible wins.
-    `_explain`       why this plan, the runner-up with another structure and by how much, and
+    explain.explain  why this plan, the runner-up with another structure and by how much, and
                      which constraint binds.
 """
 from __future__ import annotations
@@ -64,6 +64,7 @@ from ..spec.model import ModelSpec
 from ..spec.workload import Workload
 from .baselines import balanced_stages
 from .dp import Slot, solve_rank
+from .explain import explain
 from .space import (Candidates, SearchOptions, candidate_table, divisors, dominated_on_rank,
                     lower_hull, lp_time_bound, prune_dominated)
 
@@ -402,7 +403,8 @@ class _Search:
             raise self._no_plan()
         best = self.scored[0].plan
         info = SearchInfo(search_time_s=time.perf_counter() - t0, candidates=self.stats["candidates"],
-                          explanation=tuple(_explain(best, self.scored, self.stats, self._unconstrained(best))))
+                          explanation=tuple(explain(best, [(x.step, x.plan) for x in self.scored], self.stats,
+                                                    self._unconstrained(best))))
         return best.model_copy(update={"search": info})
 
     def _unconstrained(self, plan: Plan) -> tuple[int, float]:
@@ -442,50 +444,6 @@ class _Search:
         msg = (f"no plan fits in {dev / GiB:.1f} GiB per GPU: the best candidate needs {need / GiB:.1f} GiB "
                f"({desc}); try more GPUs, a shorter sequence, a smaller micro-batch, or enabling offload")
         return NoFeasiblePlanError(msg, need, dev)
-
-
-def _structure(plan: Plan) -> str:
-    blocks = [s for s, layer in zip(plan.layers, plan.model.layers) if layer.num_heads]
-    common = max(set(blocks), key=blocks.count) if blocks else plan.layers[0]
-    sched = plan.pipeline.schedule.value + (f" v={plan.pipeline.virtual_stages}" if plan.pipeline.virtual_stages > 1 else "")
-    return f"pp={plan.pipeline.degree} {sched}, blocks {common.describe()}"
-
-
-def _explain(best: Plan, scored: list[_Scored], stats: dict, unconstrained: tuple[int, float]) -> list[str]:
-    p = best.prediction
-    lines = [
-        f"chosen: {_structure(best)}, {best.num_micro_batches} micro-batches of {best.micro_batch_size}; "
-        f"predicted {p.step_time_s:.3f} s/step, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}",
-        f"why: fastest of {stats['plans']} plans scored by the simulator, from {stats['contexts']} "
-        f"(pp, schedule, micro-batching) contexts ({stats['skipped']} skipped by the compute bound), "
-        f"{stats['candidates']} layer strategies ({stats['pruned']} dominated), {stats['states']} DP states",
-        f"step breakdown: compute {p.compute_s:.3f} s, exposed communication {p.exposed_comm_s:.3f} s, "
-        f"pipeline bubble {p.bubble_s:.3f} s",
-    ]
-    mixed = {s.describe() for s, layer in zip(best.layers, best.model.layers) if layer.num_heads}
-    if len(mixed) > 1:
-        lines.append(f"layer-wise: blocks use {len(mixed)} strategies: {'; '.join(sorted(mixed))}")
-    mine = _structure(best)
-    other = next((s for s in scored[1:] if _structure(s.plan) != mine), None)
-    if other is not None:
-        lines.append(f"runner-up: {_structure(other.plan)} at {other.step:.3f} s/step "
-                     f"(+{(other.step / scored[0].step - 1):.1%})")
-    elif "next_bound" in stats:
-        nb = stats["next_bound"]
-        lines.append(f"runner-up: no other structure came close; every remaining choice is bounded at "
-                     f">= {nb:.3f} s/step (+{(nb / scored[0].step - 1):.1%})")
-    peak = p.peak_memory
-    rank = int(np.argmax([m.total for m in p.stage_memory]))
-    dev = best.cluster.device.memory_bytes
-    if unconstrained[1] > dev:
-        lines.append(f"binding constraint: memory: the fastest strategy of every layer would need "
-                     f"{unconstrained[1] / GiB:.1f} GiB on pipeline rank {unconstrained[0]}; the plan uses "
-                     f"{peak / GiB:.1f} of {dev / GiB:.1f} GiB (rank {rank})")
-    else:
-        share = max((p.compute_s, "compute"), (p.exposed_comm_s, "communication"), (p.bubble_s, "the pipeline bubble"))
-        lines.append(f"binding constraint: none on memory ({peak / GiB:.1f} of {dev / GiB:.1f} GiB); "
-                     f"the step is dominated by {share[1]}")
-    return lines
 
 
 def search(model: ModelSpec, cluster: ClusterSpec, workload: Workload, options: SearchOptions | None = None) -> Plan:
