@@ -12,7 +12,8 @@ def structure(plan: Plan) -> str:
     blocks = [s for s, layer in zip(plan.layers, plan.model.layers) if layer.num_heads]
     common = max(set(blocks), key=blocks.count) if blocks else plan.layers[0]
     sched = plan.pipeline.schedule.value + (f" v={plan.pipeline.virtual_stages}" if plan.pipeline.virtual_stages > 1 else "")
-    return f"pp={plan.pipeline.degree} {sched}, blocks {common.describe()}"
+    return (f"pp={plan.pipeline.degree} {sched}, {plan.num_micro_batches}x{plan.micro_batch_size} micro-batches, "
+            f"blocks {common.describe()}")
 
 
 def explain(best: Plan, scored: list[tuple[float, Plan]], stats: dict, unconstrained: tuple[int, float]) -> list[str]:
@@ -22,7 +23,7 @@ def explain(best: Plan, scored: list[tuple[float, Plan]], stats: dict, unconstra
     fit, else the largest share of the step."""
     p = best.prediction
     lines = [
-        f"chosen: {structure(best)}, {best.num_micro_batches} micro-batches of {best.micro_batch_size}; "
+        f"chosen: {structure(best)}; "
         f"predicted {p.step_time_s:.3f} s/step, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}",
         f"why: fastest of {stats['plans']} plans scored by the simulator, from {stats['contexts']} "
         f"(pp, schedule, micro-batching) contexts ({stats['skipped']} skipped by the compute bound), "

@@ -64,7 +64,7 @@ from ..spec.model import ModelSpec
 from ..spec.workload import Workload
 from .baselines import balanced_stages
 from .dp import Slot, solve_rank
-from .explain import explain
+from .explain import explain, structure
 from .space import (Candidates, SearchOptions, candidate_table, divisors, dominated_on_rank,
                     lower_hull, lp_time_bound, prune_dominated)
 
@@ -260,20 +260,22 @@ class _Search:
             self.hulls[key] = lower_hull(c.m * (x.fwd + x.bwd) + x.step, x.states + k * x.act)
         return self.hulls[key]
 
-    def _solve_split(self, c: _Context, split) -> None:
+    def _solve_split(self, c: _Context, split, slack: float = 1.0) -> None:
+        """Solve every rank of (context, split), assemble and score the plan; partial assignments
+        that cannot beat `slack` x the best step so far are pruned."""
         n, B = self.world // c.pp, self.workload.global_batch // c.m
         cands = self._candidates(n, B)
         layouts, trans_mb = self.layouts[(n, B)]
         weight = c.m + c.bubble  # micro-batch passes on the critical path (see _Context)
         trans = weight * trans_mb
-        best_step = self.scored[0].step if self.scored else np.inf
+        best_step = self.scored[0].step * slack if self.scored else np.inf
         choice: list[int] = [0] * len(self.model.layers)
         for r in range(c.pp):
             k = in_flight(c.schedule, c.pp, r, c.m, c.v)
             chunks = self._rank_layers(c, split, r)
             key = (n, B, c.m, weight, tuple(tuple(self.kind_of[s:e]) for s, e in chunks), k)
             hit = self.dp_cache.get(key)
-            if hit is None or (hit[0] is None and hit[2] > best_step):
+            if hit is None or (hit[0] is None and best_step > hit[2]):  # None under a tighter bound
                 slots = self._slots(cands, chunks, layouts, weight, k, trans)
                 # weight * (f + b) + step <= (weight / m) * (busy + tail) <= (weight / m) * step
                 sol = solve_rank(slots, trans, self.budget, self.opts.memory_bins, self.opts.max_buffer_caps,
@@ -372,35 +374,29 @@ class _Search:
             if self.scored and bound >= self.scored[0].step:
                 self.stats["skipped"] += 1 + len(heap)
                 self.stats["next_bound"] = bound
+                heapq.heappush(heap, (bound, seq, c, split))  # kept for the runner-up
+                seq += 1
                 break
             if split is None:
-                self.stats["contexts"] += 1
-                n, B = self.world // c.pp, self.workload.global_batch // c.m
-                cands = self._candidates(n, B)
-                if cands is None:
-                    continue
-                ctx = StepContext(cluster=self.cluster, workload=self.workload, stage_size=n, micro_batch_seqs=B)
-                p2p = pipeline_p2p_time(hidden, ctx) if c.pp > 1 else 0.0
-                splits = self._splits(cands, c.pp * c.v)
-                pushed = False
-                for sp in splits:
-                    self.stats["splits"] += 1
-                    lb = self._split_bound(c, cands, sp, p2p)
-                    if lb < np.inf:
-                        heapq.heappush(heap, (lb, seq, c, sp))
-                        seq += 1
-                        pushed = True
-                if not pushed and len(splits) == 1 and c.pp * c.v <= self.opts.shifted_splits_up_to:
-                    for sp in self._shifted(splits[0]):  # the balanced cut does not fit: move a boundary
-                        self.stats["splits"] += 1
-                        lb = self._split_bound(c, cands, sp, p2p)
-                        if lb < np.inf:
-                            heapq.heappush(heap, (lb, seq, c, sp))
-                            seq += 1
+                for lb, sp in self._expand(c, hidden):
+                    heapq.heappush(heap, (lb, seq, c, sp))
+                    seq += 1
             else:
                 self._solve_split(c, split)
         if not self.scored:
             raise self._no_plan()
+        # A runner-up of another structure for the explanation: a few more items, within +25%.
+        extra = 0
+        while heap and extra < self.opts.runner_ups and not self._has_runner_up():
+            _, _, c, split = heapq.heappop(heap)
+            if split is None:
+                heap_items = self._expand(c, hidden)
+                for lb, sp in heap_items:
+                    heapq.heappush(heap, (lb, seq, c, sp))
+                    seq += 1
+            else:
+                self._solve_split(c, split, slack=1.25)
+                extra += 1
         best = self.scored[0].plan
         info = SearchInfo(search_time_s=time.perf_counter() - t0, candidates=self.stats["candidates"],
                           explanation=tuple(explain(best, [(x.step, x.plan) for x in self.scored], self.stats,
@@ -429,6 +425,34 @@ class _Search:
             if total > worst[1]:
                 worst = (r, total)
         return worst
+
+    def _expand(self, c: _Context, hidden: int) -> list[tuple[float, tuple]]:
+        """A context's splits with their lower bounds (infeasible ones dropped)."""
+        self.stats["contexts"] += 1
+        n, B = self.world // c.pp, self.workload.global_batch // c.m
+        cands = self._candidates(n, B)
+        if cands is None:
+            return []
+        ctx = StepContext(cluster=self.cluster, workload=self.workload, stage_size=n, micro_batch_seqs=B)
+        p2p = pipeline_p2p_time(hidden, ctx) if c.pp > 1 else 0.0
+        splits = self._splits(cands, c.pp * c.v)
+        out = []
+        for sp in splits:
+            self.stats["splits"] += 1
+            lb = self._split_bound(c, cands, sp, p2p)
+            if lb < np.inf:
+                out.append((lb, sp))
+        if not out and len(splits) == 1 and c.pp * c.v <= self.opts.shifted_splits_up_to:
+            for sp in self._shifted(splits[0]):  # the balanced cut does not fit: move a boundary
+                self.stats["splits"] += 1
+                lb = self._split_bound(c, cands, sp, p2p)
+                if lb < np.inf:
+                    out.append((lb, sp))
+        return out
+
+    def _has_runner_up(self) -> bool:
+        mine = structure(self.scored[0].plan)
+        return any(structure(x.plan) != mine for x in self.scored[1:])
 
     def _note_infeasible_lp(self, c: _Context, cands, kinds) -> None:
         need = sum(n * pts[0][0] for n, pts in kinds) + self.cluster.device.reserved_bytes
