@@ -140,7 +140,10 @@ class _Search:
 
     def _contexts(self) -> list[_Context]:
         G, seq = self.workload.global_batch, self.workload.seq_len
-        flops = self.model.flops_per_token(seq)
+        # FLOPs as the cost model times them (measured time scales included), so that the estimate
+        # stays below any plan's compute.
+        flops = sum(layer.flops_per_token * layer.linear_time_scale
+                    + layer.attn_flops_coeff * seq * layer.attn_time_scale for layer in self.model.layers)
         rate = achieved_flops(self.cluster, self.workload.dtype)
         out = []
         for pp in self._pp_options():
