@@ -26,7 +26,8 @@ def explain(best: Plan, scored: list[tuple[float, Plan]], stats: dict, unconstra
         f"chosen: {structure(best)}; "
         f"predicted {p.step_time_s:.3f} s/step, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}",
         f"why: fastest of {stats['plans']} plans scored by the simulator, from {stats['contexts']} "
-        f"(pp, schedule, micro-batching) contexts ({stats['skipped']} skipped by the compute bound), "
+        f"(pp, schedule, micro-batching) contexts ({stats['skipped']} contexts or splits skipped by their "
+        f"lower bounds), "
         f"{stats['candidates']} layer strategies ({stats['pruned']} dominated), {stats['states']} DP states",
         f"step breakdown: compute {p.compute_s:.3f} s, exposed communication {p.exposed_comm_s:.3f} s, "
         f"pipeline bubble {p.bubble_s:.3f} s",

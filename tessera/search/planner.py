@@ -395,8 +395,9 @@ class _Search:
         if not self.scored:
             raise self._no_plan()
         # A runner-up of another structure for the explanation: a few more items, within +25%.
-        extra = 0
-        while heap and extra < self.opts.runner_ups and not self._has_runner_up():
+        extra = popped = 0
+        while heap and extra < self.opts.runner_ups and popped < 50 and not self._has_runner_up():
+            popped += 1
             _, _, c, split = heapq.heappop(heap)
             if split is None:
                 heap_items = self._expand(c, hidden)
