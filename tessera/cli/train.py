@@ -17,7 +17,6 @@ import logging
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from ..errors import TesseraError

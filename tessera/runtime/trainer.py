@@ -71,6 +71,9 @@ class Trainer:
         self.build_distributed()
         check_plan_supported(self.plan, self.world_size, pipeline_available=_pipeline_available())
         self.build_model()
+        if (config.checkpoint_dir or config.resume) and self.pipeline is None and self.parallel.zero1:
+            raise TesseraError("checkpointing a ZeRO-1 data-parallel run (ZeroRedundancyOptimizer state) is not "
+                               "supported; use zero=2, whose sharded state reshards on load")
         self.build_optimizer()
         self.loader = None
         self.data_iter = None
@@ -86,10 +89,10 @@ class Trainer:
             self.device = torch.device("cpu")
             backend = "gloo"
         if not dist.is_initialized():
-            if "RANK" not in os.environ:  # a single process without torchrun
-                os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                                  MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
-            dist.init_process_group(backend)
+            if "RANK" in os.environ:
+                dist.init_process_group(backend)
+            else:  # one process without torchrun: an in-memory store, no port to collide on
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dims = ParallelDims.from_plan(self.plan, self.world_size, self.device.type)
         # bf16 compute only on accelerators: CPUs here have no fast bf16 matmul.
@@ -137,18 +140,24 @@ class Trainer:
         self.autocast = nullcontext()
 
     def build_optimizer(self) -> None:
+        """AdamW and its LR schedule per model part (pipeline chunks checkpoint one pair each)."""
         cfg = self.config.optim
         if cfg.total_steps != self.config.steps and self.config.steps:
             cfg = OptimConfig(**{**cfg.__dict__, "total_steps": self.config.steps})
-        params = list({id(p): p for part in self.model_parts for p in part.parameters()}.values())
         zero1 = self.pipeline is None and self.parallel.zero1
-        self.optimizer = build_optimizer(params, cfg, self.parallel.ddp_group if zero1 else None)
-        self.scheduler = build_scheduler(self.optimizer, cfg)
+        self.optimizers = [build_optimizer(part.parameters(), cfg, self.parallel.ddp_group if zero1 else None)
+                           for part in self.model_parts]
+        self.schedulers = [build_scheduler(opt, cfg) for opt in self.optimizers]
+        self.params = list({id(p): p for part in self.model_parts for p in part.parameters()}.values())
         # The gradient norm counts a tied weight once: a pipeline's head copy is left out.
-        self.params = params
         self.tied_copies = set()
         if self.pipeline is not None and not self.pipeline.has_first_stage:
             self.tied_copies = {id(p) for p in self.pipeline.tied_params}
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer of the first model part (all of them: `optimizers`)."""
+        return self.optimizers[0]
 
     def build_data(self):
         """The batch iterator of this rank's data block (`data_rank` of `data_size`)."""
@@ -158,9 +167,8 @@ class Trainer:
                                    self.data_rank, self.data_size, self.config.seed)
         from .data import build_dataloader
 
-        # Pipeline stages pass one activation between them, so no per-document masks there.
         loader = build_dataloader(self.config.data, w.seq_len, w.global_batch, self.data_rank, self.data_size,
-                                  self.config.seed, pack=self.pipeline is None)
+                                  self.config.seed, pack=True)
         if loader.vocab_size > self.plan.model.config.vocab_size:
             raise TesseraError(f"the data's tokenizer has {loader.vocab_size} tokens, more than the model's "
                                f"vocabulary of {self.plan.model.config.vocab_size}")
@@ -195,9 +203,10 @@ class Trainer:
         pp_group = self.dims.mesh.get_group("pp") if self.plan.pipeline.degree > 1 else None
         self.grad_norm = clip_grad_norm_(self.params, self.config.optim.grad_clip, pp_group,
                                          skip_in_norm=self.tied_copies)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        for opt, sched in zip(self.optimizers, self.schedulers):
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
         return loss
 
     def forward_backward(self, tokens, labels, positions, mask) -> float:
@@ -218,10 +227,9 @@ class Trainer:
         return float(total) / self.world_size
 
     def forward_backward_pp(self, tokens, labels, positions, mask) -> float:
-        if positions is not None or mask is not None:
-            raise TesseraError("packed documents (positions, masks) are not supported with pipeline parallelism yet")
+        # Every rank holds the batch: positions and masks reach each stage as keyword arguments.
         with self.loss_fn.context():
-            loss = self.pipeline.step(tokens, labels)
+            loss = self.pipeline.step(tokens, labels, positions, mask)
         for part in self.pipeline_parts:
             part.rescale_grads()
         return self.pipeline.global_loss(loss)
@@ -245,7 +253,7 @@ class Trainer:
             self.step += 1
             if self.step % self.config.log_every == 0 or self.step == self.config.steps:
                 record = StepRecord(
-                    step=self.step, loss=loss, lr=self.scheduler.get_last_lr()[0], grad_norm=self.grad_norm,
+                    step=self.step, loss=loss, lr=self.schedulers[0].get_last_lr()[0], grad_norm=self.grad_norm,
                     step_time_s=elapsed, tokens_per_s=tokens_per_step / elapsed,
                     mfu=model_flops_utilisation(self.plan, tokens_per_step / elapsed, self.world_size, self.dtype),
                     peak_memory_bytes=self.gather_peak_memory(), predicted_step_time_s=predicted)
@@ -265,14 +273,12 @@ class Trainer:
 
     # --- checkpoints ------------------------------------------------------------------------------
     def _checkpoint_manager(self, directory: str):
-        try:
-            from .checkpoint import CheckpointManager
-        except ImportError:
-            raise TesseraError("checkpointing needs tessera.runtime.checkpoint, which this build does not have") from None
+        from .checkpoint import CheckpointManager
+
         return CheckpointManager(directory)
 
     def extra_state(self) -> dict:
-        state = {"step": self.step, "scheduler": self.scheduler.state_dict()}
+        state = {"step": self.step, "schedulers": [s.state_dict() for s in self.schedulers]}
         if self.loader is not None and hasattr(self.loader, "state_dict"):
             state["data"] = self.loader.state_dict()
         return state
@@ -281,16 +287,21 @@ class Trainer:
         cfg = self.config
         if cfg.checkpoint_dir and cfg.checkpoint_every and (self.step % cfg.checkpoint_every == 0
                                                             or self.step == cfg.steps):
-            self._checkpoint_manager(cfg.checkpoint_dir).save(self.step, self.model_parts, self.optimizer,
+            self._checkpoint_manager(cfg.checkpoint_dir).save(self.step, self.model_parts, self.optimizers,
                                                               self.extra_state())
 
     def maybe_resume(self) -> None:
         if not self.config.resume:
             return
-        manager = self._checkpoint_manager(self.config.resume)
-        extra = manager.load(self.model_parts, self.optimizer)
+        resume = Path(self.config.resume)
+        # Either a checkpoint directory (its latest step) or one `step-N` inside it.
+        is_step = resume.name.startswith("step-") and (resume / "manifest.json").exists()
+        manager = self._checkpoint_manager(str(resume.parent if is_step else resume))
+        extra = manager.load(self.model_parts, self.optimizers, path=resume if is_step else None)
         self.step = int(extra["step"])
-        self.scheduler.load_state_dict(extra["scheduler"])
+        # The schedule depends on the step only; another plan may have other chunk counts.
+        for sched in self.schedulers:
+            sched.load_state_dict(extra["schedulers"][0])
         self.loader = self.build_data()
         if "data" in extra and hasattr(self.loader, "load_state_dict"):
             self.loader.load_state_dict(extra["data"])

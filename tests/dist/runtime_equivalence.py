@@ -7,7 +7,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from runtime_common import GPT2, LLAMA, MOE, S, check, make_plan  # noqa: E402
+from runtime_common import GPT2, LLAMA, MOE, S, check, check_trained, make_plan  # noqa: E402
 
 WORLD = int(os.environ["WORLD_SIZE"])
 
@@ -75,3 +75,15 @@ TOLERANCE = {GPT2.name: 1e-4}
 
 for name, plan, config in (plans_2() if WORLD == 2 else plans_4()):
     check(name, plan, config, rtol=TOLERANCE.get(config.name, 1e-5))
+
+# Checkpoint under one plan at 4 ranks, resume under another at 2: the losses continue exactly.
+CKPT_DIR = sys.argv[1]
+if WORLD == 4:
+    check_trained("train_and_checkpoint_layerwise_4",
+                  make_plan(LLAMA, 4, [S(dp=2, tp=2)] + [S(dp=2, tp=2, zero=3, sp="megatron")] * 2
+                            + [S(dp=4, zero=2)] * 2 + [S(dp=4)]), LLAMA, checkpoint_dir=CKPT_DIR)
+else:
+    check_trained("resume_at_2_ranks_tp2_sp", make_plan(LLAMA, 2, S(tp=2, sp="megatron")), LLAMA,
+                  resume=os.path.join(CKPT_DIR, "step-2"))
+    check_trained("resume_at_2_ranks_zero3_latest", make_plan(LLAMA, 2, S(dp=2, zero=3)), LLAMA,
+                  resume=CKPT_DIR)
