@@ -181,7 +181,7 @@ def plot_timeline(events: Sequence[Any], num_stages: int, stem: str | Path, *, t
     ax.set_ylim(y_lo, y_hi)
     every = max(1, -(-num_stages // 32))  # at most ~32 stage labels
     shown = range(0, num_stages, every)
-    ax.set_yticks([num_stages - 1 - s for s in shown], [f"stage {s}" for s in shown])
+    ax.set_yticks([num_stages - 1 - s for s in shown], [f"pp rank {s}" for s in shown])
     ax.set_xlabel(f"time ({unit})")
     ax.set_title(title, loc="left", fontsize=10, pad=24)
     kinds = [k for k in EVENT_STYLE if any(e.kind == k for e in events)]
