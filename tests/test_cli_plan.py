@@ -72,6 +72,11 @@ def test_manual_degrees_must_divide_the_gpus(capsys):
     assert "pp 1 x tp 3 x sp 1 = 3 does not divide 16 GPUs" in err
 
 
+def test_ulysses_needs_its_degree(capsys):
+    err = fails(capsys, ["plan", *SMALL, "--sp", "ulysses", "--tp", "2"])
+    assert "--sp ulysses needs --sp-degree N with N >= 2" in err
+
+
 def test_learned_positions_cap_the_sequence(capsys):
     err = fails(capsys, ["plan", "--model", "gpt2", "--seq-len", "4096"])
     assert "--seq-len 4096 is longer than gpt2's 1024 learned positions" in err

@@ -6,7 +6,7 @@ from rich.console import Console
 
 from tessera.plan import LayerStrategy, MemoryBreakdown, PipelineSpec, Plan, Prediction, SearchInfo
 from tessera.report.tables import (comparison_table, describe_group, fmt_bytes, layer_groups,
-                                   memory_table, plan_fits, render_plan)
+                                   memory_table, plan_fits, render_plan, stage_runs, stages_table)
 from tessera.spec import Workload
 from tessera.spec.presets import get_model, make_cluster
 
@@ -47,6 +47,18 @@ def test_layer_groups_join_identical_neighbours_within_a_stage():
     assert describe_group(plan, groups[1]) == "layers 1-16 (16 decoder): dp8 tp4+sp zero1 rc:selective"
     assert describe_group(plan, groups[3]) == "layer 33 (lm_head): dp32 zero1"
     assert sum(g.count for g in groups) == len(plan.model.layers)
+
+
+def test_alike_stages_and_ranks_share_one_row():
+    plan = hand_plan(activations_gib=(30.0, 20.0, 20.0, 10.0))
+    n = len(plan.model.layers)
+    plan = plan.model_copy(update={"pipeline": PipelineSpec(degree=4, stages=((0, 9), (9, 17), (17, 25), (25, n)))})
+    runs = stage_runs(plan)
+    assert [chunks for chunks, _ in runs] == [[0], [1, 2], [3]]
+    text = render(stages_table(plan))
+    assert "layers 9-24 (8 decoder per stage)" in text and "1-2 " in text
+    memory = render(memory_table(plan))
+    assert [line.split()[1] for line in memory.splitlines() if "GiB │" in line] == ["0", "1-2", "3"]
 
 
 def test_plan_report_shows_header_prediction_memory_and_explanation():
@@ -118,3 +130,17 @@ def test_timeline_draws_every_simulated_event_and_the_bubble(tmp_path, schedule,
                if stage == busiest)
     assert idle / result.step_time == pytest.approx(result.bubble_fraction, rel=1e-6, abs=1e-9)
     assert (tmp_path / "t.png").stat().st_size > 20_000
+
+
+def test_a_deep_schedule_is_painted_as_one_image(tmp_path):
+    from tessera.cost.evaluate import simulate_plan
+    from tessera.report.plots import plot_timeline
+    from tessera.search import manual_plan
+
+    plan = manual_plan(get_model("llama2-7b"), make_cluster("h100-80gb", 8, 8),
+                       Workload(global_batch=8, seq_len=2048), pp=8, schedule="1f1b")
+    result, tails = simulate_plan(plan)
+    drawing = plot_timeline(result.events, 8, tmp_path / "deep", tails=tails, max_patches=10)
+    assert drawing.event_boxes == len(result.events) == 2 * 8 * 8
+    svg = (tmp_path / "deep.svg").read_text()
+    assert "<image" in svg and 'id="event-' not in svg

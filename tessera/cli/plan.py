@@ -122,6 +122,8 @@ def manual_options(args: argparse.Namespace) -> dict:
 
 def check_batch_divides(workload, cluster, opts: dict) -> None:
     """The global batch must split into dp replicas of micro-batches: say by what it does not divide."""
+    if opts.get("sp") == "ulysses" and opts.get("sp_degree", 1) < 2:
+        raise TesseraError("--sp ulysses needs --sp-degree N with N >= 2 (the ranks a sequence is split over)")
     tp, pp = opts.get("tp", 1), opts.get("pp", 1)
     sp_degree = opts.get("sp_degree", 1)
     per_stage, rest = divmod(cluster.num_gpus, pp * tp * sp_degree)

@@ -13,7 +13,7 @@ matplotlib is imported inside the functions, so planning never pays for it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -31,6 +31,7 @@ BUBBLE_COLOUR = "#d9d9d9"
 MEMORY_COLOURS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868",
                   "activations": "#c44e52", "buffers": "#937860"}
 FORMATS = ("png", "svg")
+MAX_PATCHES = 3000  # events drawn one SVG element each; beyond, painted into one image
 
 
 @dataclass(frozen=True)
@@ -78,66 +79,109 @@ def idle_intervals(events: Iterable[Any], num_stages: int, end: float) -> list[t
     return gaps
 
 
+@dataclass
+class _Boxes:
+    """Rectangles of one sort: drawn one patch each (with SVG ids) or as one rasterised collection."""
+
+    colour: str
+    hatch: str | None = None
+    zorder: float = 1.0
+    xs: list = field(default_factory=list)  # (x, y, width, height, alpha, gid)
+
+    def add(self, x: float, y: float, w: float, h: float, gid: str, alpha: float = 1.0) -> None:
+        self.xs.append((x, y, w, h, alpha, gid))
+
+    def draw(self, ax: Any) -> None:
+        from matplotlib.patches import Rectangle
+
+        edge = dict(edgecolor="white", linewidth=0.5) if self.hatch is None else dict(edgecolor="none")
+        for x, y, w, h, alpha, gid in self.xs:
+            ax.add_patch(Rectangle((x, y), w, h, facecolor=self.colour, alpha=alpha, hatch=self.hatch,
+                                   gid=gid, zorder=self.zorder, **edge))
+
+    def paint(self, img: Any, x_px: float, y0: float, y_px: float) -> None:
+        """Paint the boxes into an RGB image (row 0 at the top, `y0` the data y of its bottom edge)."""
+        from matplotlib.colors import to_rgb
+
+        rgb = to_rgb(self.colour)
+        rows, cols = img.shape[:2]
+        for x, y, w, h, alpha, _ in self.xs:
+            c0, c1 = int(x * x_px), max(int(x * x_px) + 1, int((x + w) * x_px))
+            r1 = rows - int((y - y0) * y_px)
+            r0 = rows - int((y + h - y0) * y_px)
+            img[max(r0, 0):max(r1, 0), c0:min(c1, cols)] = [alpha * c + (1 - alpha) for c in rgb]
+
+
 def plot_timeline(events: Sequence[Any], num_stages: int, stem: str | Path, *, title: str = "",
-                  p2p: float = 0.0, tails: Sequence[float] = ()) -> TimelineDrawing:
+                  p2p: float = 0.0, tails: Sequence[float] = (),
+                  max_patches: int = MAX_PATCHES) -> TimelineDrawing:
     """Draw schedule events (stage, kind, micro_batch, chunk, start, end) to `stem`.png and .svg.
 
     `tails[r]`: seconds rank r spends after its last event on the once-per-step work (exposed
-    gradient sync, optimizer update), drawn as one box; the step ends when the last tail does."""
+    gradient sync, optimizer update), drawn as one box; the step ends when the last tail does.
+    Up to `max_patches` events each box is its own SVG element (id `event-F-s0-m3-c0`); beyond,
+    the boxes are painted into one image so that a 128-stage schedule still draws in seconds."""
     from matplotlib.figure import Figure
-    from matplotlib.patches import Patch, Rectangle
+    from matplotlib.patches import Patch
 
     makespan = max((e.end for e in events), default=0.0)
     end = makespan + max(tails, default=0.0)
-    scale, unit = (1e3, "ms") if end < 10 else (1.0, "s")
+    scale, unit = (1e3, "ms") if end < 2 else (1.0, "s")
     num_chunks = max((e.chunk for e in events), default=0) + 1
     virtual = max(1, num_chunks // num_stages)
-    fig = Figure(figsize=(12, 1.5 + 0.55 * num_stages))
+    one_by_one = len(events) <= max_patches
+    fig = Figure(figsize=(12, 1.5 + min(0.55 * num_stages, 12.0)))
     _margins(fig, left=0.9, right=0.2, top=0.75, bottom=0.55)
     ax = fig.add_subplot()
     height = 0.8
     min_label_width = end / 60  # label a box with its micro-batch only where the number fits
+    label = one_by_one and num_stages <= 32
 
     def row(stage: int) -> float:
         return num_stages - 1 - stage - height / 2  # stage 0 on top
 
-    event_boxes = 0
+    boxes = {k: _Boxes(colour) for k, (colour, _) in EVENT_STYLE.items()}
+    comm, tail_boxes = _Boxes(COMM_COLOUR, zorder=2), _Boxes(TAIL_COLOUR)
+    bubbles = _Boxes(BUBBLE_COLOUR, hatch="///", zorder=0)
     for e in events:
-        colour, _ = EVENT_STYLE[e.kind]
         # A rank's later model chunks (interleaved schedules) drawn lighter to tell them apart;
         # `chunk` is the global chunk index, chunk // num_stages the rank's virtual stage.
         alpha = 1.0 - 0.4 * (e.chunk // num_stages) / max(1, virtual - 1)
-        ax.add_patch(Rectangle((e.start * scale, row(e.stage)), (e.end - e.start) * scale, height,
-                               facecolor=colour, edgecolor="white", linewidth=0.5, alpha=alpha,
-                               gid=f"event-{e.kind}-s{e.stage}-m{e.micro_batch}-c{e.chunk}"))
-        event_boxes += 1
-        if e.end - e.start >= min_label_width:
+        boxes[e.kind].add(e.start * scale, row(e.stage), (e.end - e.start) * scale, height,
+                          f"event-{e.kind}-s{e.stage}-m{e.micro_batch}-c{e.chunk}", alpha)
+        if label and e.end - e.start >= min_label_width:
             ax.text((e.start + e.end) / 2 * scale, row(e.stage) + height / 2, str(e.micro_batch),
                     ha="center", va="center", fontsize=7, color="white")
-    comm_boxes = 0
-    if p2p > 0:
-        for e in events:
-            # A forward sends to the next chunk, a backward to the previous one, except at the ends.
-            sends = (e.kind == "F" and e.chunk < num_chunks - 1) or (e.kind == "B" and e.chunk > 0)
-            if sends and num_stages > 1:
-                ax.add_patch(Rectangle((e.end * scale, row(e.stage)), p2p * scale, height * 0.2,
-                                       facecolor=COMM_COLOUR, edgecolor="none",
-                                       gid=f"comm-{e.kind}-s{e.stage}-m{e.micro_batch}-c{e.chunk}"))
-                comm_boxes += 1
+        # A forward sends to the next chunk, a backward to the previous one, except at the ends.
+        sends = (e.kind == "F" and e.chunk < num_chunks - 1) or (e.kind == "B" and e.chunk > 0)
+        if p2p > 0 and sends and num_stages > 1:
+            comm.add(e.end * scale, row(e.stage), p2p * scale, height * 0.2,
+                     f"comm-{e.kind}-s{e.stage}-m{e.micro_batch}-c{e.chunk}")
     for stage, tail in enumerate(tails):
         if tail > 0:
-            ax.add_patch(Rectangle((makespan * scale, row(stage)), tail * scale, height,
-                                   facecolor=TAIL_COLOUR, edgecolor="white", linewidth=0.5,
-                                   gid=f"tail-s{stage}"))
-    gaps = idle_intervals(events, num_stages, makespan)
-    for i, (stage, start, stop) in enumerate(gaps):
-        ax.add_patch(Rectangle((start * scale, row(stage)), (stop - start) * scale, height,
-                               facecolor=BUBBLE_COLOUR, edgecolor="none", hatch="///",
-                               gid=f"bubble-{i}", zorder=0))
-    ax.set_xlim(0, end * scale * 1.01 if end else 1)
-    ax.set_ylim(-0.6, num_stages - 0.4)
-    ax.set_yticks([num_stages - 1 - s for s in range(num_stages)],
-                  [f"stage {s}" for s in range(num_stages)])
+            tail_boxes.add(makespan * scale, row(stage), tail * scale, height, f"tail-s{stage}")
+    for i, (stage, start, stop) in enumerate(idle_intervals(events, num_stages, makespan)):
+        bubbles.add(start * scale, row(stage), (stop - start) * scale, height, f"bubble-{i}")
+    x_max, y_lo, y_hi = (end * scale * 1.01 if end else 1.0), -0.6, num_stages - 0.4
+    groups = (bubbles, *boxes.values(), comm, tail_boxes)
+    if one_by_one:
+        for group in groups:
+            group.draw(ax)
+    else:
+        # Too many boxes for one artist each: paint them into an image at the figure's resolution.
+        import numpy as np
+
+        cols, rows = 1800, max(200, 12 * num_stages)
+        img = np.ones((rows, cols, 3))
+        for group in groups:
+            group.paint(img, cols / x_max, y_lo, rows / (y_hi - y_lo))
+        ax.imshow(img, extent=(0, x_max, y_lo, y_hi), aspect="auto", interpolation="nearest", zorder=0)
+    comm_boxes = len(comm.xs)
+    ax.set_xlim(0, x_max)
+    ax.set_ylim(y_lo, y_hi)
+    every = max(1, -(-num_stages // 32))  # at most ~32 stage labels
+    shown = range(0, num_stages, every)
+    ax.set_yticks([num_stages - 1 - s for s in shown], [f"pp rank {s}" for s in shown])
     ax.set_xlabel(f"time ({unit})")
     ax.set_title(title, loc="left", fontsize=10, pad=24)
     kinds = [k for k in EVENT_STYLE if any(e.kind == k for e in events)]
@@ -148,13 +192,15 @@ def plot_timeline(events: Sequence[Any], num_stages: int, stem: str | Path, *, t
         handles.append(Patch(facecolor=COMM_COLOUR, label=f"p2p send ({fmt_seconds(p2p)})"))
     if any(t > 0 for t in tails):
         handles.append(Patch(facecolor=TAIL_COLOUR, label="grad sync + optimizer"))
-    handles.append(Patch(facecolor=BUBBLE_COLOUR, hatch="///", label="idle (bubble)"))
+    if bubbles.xs:
+        handles.append(Patch(facecolor=BUBBLE_COLOUR, hatch="///" if one_by_one else None,
+                             label="idle (bubble)"))
     ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=len(handles),
               frameon=False, fontsize=8, borderaxespad=0.2)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     paths = _save(fig, Path(stem))
-    return TimelineDrawing(paths, event_boxes, len(gaps), comm_boxes)
+    return TimelineDrawing(paths, sum(len(b.xs) for b in boxes.values()), len(bubbles.xs), comm_boxes)
 
 
 def plot_memory(plan: Plan, stem: str | Path) -> tuple[Path, ...]:
@@ -197,9 +243,9 @@ def timeline_title(plan: Plan, result: Any, tails: Sequence[float] = ()) -> str:
     p = plan.pipeline
     v = f", {p.virtual_stages} chunks/rank" if p.virtual_stages > 1 else ""
     step = result.step_time + max(tails, default=0.0)
-    return (f"{plan.model.name} / {plan.name}: {p.schedule.value}, {p.degree} stage{'s' if p.degree > 1 else ''}{v}, "
-            f"{plan.num_micro_batches} micro-batches - step {fmt_seconds(step)}, "
-            f"pipeline bubble {result.bubble_fraction:.0%}")
+    pipe = (f"{p.schedule.value}, {p.degree} stages{v}" if p.degree > 1 else "no pipeline")
+    return (f"{plan.model.name} / {plan.name}: {pipe}, {plan.num_micro_batches} micro-batches - "
+            f"step {fmt_seconds(step)}, pipeline bubble {result.bubble_fraction:.0%}")
 
 
 

@@ -69,14 +69,19 @@ def layer_groups(plan: Plan) -> list[LayerGroup]:
     return groups
 
 
-def describe_layers(plan: Plan, first: int, last: int) -> str:
-    """'layers 1-32 (32 decoder)', 'layer 0 (embedding)': model indices and what kind of layers."""
+def layer_kinds(plan: Plan, first: int, last: int) -> str:
+    """'1 embedding, 16 decoder': how many layers of each kind in model layers first..last."""
     kinds: dict[str, int] = {}
     for layer in plan.model.layers[first:last + 1]:
         kinds[layer.kind.value] = kinds.get(layer.kind.value, 0) + 1
-    what = ", ".join(k if n == 1 and first == last else f"{n} {k}" for k, n in kinds.items())
-    span = f"layer {first}" if first == last else f"layers {first}-{last}"
-    return f"{span} ({what})"
+    return ", ".join(f"{n} {k}" for k, n in kinds.items())
+
+
+def describe_layers(plan: Plan, first: int, last: int) -> str:
+    """'layers 1-32 (32 decoder)', 'layer 0 (embedding)': model indices and what kind of layers."""
+    if first == last:
+        return f"layer {first} ({plan.model.layers[first].kind.value})"
+    return f"layers {first}-{last} ({layer_kinds(plan, first, last)})"
 
 
 def describe_group(plan: Plan, group: LayerGroup) -> str:
@@ -106,7 +111,7 @@ def header_table(plan: Plan) -> Table:
     grid.add_row("workload", workload_text)
     grid.add_row("batching", f"{plan.num_micro_batches} micro-batches of {plan.micro_batch_size} "
                              f"sequence{'s' if plan.micro_batch_size > 1 else ''} per replica, "
-                             f"{plan.dp_of_batch} replicas")
+                             f"{plan.dp_of_batch} replica{'s' if plan.dp_of_batch > 1 else ''}")
     return grid
 
 
@@ -121,15 +126,57 @@ def stages_table(plan: Plan) -> Table:
     table.add_column("pp rank", justify="right")
     table.add_column("layers")
     table.add_column("strategy")
-    last_chunk = -1
-    for g in layer_groups(plan):
-        first_of_chunk = g.chunk != last_chunk
-        table.add_row(str(g.chunk) if first_of_chunk else "",
-                      str(p.rank_of_chunk(g.chunk)) if first_of_chunk else "",
-                      describe_layers(plan, g.first, g.last), g.strategy.describe(),
-                      end_section=False)
-        last_chunk = g.chunk
+    for chunks, groups in stage_runs(plan):
+        first, last = chunks[0], chunks[-1]
+        ranks = [p.rank_of_chunk(c) for c in chunks]
+        for i, g in enumerate(groups):
+            if len(chunks) == 1:
+                layers = describe_layers(plan, g.first, g.last)
+            else:  # the same layers in every stage of the run: say what each stage holds
+                start = groups[0].first
+                per_stage = layer_kinds(plan, g.first, g.last)
+                span = plan.pipeline.stages[last][1] - 1
+                layers = (f"layers {start}-{span} ({per_stage} per stage)" if len(groups) == 1
+                          else f"{per_stage} per stage")
+            table.add_row(_span(first, last) if i == 0 else "",
+                          _ranks(ranks) if i == 0 else "", layers, g.strategy.describe())
     return table
+
+
+def _span(first: int, last: int) -> str:
+    return str(first) if first == last else f"{first}-{last}"
+
+
+def _ranks(ranks: list[int]) -> str:
+    """'1-7,0-6': runs of consecutive ranks (interleaved chunks wrap around the ranks)."""
+    runs = [[ranks[0], ranks[0]]]
+    for r in ranks[1:]:
+        if r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ",".join(_span(a, b) for a, b in runs)
+
+
+def stage_runs(plan: Plan) -> list[tuple[list[int], list[LayerGroup]]]:
+    """Consecutive pipeline chunks that look alike (same layer kinds and counts, same strategies),
+    joined so that a 128-stage pipeline of identical blocks is one row: (chunks, first chunk's groups)."""
+    by_chunk: dict[int, list[LayerGroup]] = {}
+    for g in layer_groups(plan):
+        by_chunk.setdefault(g.chunk, []).append(g)
+
+    def signature(groups: list[LayerGroup]) -> tuple:
+        return tuple((tuple(layer.kind for layer in plan.model.layers[g.first:g.last + 1]), g.strategy)
+                     for g in groups)
+
+    runs: list[tuple[list[int], list[LayerGroup]]] = []
+    for chunk in sorted(by_chunk):
+        groups = by_chunk[chunk]
+        if runs and signature(runs[-1][1]) == signature(groups):
+            runs[-1][0].append(chunk)
+        else:
+            runs.append(([chunk], groups))
+    return runs
 
 
 def prediction_table(plan: Plan) -> Table:
@@ -169,11 +216,18 @@ def memory_table(plan: Plan) -> Table:
     table.add_column("of device", justify="right")
     if plan.prediction is None:
         return table
+    # Ranks whose rows read the same are one row ("1-126"): deep pipelines stay short.
+    rows: list[tuple[int, int, tuple[str, ...], float]] = []
     for rank, mem in enumerate(plan.prediction.stage_memory):
-        share = mem.total / capacity
+        cells = (*(fmt_bytes(getattr(mem, part)) for part in MEMORY_PARTS), fmt_bytes(mem.total))
+        if rows and rows[-1][2] == cells:
+            rows[-1] = (rows[-1][0], rank, cells, max(rows[-1][3], mem.total))
+        else:
+            rows.append((rank, rank, cells, mem.total))
+    for first, last, cells, total in rows:
+        share = total / capacity
         style = "red" if share > 1 else ("yellow" if share > 0.9 else "green")
-        table.add_row(str(rank), *(fmt_bytes(getattr(mem, part)) for part in MEMORY_PARTS),
-                      fmt_bytes(mem.total), Text(f"{share:.0%}", style=style))
+        table.add_row(_span(first, last), *cells, Text(f"{share:.0%}", style=style))
     return table
 
 

@@ -148,10 +148,13 @@ def _solve_capped(slots: list[Slot], trans: np.ndarray, cap: float, room: float,
     ins: list[np.ndarray] = []  # per layer, the best time before it, per (its layout, q)
     Vs: list[np.ndarray] = []
     explored = 0
+    reach = 0  # highest memory bin any partial assignment can have used so far
     for k, slot in enumerate(slots):
         allowed, w, t, lay, starts, groups = _prepare(slot, cap, delta, mode, cache)
         if len(allowed) == 0:
             return None
+        hi = min(bins, reach + int(w.max())) + 1  # bins above hi are unreachable: skip them
+        reach = hi - 1
         if V is None:
             IN = np.full((G, bins + 1), inf)
             IN[:, 0] = 0.0
@@ -161,12 +164,12 @@ def _solve_capped(slots: list[Slot], trans: np.ndarray, cap: float, room: float,
             IN = np.full((G, bins + 1), inf)
             IN[groups] = (V[:, None, :] + trans[:, groups, None]).min(axis=0)
         pad_w, pad_t = starts
-        src = q_axis[None, None, :] - pad_w[:, :, None]
+        src = q_axis[None, None, :hi] - pad_w[:, :, None]
         vals = IN[groups[:, None, None], np.maximum(src, 0)] + pad_t[:, :, None]
         vals[src < 0] = inf
         explored += vals.size
         V = np.full((G, bins + 1), inf)
-        V[groups] = vals.min(axis=1)
+        V[groups, :hi] = vals.min(axis=1)
         # Keep only states that can still fit the remaining layers and beat the bound.
         if upper_bound < inf:
             V[V + rest[k + 1] >= upper_bound] = inf

@@ -27,7 +27,8 @@ Method (which function does what)
     `_candidates`    builds each distinct layer's candidates once per (n, B) — all decoder blocks of
                      a dense model are one layer spec — costs them vectorised (cost/layer.py) and
                      drops dominated ones (space.prune_dominated, with its proof).
-    `_splits`        all stage boundaries when there are few, else the balanced split.
+    `_splits`        all stage boundaries when there are few, else the balanced split; when that
+                     cannot fit (up to `shifted_splits_up_to` chunks), each boundary moved by one.
     `_chunk_bound`   a valid lower bound per split: rank r cannot finish before micro-batch 0
                      crossed the chunks before it, it ran m micro-batches, and the last gradient
                      went back (each term with per-layer minimal times); splits it cannot improve
@@ -39,8 +40,14 @@ Method (which function does what)
                      minimising (m + bubble) (f + b + re-sharding) + step under the rank's memory
                      budget; for pp = 1 this is exactly the step time.
     `evaluate`       scores the assembled plan with the simulator; the fastest feasible wins.
-    `_explain`       why this plan, the runner-up with another structure and by how much, and
+    explain.explain  why this plan, the runner-up with another structure and by how much, and
                      which constraint binds.
+
+Exactness. With pp = 1 the rank program's objective is the step time itself, so the search is
+exact up to the memory resolution (`memory_bins`; the test suite checks it against enumeration).
+With pipelines the ranks are solved one by one: the coupling through the makespan and through the
+largest once-per-step tail is approximated by the (m + bubble) weight, so a plan can be a little
+slower than the enumerated optimum (within 1% on the test instances).
 """
 from __future__ import annotations
 
@@ -54,7 +61,7 @@ import numpy as np
 
 from ..cost.compute import achieved_flops
 from ..cost.evaluate import evaluate
-from ..cost.layer import StepContext, StrategyTable, cost_key, layer_costs, pipeline_p2p_time, transition_time
+from ..cost.layer import StepContext, cost_key, layer_costs, pipeline_p2p_time, transition_matrix
 from ..cost.schedule import in_flight
 from ..errors import TesseraError
 from ..plan import PipelineSpec, Plan, Schedule, SearchInfo
@@ -63,8 +70,9 @@ from ..spec.model import ModelSpec
 from ..spec.workload import Workload
 from .baselines import balanced_stages
 from .dp import Slot, solve_rank
-from .space import (Candidates, SearchOptions, candidate_strategies, divisors, dominated_on_rank,
-                    lp_time_bound, prune_dominated)
+from .explain import explain, structure
+from .space import (Candidates, SearchOptions, candidate_table, divisors, dominated_on_rank,
+                    lower_hull, lp_time_bound, prune_dominated)
 
 log = logging.getLogger(__name__)
 GiB = 2**30
@@ -113,6 +121,7 @@ class _Search:
         self.scored: list[_Scored] = []
         self.best_infeasible: tuple[float, str] | None = None
         self.dp_cache: dict[tuple, tuple] = {}
+        self.hulls: dict[tuple, list] = {}
         self.stats = dict(contexts=0, skipped=0, splits=0, plans=0, states=0, candidates=0, pruned=0)
 
     # --- the space ------------------------------------------------------------------------------
@@ -131,7 +140,10 @@ class _Search:
 
     def _contexts(self) -> list[_Context]:
         G, seq = self.workload.global_batch, self.workload.seq_len
-        flops = self.model.flops_per_token(seq)
+        # FLOPs as the cost model times them (measured time scales included), so that the estimate
+        # stays below any plan's compute.
+        flops = sum(layer.flops_per_token * layer.linear_time_scale
+                    + layer.attn_flops_coeff * seq * layer.attn_time_scale for layer in self.model.layers)
         rate = achieved_flops(self.cluster, self.workload.dtype)
         out = []
         for pp in self._pp_options():
@@ -162,15 +174,10 @@ class _Search:
         out: dict[int, Candidates] = {}
         layouts: dict[tuple, int] = {}
         for kind, layer in self.kind_layer.items():
-            strategies = candidate_strategies(layer, n, B, self.cluster, self.opts)
-            if self.opts.dp is not None:
-                strategies = [s for s in strategies if s.dp == self.opts.dp]
-            if self.opts.micro_batch_sizes is not None:
-                strategies = [s for s in strategies if B // s.dp in self.opts.micro_batch_sizes]
-            if not strategies:
+            table = candidate_table(layer, n, B, self.cluster, self.opts)
+            if not len(table):
                 self.tables[key] = None
                 return None
-            table = StrategyTable.build(strategies)
             costs = layer_costs(layer, table, ctx)
             keep = prune_dominated(table, costs)
             self.stats["candidates"] += len(table)
@@ -184,7 +191,7 @@ class _Search:
             out[kind] = Candidates(table=table, costs=costs, layout=lay)
         hidden = max(layer.hidden for layer in self.model.layers)
         names = list(layouts)
-        trans = np.array([[transition_time(hidden, a, b, ctx) for b in names] for a in names])
+        trans = transition_matrix(hidden, names, ctx)
         self.layouts[key] = (layouts, trans)
         self.tables[key] = out
         return out
@@ -199,6 +206,19 @@ class _Search:
             return [tuple(zip((0,) + cut, cut + (L,))) for cut in combinations(range(1, L), chunks - 1)]
         weights = [float(np.min(cands[k].costs.fwd + cands[k].costs.bwd)) for k in self.kind_of]
         return [balanced_stages(weights, chunks)]
+
+    def _shifted(self, split) -> list[tuple[tuple[int, int], ...]]:
+        """`split` with each boundary moved by one layer (memory is uneven across ranks:
+        in-flight micro-batches, embedding, logits)."""
+        L = len(self.model.layers)
+        ends = [e for _, e in split[:-1]]
+        out = []
+        for i in range(len(ends)):
+            for d in (-1, 1):
+                cuts = [0] + ends[:i] + [ends[i] + d] + ends[i + 1:] + [L]
+                if all(a < b for a, b in zip(cuts, cuts[1:])):
+                    out.append(tuple(zip(cuts[:-1], cuts[1:])))
+        return out
 
     # --- one context ----------------------------------------------------------------------------
     def _chunk_bound(self, cands, split, c: _Context, p2p: float) -> float:
@@ -234,8 +254,7 @@ class _Search:
             for s, e in self._rank_layers(c, split, r):
                 for i in range(s, e):
                     counts[self.kind_of[i]] = counts.get(self.kind_of[i], 0) + 1
-            kinds = [(n, c.m * (cands[kd].costs.fwd + cands[kd].costs.bwd) + cands[kd].costs.step,
-                      cands[kd].costs.states + k * cands[kd].costs.act) for kd, n in counts.items()]
+            kinds = [(cnt, self._hull(c, kd, k, cands)) for kd, cnt in counts.items()]
             bound = max(bound, lp_time_bound(kinds, self.budget))
             if bound == np.inf:
                 if not self.scored:
@@ -243,20 +262,29 @@ class _Search:
                 break
         return bound
 
-    def _solve_split(self, c: _Context, split) -> None:
+    def _hull(self, c: _Context, kind: int, k: float, cands) -> list[tuple[float, float]]:
+        key = (self.world // c.pp, self.workload.global_batch // c.m, c.m, kind, k)
+        if key not in self.hulls:
+            x = cands[kind].costs
+            self.hulls[key] = lower_hull(c.m * (x.fwd + x.bwd) + x.step, x.states + k * x.act)
+        return self.hulls[key]
+
+    def _solve_split(self, c: _Context, split, slack: float = 1.0) -> None:
+        """Solve every rank of (context, split), assemble and score the plan; partial assignments
+        that cannot beat `slack` x the best step so far are pruned."""
         n, B = self.world // c.pp, self.workload.global_batch // c.m
         cands = self._candidates(n, B)
         layouts, trans_mb = self.layouts[(n, B)]
         weight = c.m + c.bubble  # micro-batch passes on the critical path (see _Context)
         trans = weight * trans_mb
-        best_step = self.scored[0].step if self.scored else np.inf
+        best_step = self.scored[0].step * slack if self.scored else np.inf
         choice: list[int] = [0] * len(self.model.layers)
         for r in range(c.pp):
             k = in_flight(c.schedule, c.pp, r, c.m, c.v)
             chunks = self._rank_layers(c, split, r)
             key = (n, B, c.m, weight, tuple(tuple(self.kind_of[s:e]) for s, e in chunks), k)
             hit = self.dp_cache.get(key)
-            if hit is None or (hit[0] is None and hit[2] > best_step):
+            if hit is None or (hit[0] is None and best_step > hit[2]):  # None under a tighter bound
                 slots = self._slots(cands, chunks, layouts, weight, k, trans)
                 # weight * (f + b) + step <= (weight / m) * (busy + tail) <= (weight / m) * step
                 sol = solve_rank(slots, trans, self.budget, self.opts.memory_bins, self.opts.max_buffer_caps,
@@ -309,10 +337,12 @@ class _Search:
         return slots
 
     def _assemble(self, c, B, split, choice, cands) -> Plan | None:
-        layers = tuple(cands[self.kind_of[i]].table.strategies[j] for i, j in enumerate(choice))
+        layers = tuple(cands[self.kind_of[i]].table.get(j) for i, j in enumerate(choice))
         dp_batch = max(s.dp for s in layers)
         mbs = B // dp_batch
         if self.opts.micro_batch_sizes is not None and mbs not in self.opts.micro_batch_sizes:
+            return None
+        if any(dp_batch % s.dp for s in layers):  # e.g. dp 4 and 6 in a stage of 12: no common batch split
             return None
         return Plan(name="tessera", model=self.model, cluster=self.cluster, workload=self.workload,
                     micro_batch_size=mbs, num_micro_batches=c.m,
@@ -331,7 +361,7 @@ class _Search:
             block = max(cands, key=lambda k: self.kind_of.count(k))
             x = cands[block]
             j = int(np.argmin(x.costs.states + x.costs.act + x.costs.buf))
-            s = x.table.strategies[j]
+            s = x.table.get(j)
             desc = f"pp={c.pp}, tp={s.tp}" + (f", ulysses={s.sp_degree}" if s.sp_degree > 1 else "")
             desc += f", zero{s.zero}" if s.zero else ", no zero"
             desc += f", {s.recompute.value} recompute" if s.recompute.value != "none" else ""
@@ -353,28 +383,34 @@ class _Search:
             if self.scored and bound >= self.scored[0].step:
                 self.stats["skipped"] += 1 + len(heap)
                 self.stats["next_bound"] = bound
+                heapq.heappush(heap, (bound, seq, c, split))  # kept for the runner-up
+                seq += 1
                 break
             if split is None:
-                self.stats["contexts"] += 1
-                n, B = self.world // c.pp, self.workload.global_batch // c.m
-                cands = self._candidates(n, B)
-                if cands is None:
-                    continue
-                ctx = StepContext(cluster=self.cluster, workload=self.workload, stage_size=n, micro_batch_seqs=B)
-                p2p = pipeline_p2p_time(hidden, ctx) if c.pp > 1 else 0.0
-                for sp in self._splits(cands, c.pp * c.v):
-                    self.stats["splits"] += 1
-                    lb = self._split_bound(c, cands, sp, p2p)
-                    if lb < np.inf:
-                        heapq.heappush(heap, (lb, seq, c, sp))
-                        seq += 1
+                for lb, sp in self._expand(c, hidden):
+                    heapq.heappush(heap, (lb, seq, c, sp))
+                    seq += 1
             else:
                 self._solve_split(c, split)
         if not self.scored:
             raise self._no_plan()
+        # A runner-up of another structure for the explanation: a few more items, within +25%.
+        extra = popped = 0
+        while heap and extra < self.opts.runner_ups and popped < 50 and not self._has_runner_up():
+            popped += 1
+            _, _, c, split = heapq.heappop(heap)
+            if split is None:
+                heap_items = self._expand(c, hidden)
+                for lb, sp in heap_items:
+                    heapq.heappush(heap, (lb, seq, c, sp))
+                    seq += 1
+            else:
+                self._solve_split(c, split, slack=1.25)
+                extra += 1
         best = self.scored[0].plan
         info = SearchInfo(search_time_s=time.perf_counter() - t0, candidates=self.stats["candidates"],
-                          explanation=tuple(_explain(best, self.scored, self.stats, self._unconstrained(best))))
+                          explanation=tuple(explain(best, [(x.step, x.plan) for x in self.scored], self.stats,
+                                                    self._unconstrained(best))))
         return best.model_copy(update={"search": info})
 
     def _unconstrained(self, plan: Plan) -> tuple[int, float]:
@@ -400,8 +436,36 @@ class _Search:
                 worst = (r, total)
         return worst
 
+    def _expand(self, c: _Context, hidden: int) -> list[tuple[float, tuple]]:
+        """A context's splits with their lower bounds (infeasible ones dropped)."""
+        self.stats["contexts"] += 1
+        n, B = self.world // c.pp, self.workload.global_batch // c.m
+        cands = self._candidates(n, B)
+        if cands is None:
+            return []
+        ctx = StepContext(cluster=self.cluster, workload=self.workload, stage_size=n, micro_batch_seqs=B)
+        p2p = pipeline_p2p_time(hidden, ctx) if c.pp > 1 else 0.0
+        splits = self._splits(cands, c.pp * c.v)
+        out = []
+        for sp in splits:
+            self.stats["splits"] += 1
+            lb = self._split_bound(c, cands, sp, p2p)
+            if lb < np.inf:
+                out.append((lb, sp))
+        if not out and len(splits) == 1 and c.pp * c.v <= self.opts.shifted_splits_up_to:
+            for sp in self._shifted(splits[0]):  # the balanced cut does not fit: move a boundary
+                self.stats["splits"] += 1
+                lb = self._split_bound(c, cands, sp, p2p)
+                if lb < np.inf:
+                    out.append((lb, sp))
+        return out
+
+    def _has_runner_up(self) -> bool:
+        mine = structure(self.scored[0].plan)
+        return any(structure(x.plan) != mine for x in self.scored[1:])
+
     def _note_infeasible_lp(self, c: _Context, cands, kinds) -> None:
-        need = sum(n * float(np.min(mem)) for n, _, mem in kinds) + self.cluster.device.reserved_bytes
+        need = sum(n * pts[0][0] for n, pts in kinds) + self.cluster.device.reserved_bytes
         self._record_infeasible(need, c, cands)
 
     def _no_plan(self) -> NoFeasiblePlanError:
@@ -414,50 +478,6 @@ class _Search:
         msg = (f"no plan fits in {dev / GiB:.1f} GiB per GPU: the best candidate needs {need / GiB:.1f} GiB "
                f"({desc}); try more GPUs, a shorter sequence, a smaller micro-batch, or enabling offload")
         return NoFeasiblePlanError(msg, need, dev)
-
-
-def _structure(plan: Plan) -> str:
-    blocks = [s for s, layer in zip(plan.layers, plan.model.layers) if layer.num_heads]
-    common = max(set(blocks), key=blocks.count) if blocks else plan.layers[0]
-    sched = plan.pipeline.schedule.value + (f" v={plan.pipeline.virtual_stages}" if plan.pipeline.virtual_stages > 1 else "")
-    return f"pp={plan.pipeline.degree} {sched}, blocks {common.describe()}"
-
-
-def _explain(best: Plan, scored: list[_Scored], stats: dict, unconstrained: tuple[int, float]) -> list[str]:
-    p = best.prediction
-    lines = [
-        f"chosen: {_structure(best)}, {best.num_micro_batches} micro-batches of {best.micro_batch_size}; "
-        f"predicted {p.step_time_s:.3f} s/step, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}",
-        f"why: fastest of {stats['plans']} plans scored by the simulator, from {stats['contexts']} "
-        f"(pp, schedule, micro-batching) contexts ({stats['skipped']} skipped by the compute bound), "
-        f"{stats['candidates']} layer strategies ({stats['pruned']} dominated), {stats['states']} DP states",
-        f"step breakdown: compute {p.compute_s:.3f} s, exposed communication {p.exposed_comm_s:.3f} s, "
-        f"pipeline bubble {p.bubble_s:.3f} s",
-    ]
-    mixed = {s.describe() for s, layer in zip(best.layers, best.model.layers) if layer.num_heads}
-    if len(mixed) > 1:
-        lines.append(f"layer-wise: blocks use {len(mixed)} strategies: {'; '.join(sorted(mixed))}")
-    mine = _structure(best)
-    other = next((s for s in scored[1:] if _structure(s.plan) != mine), None)
-    if other is not None:
-        lines.append(f"runner-up: {_structure(other.plan)} at {other.step:.3f} s/step "
-                     f"(+{(other.step / scored[0].step - 1):.1%})")
-    elif "next_bound" in stats:
-        nb = stats["next_bound"]
-        lines.append(f"runner-up: no other structure came close; every remaining choice is bounded at "
-                     f">= {nb:.3f} s/step (+{(nb / scored[0].step - 1):.1%})")
-    peak = p.peak_memory
-    rank = int(np.argmax([m.total for m in p.stage_memory]))
-    dev = best.cluster.device.memory_bytes
-    if unconstrained[1] > dev:
-        lines.append(f"binding constraint: memory: the fastest strategy of every layer would need "
-                     f"{unconstrained[1] / GiB:.1f} GiB on pipeline rank {unconstrained[0]}; the plan uses "
-                     f"{peak / GiB:.1f} of {dev / GiB:.1f} GiB (rank {rank})")
-    else:
-        share = max((p.compute_s, "compute"), (p.exposed_comm_s, "communication"), (p.bubble_s, "the pipeline bubble"))
-        lines.append(f"binding constraint: none on memory ({peak / GiB:.1f} of {dev / GiB:.1f} GiB); "
-                     f"the step is dominated by {share[1]}")
-    return lines
 
 
 def search(model: ModelSpec, cluster: ClusterSpec, workload: Workload, options: SearchOptions | None = None) -> Plan:

@@ -27,8 +27,9 @@ from math import gcd
 
 import numpy as np
 
+from ..cost.layer import _RC_CODE as RC_CODES
 from ..cost.layer import LayerCosts, StrategyTable
-from ..plan import LayerStrategy, Recompute, SPKind
+from ..plan import LayerStrategy
 from ..spec.cluster import ClusterSpec
 from ..spec.model import LayerSpec
 from .baselines import has_attention
@@ -58,6 +59,7 @@ class SearchOptions:
     micro_batch_sizes: tuple[int, ...] | None = None
     # Exhaustive stage boundaries when there are at most this many splits, else balanced.
     max_splits: int = 64
+    shifted_splits_up_to: int = 16
     # Memory resolution of the dynamic program (bins of the per-rank budget) and how many
     # distinct buffer caps it enumerates (dp.py).
     memory_bins: int = 256
@@ -72,12 +74,13 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_strategies(layer: LayerSpec, stage_size: int, micro_batch_seqs: int, cluster: ClusterSpec,
-                         options: SearchOptions) -> list[LayerStrategy]:
-    """All strategies of the space for `layer` (see the module docstring)."""
+def candidate_table(layer: LayerSpec, stage_size: int, micro_batch_seqs: int, cluster: ClusterSpec,
+                    options: SearchOptions) -> StrategyTable:
+    """All strategies of the space for `layer` (see the module docstring), as a table."""
     attn = has_attention(layer)
-    out = []
+    rows = []
     max_tp = min(cluster.gpus_per_node, options.max_tp or stage_size)
+    rc_codes = [RC_CODES[r] for r in (options.recompute_levels() if attn else ("none",))]
     for tp in divisors(stage_size):
         if tp > max_tp or (options.tp is not None and tp != options.tp):
             continue
@@ -89,13 +92,14 @@ def candidate_strategies(layer: LayerSpec, stage_size: int, micro_batch_seqs: in
                               and tp * u <= cluster.gpus_per_node):
                 continue
             dp = stage_size // (tp * u)
-            if micro_batch_seqs % dp:
+            if micro_batch_seqs % dp or (options.dp is not None and dp != options.dp):
                 continue
-            sp = SPKind.ULYSSES if u > 1 else (SPKind.MEGATRON if tp > 1 else SPKind.NONE)
+            if options.micro_batch_sizes is not None and micro_batch_seqs // dp not in options.micro_batch_sizes:
+                continue
+            megatron = tp > 1 and u == 1
             eps = [1]
             if layer.num_experts:
                 eps = [e for e in divisors(gcd(layer.num_experts, dp * u)) if e <= (options.max_ep or e)]
-            rcs = options.recompute_levels() if attn else ("none",)
             hsdp = cluster.gpus_per_node // (tp * u) if cluster.gpus_per_node >= tp * u else 0
             zeros: list[tuple[int, int, bool]] = []
             for z in options.zero_stages:
@@ -113,10 +117,16 @@ def candidate_strategies(layer: LayerSpec, stage_size: int, micro_batch_seqs: in
                 zeros.append((1, 0, True))  # offload needs the ZeRO optimizer even unsharded
             for ep in eps:
                 for z, d, off in zeros:
-                    for rc in rcs:
-                        out.append(LayerStrategy(dp=dp, tp=tp, sp=sp, sp_degree=u, zero=z, dp_shard=d,
-                                                 recompute=Recompute(rc), offload_optimizer=off, ep=ep))
-    return out
+                    for rc in rc_codes:
+                        rows.append((dp, tp, u, megatron, z, d, rc, off, ep))
+    return StrategyTable.from_rows(rows)
+
+
+def candidate_strategies(layer: LayerSpec, stage_size: int, micro_batch_seqs: int, cluster: ClusterSpec,
+                         options: SearchOptions) -> list[LayerStrategy]:
+    """`candidate_table` as LayerStrategy objects."""
+    table = candidate_table(layer, stage_size, micro_batch_seqs, cluster, options)
+    return [table.get(i) for i in range(len(table))]
 
 
 @dataclass
@@ -168,6 +178,10 @@ def dominated_on_rank(time: np.ndarray, mem: np.ndarray, buf: np.ndarray, layout
     Proof: swapping A for B in any assignment changes the two adjacent transition terms by at
     most pen and the layer's time by time_B - time_A <= -pen, memory and buffer not upwards; so
     the swap never hurts and an optimum without A exists. Exact ties keep the first index."""
+    first = undominated(layout, np.stack([time, mem, buf], axis=1))  # same-layout pass, cheaper
+    if len(first) < len(time):
+        rest = dominated_on_rank(time[first], mem[first], buf[first], layout[first], penalty)
+        return first[rest]
     pen = np.where(layout[None, :] == layout[:, None], 0.0, penalty[layout][None, :])  # [A, B]
     tol = 1e-12
     t_ok = time[None, :] + pen <= time[:, None] * (1 + tol) + tol
@@ -183,18 +197,17 @@ def dominated_on_rank(time: np.ndarray, mem: np.ndarray, buf: np.ndarray, layout
     return np.flatnonzero(~dominated)
 
 
-def lp_time_bound(kinds: list[tuple[int, np.ndarray, np.ndarray]], budget: float) -> float:
+def lp_time_bound(kinds: list[tuple[int, list[tuple[float, float]]]], budget: float) -> float:
     """Lower bound on sum of layer times under sum of layer memory <= budget.
 
-    `kinds`: (count, time[], mem[]) per distinct layer. The linear relaxation of this
+    `kinds`: (count, lower_hull(time, mem)) per distinct layer. The linear relaxation of this
     multiple-choice knapsack (each layer may mix strategies fractionally; re-sharding and buffers,
     both non-negative, dropped) is solved exactly by the greedy on the lower convex hulls of
     (memory, time): start every layer at its smallest memory, then buy the steepest time savings
     per byte until the budget is spent. Returns inf when even the smallest memory does not fit."""
     base_t = base_m = 0.0
     edges = []  # (slope, capacity bytes)
-    for count, time, mem in kinds:
-        pts = lower_hull(time, mem)
+    for count, pts in kinds:
         base_m += count * pts[0][0]
         base_t += count * pts[0][1]
         for (m0, t0), (m1, t1) in zip(pts, pts[1:]):
