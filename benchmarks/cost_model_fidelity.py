@@ -2,8 +2,9 @@
 
     python benchmarks/cost_model_fidelity.py [--out DIR] [--steps 3] [--worlds 2 4]
 
-1. `tessera profile hardware` at each world size (a 4-rank profile is not a 2-rank one on a
-   machine whose ranks share cores), and `tessera profile model` of a small LLaMA at 2 ranks.
+1. At each world size (ranks share the cores here, so a 4-rank profile is not a 2-rank one),
+   right before its plans run: `tessera profile hardware`, then `tessera profile model` of a
+   small LLaMA with its scales relative to that cluster profile's matmul rate.
 2. Hand-made plans (data, ZeRO-3, tensor, pipeline, Ulysses and hybrids, with and without full
    recompute), each costed by `tessera.cost` with the measured cluster and the profiled model.
 3. `tessera validate` runs each plan for a few steps: the slowest rank's median step time, and
@@ -11,8 +12,13 @@
    see tessera/profile/validate.py), against the prediction without its transient buffers.
 
 Ends with `summary: median_time_err_pct=<x> median_mem_err_pct=<y> spearman=<z>` (Spearman of
-predicted vs measured step time over all runs). Timings on a shared machine are noisy: medians
-throughout.
+predicted vs measured step time over all runs; the errors are medians of absolute errors).
+
+Timing statistic: on a machine shared with other jobs, whose load swings several-fold within
+minutes, a median of a few repetitions measures the load as much as the machine. Load only adds
+time, so by default every timing here — collectives and matmuls of the hardware profile, layer
+times of the model profile, step times of the runs — is the minimum over its repetitions
+(`--statistic median` for medians throughout). Plans run interleaved, one step each in turn.
 """
 from __future__ import annotations
 
@@ -37,14 +43,15 @@ from tessera.spec.workload import Workload  # noqa: E402
 MODEL = TransformerConfig(name="fidelity-llama", hidden=256, num_layers=4, num_heads=8, num_kv_heads=4,
                           ffn_hidden=688, vocab_size=4096, max_seq_len=512)
 WORKLOAD = Workload(global_batch=8, seq_len=256, dtype="fp32")
-PROFILE_SIZES = "1x128,2x128,1x256,4x128,2x256,1x512,4x256"
+PROFILE_SIZES = "2x128,1x256,4x128,2x256,1x512,4x256,2x512"
 
-# name -> manual_plan keyword arguments, per world size.
+# name -> manual_plan keyword arguments, per world size. Micro-batches of 512+ tokens per rank
+# where the batch allows, so that per-operation overheads (which a FLOPs model does not see) stay small.
 PLANS = {
     2: {
-        "dp2": dict(micro_batch_size=2),
-        "dp2-rc": dict(micro_batch_size=2, recompute="full"),
-        "zero3-dp2": dict(zero=3, micro_batch_size=2),
+        "dp2": dict(micro_batch_size=4),
+        "dp2-rc": dict(micro_batch_size=4, recompute="full"),
+        "zero3-dp2": dict(zero=3, micro_batch_size=4),
         "tp2": dict(tp=2, micro_batch_size=4),
         "pp2-1f1b": dict(pp=2, micro_batch_size=2),
         "ulysses2": dict(sp="ulysses", sp_degree=2, micro_batch_size=4),
@@ -53,9 +60,11 @@ PLANS = {
         "dp4": dict(micro_batch_size=2),
         "zero3-dp4-rc": dict(zero=3, micro_batch_size=2, recompute="full"),
         "tp2-dp2": dict(tp=2, micro_batch_size=4),
+        "tp2-dp2-zero3": dict(tp=2, zero=3, micro_batch_size=4),
+        "tp4": dict(tp=4, micro_batch_size=4),
         "pp2-dp2": dict(pp=2, micro_batch_size=2),
         "pp2-tp2": dict(pp=2, tp=2, micro_batch_size=2),
-        "ulysses2-dp2": dict(sp="ulysses", sp_degree=2, micro_batch_size=2),
+        "ulysses2-dp2": dict(sp="ulysses", sp_degree=2, micro_batch_size=4),
     },
 }
 
@@ -94,7 +103,9 @@ def build_plans(out: Path, world: int, model: ModelSpec) -> list[Path]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="folder for profiles, plans and results (default: a temp dir)")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per plan")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per plan")
+    parser.add_argument("--statistic", choices=("min", "median"), default="min",
+                        help="summary of repeated timings, in the profiles and the runs alike")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--reuse-profiles", action="store_true", help="keep profiles already in --out")
     args = parser.parse_args()
@@ -104,33 +115,37 @@ def main() -> int:
 
     model_json = out / "model.json"
     model_json.write_text(MODEL.model_dump_json(indent=1))
-    for world in args.worlds:
-        if not (args.reuse_profiles and (out / f"cluster{world}.json").exists()):
-            torchrun(world, "profile", "hardware", "-o", str(out / f"cluster{world}.json"))
-    if not (args.reuse_profiles and (out / "model-profile.json").exists()):
-        torchrun(2, "profile", "model", "--model", str(model_json), "-o", str(out / "model-profile.json"),
-                 "--sizes", PROFILE_SIZES)
-    model = apply_model_profile(ModelSpec.from_config(MODEL), out / "model-profile.json")
-
     rows, skipped = [], []
     for world in args.worlds:
+        cluster, profile = out / f"cluster{world}.json", out / f"model-profile{world}.json"
+        if not (args.reuse_profiles and cluster.exists()):
+            torchrun(world, "profile", "hardware", "-o", str(cluster), "--statistic", args.statistic)
+        if not (args.reuse_profiles and profile.exists()):
+            torchrun(world, "profile", "model", "--model", str(model_json), "-o", str(profile),
+                     "--sizes", PROFILE_SIZES, "--reps", "5", "--cluster", str(cluster), "--statistic", args.statistic)
+        model = apply_model_profile(ModelSpec.from_config(MODEL), profile)
         plans = build_plans(out, world, model)
         result_path = out / f"results{world}.json"
-        torchrun(world, "validate", "--plan", *map(str, plans), "--steps", str(args.steps), "--json", str(result_path))
+        torchrun(world, "validate", "--plan", *map(str, plans), "--steps", str(args.steps), "--json", str(result_path),
+                 "--statistic", args.statistic)
         data = json.loads(result_path.read_text())
         skipped += data["skipped"]
         for r in data["results"]:
             pred_mem = max(r["predicted_memory"])
             meas_mem = max(sum(x[k] for k in ("params", "grads", "optimizer", "activations")) for x in r["ranks"])
+            speed = r["probe_flops"] / r["profiled_flops"]
             rows.append(dict(plan=r["plan"], world=world, pred_t=r["predicted_step_s"], meas_t=r["measured_step_s"],
-                             pred_m=pred_mem, meas_m=meas_mem))
+                             pred_m=pred_mem, meas_m=meas_mem, speed=speed))
 
-    print(f"\n{'plan':<16}{'ranks':>6}{'pred s':>9}{'meas s':>9}{'err':>8}{'pred MiB':>10}{'meas MiB':>10}{'err':>8}")
+    # speed: one matmul's rate during the runs over the profiled rate, a gauge of how much the load
+    # of other jobs changed between profiling and running (1.00 = as profiled).
+    print(f"\n{'plan':<16}{'ranks':>6}{'pred s':>9}{'meas s':>9}{'err':>8}{'pred MiB':>10}{'meas MiB':>10}"
+          f"{'err':>8}{'speed':>7}")
     for r in rows:
         r["t_err"] = 100 * (r["pred_t"] - r["meas_t"]) / r["meas_t"]
         r["m_err"] = 100 * (r["pred_m"] - r["meas_m"]) / r["meas_m"]
         print(f"{r['plan']:<16}{r['world']:>6}{r['pred_t']:>9.3f}{r['meas_t']:>9.3f}{r['t_err']:>+7.1f}%"
-              f"{r['pred_m'] / 2**20:>10.1f}{r['meas_m'] / 2**20:>10.1f}{r['m_err']:>+7.1f}%")
+              f"{r['pred_m'] / 2**20:>10.1f}{r['meas_m'] / 2**20:>10.1f}{r['m_err']:>+7.1f}%{r['speed']:>7.2f}")
     for s in skipped:
         print(f"skipped {Path(s['plan']).stem}: {s['reason']}")
     if not rows:

@@ -1,5 +1,6 @@
 """`tessera plan` and `tessera show` from the command line: output, files, and one-line errors."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -175,11 +176,53 @@ def test_compare_puts_the_plan_beside_the_baselines(capsys):
     baselines = baseline_plans(get_model("llama2-7b"), make_cluster("h100-80gb", 16, 8),
                                Workload(global_batch=64, seq_len=2048))
     assert baselines
+    rows = {b.name: next(line for line in out.splitlines() if line.startswith(f"│ {b.name} ")) for b in baselines}
     for b in baselines:
-        assert b.name in out
+        # The search space holds every baseline: none that fits may be faster than the plan.
+        row = rows[b.name]
+        assert (" yes " in row) == evaluate_fits(b)
+        if " yes " in row:
+            assert float(re.findall(r"([\d.]+)x", row)[-1]) >= 1.0, row
+
+
+def evaluate_fits(plan) -> bool:
+    from tessera.cost import evaluate
+
+    return (plan.prediction or evaluate(plan)).fits
 
 
 def test_a_model_that_fits_nowhere_says_what_it_needs(capsys):
-    err = fails(capsys, ["plan", "--model", "llama3-405b", "--gpus", "8", "--gpu", "a100-40gb",
-                         "--global-batch", "8", "--seq-len", "4096"])
-    assert "GiB" in err
+    from tessera.search import NoFeasiblePlanError, search
+    from tessera.spec import Workload
+    from tessera.spec.presets import get_model
+
+    argv = ["--model", "llama3-405b", "--gpus", "8", "--gpu", "a100-40gb", "--global-batch", "8"]
+    err = fails(capsys, ["plan", *argv])
+    with pytest.raises(NoFeasiblePlanError) as info:
+        search(get_model("llama3-405b"), make_cluster("a100-40gb", 8, 8), Workload(global_batch=8, seq_len=4096))
+    assert f"{info.value.best_peak_bytes / 2**30:.1f} GiB" in err and "40.0 GiB" in err
+    assert info.value.best_peak_bytes > info.value.device_bytes
+
+
+def test_model_profile_changes_the_prediction_and_must_match_the_model(capsys, tmp_path):
+    from tessera.profile.fit import LayerKindProfile, ModelProfile
+    from tessera.spec.presets import get_model
+
+    block = get_model("llama2-7b").layers[1]
+    slow = LayerKindProfile(kind=block.kind, layer=block.name, params=block.params,
+                            flops_per_token=block.flops_per_token, attn_flops_coeff=block.attn_flops_coeff,
+                            measurements=(), linear_time_scale=2.0, attn_time_scale=2.0, overhead_s=0.0,
+                            fit_r2=1.0, fit_max_rel_err=0.0, activation_fit_max_rel_err=0.0, backward_over_forward=2.0,
+                            activation_bytes_per_token=block.act_bytes_tp + block.act_bytes_replicated)
+    path = tmp_path / "model-profile.json"
+    path.write_text(ModelProfile(model="llama2-7b", device="h100-80gb", dtype="bf16", reference_flops=1e15,
+                                 layers=(slow,)).model_dump_json())
+    manual = ["plan", *SMALL, "--tp", "2", "--json"]
+    assert main(manual) == 0
+    plain = Plan.from_json(capsys.readouterr().out)
+    assert main([*manual, "--model-profile", str(path)]) == 0
+    profiled = Plan.from_json(capsys.readouterr().out)
+    # Blocks twice as slow as the FLOPs model: compute grows by nearly 2x (the head is unchanged).
+    assert 1.7 < profiled.prediction.compute_s / plain.prediction.compute_s < 2.0
+    err = fails(capsys, ["plan", "--model", "llama2-13b", "--model-profile", str(path), "--tp", "2"])
+    assert "model profile was measured on model 'llama2-7b', not 'llama2-13b'" in err

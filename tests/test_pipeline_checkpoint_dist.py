@@ -16,6 +16,7 @@ FOUR_RANK_CHECKS = {
     "pp2xdp2_fsdp_zero_bubble_matches_single_process",
     "zero_bubble_refuses_nested_fsdp",
     "pp2xdp2_fsdp_tied_gpt2_matches_single_process",
+    "trainer_pp2_tp2_sp_packed_documents_match_single_process",
     "pp2xdp2_checkpoint_saved",
     "pp2xdp2_tied_checkpoint_saved",
 }
@@ -24,7 +25,11 @@ TWO_RANK_CHECKS = {
     "pp2_1f1b_matches_single_process",
     "pp2_interleaved_1f1b_matches_single_process",
     "pp2_zero_bubble_matches_single_process",
+    "pp2_1f1b_packed_documents_match_single_process",
+    "pp2_interleaved_1f1b_packed_documents_match_single_process",
+    "pp2_zero_bubble_packed_documents_match_single_process",
     "pp2_tied_gpt2_matches_single_process",
+    "trainer_pp2_interleaved_packed_documents_match_single_process",
     "resume_test-llama_pp2xdp2_at_4_ranks_as_dp2_fsdp_at_2_ranks",
     "resume_test-llama_pp2xdp2_at_4_ranks_as_pp2_at_2_ranks",
     "resume_test-llama_pp2xdp2_at_4_ranks_as_tp2_at_2_ranks",
@@ -34,6 +39,7 @@ TWO_RANK_CHECKS = {
     "resume_test-gpt2_pp2xdp2_at_4_ranks_as_dp2_fsdp_at_2_ranks",
     "resume_test-gpt2_pp2xdp2_at_4_ranks_as_pp2_interleaved_one_optimizer_at_2_ranks",
     "resume_test-gpt2_pp2xdp2_at_4_ranks_as_pp2_at_2_ranks",
+    "async_save_keeps_the_weights_of_its_step",
     "corrupt_checkpoint_refused_alike_on_every_rank",
     "corrupt_checkpoint_leaves_model_untouched",
 }

@@ -19,6 +19,7 @@ from tessera.errors import TesseraError
 from tessera.profile.apply import apply_model_profile, load_cluster_profile, load_model_profile
 from tessera.spec.model import ModelSpec
 from tessera.spec.presets import get_model, local_cpu_cluster
+from tessera.spec.workload import Workload
 
 from torchrun_util import ROOT, passed_checks, run_torchrun
 
@@ -65,6 +66,25 @@ def test_model_profile_applies_to_its_model_only(profiles):
         apply_model_profile(get_model("tiny-llama"), profile)
 
 
+def test_plans_made_with_the_profiles_predict_from_the_measurements(profiles):
+    from dist.profile_check import SMALL
+
+    from tessera.search.baselines import manual_plan
+
+    cluster = load_cluster_profile(profiles / "cluster.json", expect_gpus=2)
+    spec = ModelSpec.from_config(SMALL)
+    measured = apply_model_profile(spec, profiles / "model-profile.json")
+    wl = Workload(global_batch=4, seq_len=64, dtype="fp32")
+    preset_plan = manual_plan(spec, local_cpu_cluster(2), wl, micro_batch_size=1)
+    profiled_plan = manual_plan(measured, cluster, wl, micro_batch_size=1)
+    assert profiled_plan.prediction.step_time_s != pytest.approx(preset_plan.prediction.step_time_s, rel=0.05)
+    # Activations of one in-flight micro-batch (64 tokens per rank): the measured bytes per token.
+    profile = load_model_profile(profiles / "model-profile.json")
+    per_token = sum(profile.for_kind(layer.kind).activation_bytes_per_token for layer in spec.layers[:-1])
+    assert profiled_plan.prediction.stage_memory[0].activations == pytest.approx(64 * per_token)
+    assert preset_plan.prediction.stage_memory[0].activations != pytest.approx(64 * per_token, rel=0.05)
+
+
 def test_interrupted_hardware_profile_leaves_no_half_file(tmp_path):
     target = tmp_path / "cluster.json"
     target.write_text("previous profile")
@@ -101,3 +121,34 @@ def test_profile_model_command_line(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "tessera", "profile", "model", "--model", str(config), "-o", str(out),
                           "--sizes", "2by32"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "size '2by32' is not BATCHxSEQ" in bad.stderr
+
+
+def test_validate_runs_plans_and_measures_what_the_cost_model_predicts(profiles, tmp_path):
+    """`tessera validate` at 2 ranks on two plans made with the profiles: the instrumented memory
+    (states + saved activations) matches the prediction; the table, JSON and plot are written."""
+    import json
+
+    from dist.profile_check import SMALL
+
+    from tessera.search.baselines import manual_plan
+
+    cluster = load_cluster_profile(profiles / "cluster.json", expect_gpus=2)
+    model = apply_model_profile(ModelSpec.from_config(SMALL), profiles / "model-profile.json")
+    wl = Workload(global_batch=4, seq_len=64, dtype="fp32")
+    paths = []
+    for name, kw in {"dp2": {}, "zero3-rc": dict(zero=3, recompute="full")}.items():
+        paths.append(tmp_path / f"{name}.json")
+        manual_plan(model, cluster, wl, name=name, micro_batch_size=1, **kw).save(paths[-1])
+    results, plot = tmp_path / "results.json", tmp_path / "validate.png"
+    log = run_torchrun("-m", 2, "tessera", "validate", "--plan", *map(str, paths), "--steps", "1",
+                       "--json", str(results), "--plot", str(plot), timeout=300)
+    assert "dp2: 2 ranks, 1 timed steps" in log and "zero3-rc" in log
+    data = json.loads(results.read_text())
+    assert [r["plan"] for r in data["results"]] == ["dp2", "zero3-rc"] and not data["skipped"]
+    for r in data["results"]:
+        assert len(r["ranks"]) == 2 and len(r["step_times"]) == 1 and r["measured_step_s"] > 0
+        assert abs(r["peak_memory_error"]) < 0.05, r
+    zero3 = data["results"][1]["ranks"][0]
+    dp = data["results"][0]["ranks"][0]
+    assert zero3["params"] == pytest.approx(dp["params"] / 2, rel=0.05)  # ZeRO-3 shards over 2 ranks
+    assert plot.stat().st_size > 1000

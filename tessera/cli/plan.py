@@ -161,9 +161,12 @@ def make_plan(args, model, cluster, workload, console):
         return plan, time.perf_counter() - start
     from ..search import search
 
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
     start = time.perf_counter()
-    with console.status(f"searching plans for {model.name} on {cluster.num_gpus} GPUs ...",
-                        spinner="dots"):
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        progress.add_task(f"searching plans for {model.name} on {cluster.num_gpus} GPUs", total=None)
         plan = evaluated(search(model, cluster, workload, None))
     return plan, time.perf_counter() - start
 

@@ -29,12 +29,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hw.add_argument("--dtypes", default=None, help="comma-separated matmul dtypes (default per device)")
     hw.add_argument("--collectives", default=None, help="comma-separated subset of the collectives")
     hw.add_argument("--name", default=None, help="cluster name written in the profile")
+    hw.add_argument("--statistic", choices=("median", "min"), default="median",
+                    help="summary of repeated timings (min suits a machine shared with other jobs)")
     m = sub.add_parser("model", help="per-layer time and activation memory, fitted scales -> model profile JSON")
     m.add_argument("--model", required=True, help="preset name or a model config JSON")
     m.add_argument("-o", "--output", default="model-profile.json")
     m.add_argument("--sizes", default=None, help="batch x seq sizes, e.g. 1x128,2x128,1x256")
     m.add_argument("--reps", type=int, default=3)
     m.add_argument("--dtype", default=None, help="fp32 / bf16 / fp16 (default: bf16 on CUDA, fp32 on CPU)")
+    m.add_argument("--statistic", choices=("median", "min"), default="median",
+                   help="summary of repeated timings (min suits a machine shared with other jobs)")
     m.add_argument("--cluster", default=None,
                    help="cluster profile whose achieved FLOP/s the scales refer to (default: measured here)")
 
@@ -125,7 +129,7 @@ def _hardware(args) -> int:
     from ..profile.hardware import HardwareOptions, detect_environment, planned_units, profile_hardware
 
     opts = HardwareOptions(min_bytes=args.min_bytes, max_bytes=args.max_bytes, reps=args.reps,
-                           matmul_size=args.matmul_size, name=args.name,
+                           matmul_size=args.matmul_size, name=args.name, statistic=args.statistic,
                            dtypes=args.dtypes.split(",") if args.dtypes else None)
     if args.collectives:
         opts.collectives = tuple(args.collectives.split(","))
@@ -165,7 +169,7 @@ def _model(args) -> int:
     try:
         with _Bar(planned_units(spec, sizes, torch.cuda.is_available()), f"model {spec.name}") as bar:
             profile = profile_model(spec, sizes=sizes, reps=args.reps, dtype=args.dtype,
-                                    reference_flops=reference, progress=bar)
+                                    reference_flops=reference, progress=bar, statistic=args.statistic)
         if _rank() == 0:
             write_atomic(args.output, profile.model_dump_json(indent=1))
             _print_model(profile, args.output)

@@ -19,6 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", nargs="+", required=True, help="plan JSON file(s), run one after another")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per plan")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (lazy initialisation)")
+    parser.add_argument("--statistic", choices=("median", "min"), default="median",
+                        help="summary of the timed steps (min suits a machine shared with other jobs)")
     parser.add_argument("--plot", default=None, help="write a bar chart of predicted vs measured here (PNG)")
     parser.add_argument("--json", default=None, help="write the results here as JSON")
 
@@ -37,15 +39,18 @@ def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from ..profile.apply import write_atomic
-    from ..profile.validate import run_validation
+    from ..profile.validate import run_validations
+    from ..runtime.parallelize import check_plan_supported
 
-    results, skipped = [], []
+    runnable, skipped = [], []
+    for path, plan in zip(args.plan, plans):
+        try:
+            check_plan_supported(plan, world, pipeline_available=True)
+            runnable.append(plan)
+        except TesseraError as e:  # the runtime refuses it (on every rank alike): go on without it
+            skipped.append((path, str(e)))
     try:
-        for path, plan in zip(args.plan, plans):
-            try:
-                results.append(run_validation(plan, steps=args.steps, warmup=args.warmup))
-            except TesseraError as e:  # the runtime refuses it on every rank alike: go on with the next
-                skipped.append((path, str(e)))
+        results = run_validations(runnable, steps=args.steps, warmup=args.warmup, statistic=args.statistic) if runnable else []
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -84,7 +89,8 @@ def print_results(results) -> None:
         p, m = v.peak_memory
         console.print(f"step (slowest rank, median): predicted {v.predicted_step_s:.3f} s, measured "
                       f"{v.measured_step_s:.3f} s ({_pct(v.time_error)}); peak memory predicted {p / 2**20:.1f} MiB, "
-                      f"measured {m / 2**20:.1f} MiB ({_pct(v.peak_memory_error)})")
+                      f"measured {m / 2**20:.1f} MiB ({_pct(v.peak_memory_error)}); machine speed during the "
+                      f"runs {v.speed_ratio:.2f}x the profiled one")
 
 
 def plot_results(results, path: str | Path) -> None:

@@ -10,8 +10,10 @@ achieved FLOP/s of large matmuls (backward = 2 x forward). Least squares on
 
 each row weighted by 1/t (relative error, so that small and large sizes count alike), gives
 s_lin = a F / 3 and s_att = b F / 3: how much slower than a large matmul this layer's linear and
-attention terms run. `c` (a fixed per-call overhead) is fitted and reported but not applied; the
-cost model has no per-call term, so `fit_layer` fits without it unless asked.
+attention terms run. The two terms separate only if the attention share A / L (which grows with
+seq) varies by 1.5x or more across the sizes; otherwise one common scale is fitted to L + A.
+`c` (a fixed per-call overhead) is fitted and reported but not applied: the cost model has no
+per-call term, so `fit_layer_kind` fits the scales without it.
 
 No torch import: this module only does arithmetic on measurements.
 """
@@ -26,6 +28,18 @@ from pydantic import Field
 from ..spec.model import Frozen, LayerKind
 
 PROFILE_VERSION = 1
+
+# How repeated timings are summarised. The median is the default; on a machine shared with other
+# jobs, whose load only ever adds time, the minimum estimates the machine's own speed better
+# (profile and validation must then both use it).
+STATISTICS = {"median": lambda xs: float(np.median(xs)), "min": lambda xs: float(np.min(xs))}
+
+
+def summarize(values: Sequence[float], statistic: str = "median") -> float:
+    try:
+        return STATISTICS[statistic](list(values))
+    except KeyError:
+        raise ValueError(f"unknown statistic '{statistic}'; choose {' or '.join(STATISTICS)}") from None
 
 
 @dataclass(frozen=True)
@@ -130,6 +144,7 @@ class ModelProfile(Frozen):
     # Achieved FLOP/s of large matmuls in the same processes, same time: the F of the scales.
     reference_flops: float = Field(gt=0)
     ranks_measuring: int = Field(default=1, ge=1, description="ranks that measured at once")
+    statistic: str = Field(default="median", description="how repeated timings were summarised")
     layers: tuple[LayerKindProfile, ...]
 
     def for_kind(self, kind: LayerKind) -> LayerKindProfile | None:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from ..spec.cluster import ClusterSpec, CollectiveCurve, DeviceSpec, LinkSpec
 from ..spec.presets.clusters import DEVICES
+from .fit import summarize
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class HardwareOptions:
     dtypes: Sequence[str] | None = None  # default: fp32, bf16 on CPU; fp32, tf32, bf16, fp16 on CUDA
     collectives: Sequence[str] = COLLECTIVES
     name: str | None = None
+    statistic: str = "median"  # or "min" (see tessera.profile.fit.STATISTICS)
 
 
 @dataclass
@@ -186,8 +188,9 @@ class _CollectiveBench:
             dist.send(self.full, self.peer, group=g)
 
 
-def _time_reps(env: Environment, fn: Callable[[], None], reps: int, barrier_group=None) -> float:
-    """Median seconds of `fn` over `reps` runs after one warm-up, each started after a barrier."""
+def _time_reps(env: Environment, fn: Callable[[], None], reps: int, barrier_group=None,
+               statistic: str = "median") -> float:
+    """Median (or min) seconds of `fn` over `reps` runs after one warm-up, each after a barrier."""
     fn()
     _sync(env)
     times = []
@@ -198,7 +201,7 @@ def _time_reps(env: Environment, fn: Callable[[], None], reps: int, barrier_grou
         fn()
         _sync(env)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return summarize(times, statistic)
 
 
 def monotone(seconds: Sequence[float]) -> list[float]:
@@ -215,7 +218,7 @@ def monotone(seconds: Sequence[float]) -> list[float]:
 
 
 def measure_collectives(env: Environment, sizes: Sequence[int], reps: int, collectives: Sequence[str],
-                        progress: Progress | None = None) -> list[CollectiveCurve]:
+                        progress: Progress | None = None, statistic: str = "median") -> list[CollectiveCurve]:
     curves = []
     for span, g, groups in group_layouts(env):
         # Every rank creates every group, in the same order (new_group is collective).
@@ -231,7 +234,7 @@ def measure_collectives(env: Environment, sizes: Sequence[int], reps: int, colle
                     bench = _CollectiveBench(env, collective, mine[0], mine[1], n)
                     # Small messages are cheap and jittery: time them more often.
                     r = reps * 3 if n < (1 << 20) else reps
-                    t = _time_reps(env, bench.run, r, barrier_group=mine[0])
+                    t = _time_reps(env, bench.run, r, barrier_group=mine[0], statistic=statistic)
                     if collective == "p2p":
                         t /= 2.0  # half a round trip
                 seconds.append(_slowest(env, t))
@@ -258,11 +261,11 @@ def _set_tf32(env: Environment, on: bool) -> None:
         torch.backends.cuda.matmul.allow_tf32 = on
 
 
-def measure_matmul(env: Environment, dtype: str, n: int, reps: int) -> float:
+def measure_matmul(env: Environment, dtype: str, n: int, reps: int, statistic: str = "median") -> float:
     """Achieved FLOP/s of an n x n x n matmul in `dtype`, every rank at once (mean over ranks)."""
     _set_tf32(env, dtype == "tf32")
     a, b = _matmul_operands(env, dtype, n)
-    t = _time_reps(env, lambda: torch.mm(a, b), reps)
+    t = _time_reps(env, lambda: torch.mm(a, b), reps, statistic=statistic)
     _set_tf32(env, False)
     return _mean(env, 2.0 * n**3 / t)
 
@@ -389,12 +392,13 @@ def profile_hardware(options: HardwareOptions | None = None, progress: Progress 
 
     with warnings.catch_warnings():  # the *_into_tensor names are deprecated in newer torch, kept for 2.11
         warnings.simplefilter("ignore", FutureWarning)
-        curves = measure_collectives(env, sizes, o.reps, o.collectives, progress) if env.world > 1 else []
+        curves = (measure_collectives(env, sizes, o.reps, o.collectives, progress, o.statistic)
+                  if env.world > 1 else [])
     measured = {}
     for d in dtypes:
         # A slow dtype (bf16 on most CPUs) gets a smaller matrix so that it stays quick.
         side = n if cuda or d == "fp32" else max(128, n // 4)
-        measured[d] = measure_matmul(env, d, side, max(2, o.reps // 2))
+        measured[d] = measure_matmul(env, d, side, max(2, o.reps // 2), o.statistic)
         if progress:
             progress(f"matmul {d}", 1)
     slowdown = 1.0

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..spec.model import LayerKind, ModelSpec, TransformerConfig
-from .fit import LayerMeasurement, ModelProfile, fit_layer_kind
+from .fit import LayerMeasurement, ModelProfile, fit_layer_kind, summarize
 from .memory import SavedActivationMeter
 
 log = logging.getLogger(__name__)
@@ -43,8 +43,8 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def matmul_flops(device: torch.device, dtype: torch.dtype, n: int, reps: int) -> float:
-    """Achieved FLOP/s of an n x n x n matmul (median of `reps`), on this rank."""
+def matmul_flops(device: torch.device, dtype: torch.dtype, n: int, reps: int, statistic: str = "median") -> float:
+    """Achieved FLOP/s of an n x n x n matmul (median or min time of `reps`), on this rank."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     torch.mm(a, b)
@@ -56,7 +56,7 @@ def matmul_flops(device: torch.device, dtype: torch.dtype, n: int, reps: int) ->
         torch.mm(a, b)
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return 2.0 * n**3 / statistics.median(times)
+    return 2.0 * n**3 / summarize(times, statistic)
 
 
 class _LayerRunner:
@@ -99,7 +99,7 @@ class _LayerRunner:
 
 
 def _measure(runner: _LayerRunner, device: torch.device, reps: int, meter: SavedActivationMeter,
-             ) -> tuple[float, float, float, float | None]:
+             statistic: str = "median") -> tuple[float, float, float, float | None]:
     """(median forward s, median backward s, saved activation bytes, CUDA peak bytes or None)."""
     runner.forward()
     runner.backward()
@@ -125,7 +125,7 @@ def _measure(runner: _LayerRunner, device: torch.device, reps: int, meter: Saved
     runner.backward()
     if device.type == "cuda":
         peak = float(torch.cuda.max_memory_allocated(device) - base)
-    return statistics.median(fwd), statistics.median(bwd), float(saved), peak
+    return summarize(fwd, statistic), summarize(bwd, statistic), float(saved), peak
 
 
 def _layers_to_measure(spec: ModelSpec) -> list[tuple[LayerKind, int, int]]:
@@ -152,8 +152,10 @@ def _median_over_ranks(values: list[float]) -> list[float]:
 def profile_model(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = None, reps: int = 3,
                   dtype: str | None = None, device: torch.device | None = None,
                   reference_flops: float | None = None, matmul_size: int | None = None,
-                  progress: Progress | None = None) -> ModelProfile:
+                  progress: Progress | None = None, statistic: str = "median") -> ModelProfile:
     """Measure every layer kind of `spec` at `sizes` and fit its scales (see module docstring).
+
+    `statistic`: how the `reps` timings of a point are summarised ("median" or "min").
 
     `reference_flops`: the achieved FLOP/s the scales are relative to (a cluster profile's
     peak x efficiency); measured here on `matmul_size` square matmuls when not given.
@@ -182,7 +184,7 @@ def profile_model(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = Non
     meter = SavedActivationMeter(model)
     if reference_flops is None:
         n = matmul_size or (8192 if device.type == "cuda" else 1024)
-        reference_flops = statistics.median(_median_over_ranks([matmul_flops(device, tdtype, n, reps)]))
+        reference_flops = statistics.median(_median_over_ranks([matmul_flops(device, tdtype, n, reps, statistic)]))
 
     kinds = []
     for kind, index, block in _layers_to_measure(spec):
@@ -190,7 +192,7 @@ def profile_model(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = Non
         rows = []
         for batch, seq in sizes:
             runner = _LayerRunner(model, spec.config, kind, block, batch, seq, device, tdtype)
-            rows.append(list(_measure(runner, device, reps, meter)))
+            rows.append(list(_measure(runner, device, reps, meter, statistic)))
             if progress:
                 progress(f"{layer.name} b={batch} s={seq}", 1)
         flat = _median_over_ranks([v if v is not None else -1.0 for r in rows for v in r])
@@ -211,7 +213,7 @@ def profile_model(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = Non
     world = dist.get_world_size() if dist.is_initialized() else 1
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return ModelProfile(model=spec.name, device=name, dtype=dtype, reference_flops=reference_flops,
-                        ranks_measuring=world, layers=tuple(kinds))
+                        ranks_measuring=world, statistic=statistic, layers=tuple(kinds))
 
 
 def planned_units(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = None, cuda: bool = False) -> int:

@@ -4,7 +4,8 @@ Measured, per rank (every rank runs `run_validation`; all get the same result):
 - step time: the wall time of `Trainer.train_step` (forward, backward, gradient sync, clipping,
   optimizer update). A step lasts as long as its slowest rank, so each step counts the largest
   of the ranks' times; the result is the median over the timed steps (medians resist the noise
-  of a shared machine), after `warmup` untimed steps and one instrumented step.
+  of a shared machine), after `warmup` untimed steps and one instrumented step. Several plans
+  run interleaved, one step each in turn, so that load from other jobs falls on all alike.
 - peak memory: model states + activations, as `tessera.profile.memory` measures them (local
   shards of parameters, gradients and optimizer state, taken just before the optimizer step,
   plus the peak bytes of tensors saved for backward during the instrumented step).
@@ -23,6 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from ..plan import Plan
+from .fit import summarize
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,15 @@ class Validation:
     step_times: list[float]
     predicted_memory: list[float]  # per pipeline rank (see module docstring)
     ranks: list[RankMeasurement] = field(default_factory=list)
+    # Matmul FLOP/s per rank measured during the runs, and the one the plan's cluster spec assumes:
+    # their ratio says how much faster or slower the machine was than when it was profiled.
+    probe_flops: float = 0.0
+    profiled_flops: float = 0.0
+
+    @property
+    def speed_ratio(self) -> float:
+        """Machine speed during the runs / speed in the profile (1.0 = as profiled)."""
+        return self.probe_flops / self.profiled_flops if self.probe_flops and self.profiled_flops else 1.0
 
     @property
     def time_error(self) -> float:
@@ -102,63 +113,132 @@ def predicted_memory(plan: Plan) -> list[float]:
     return out
 
 
-def run_validation(plan: Plan, steps: int = 5, warmup: int = 1, seed: int = 0) -> Validation:
-    """Train `plan` for warmup + 1 + `steps` steps on synthetic data and measure (collective call)."""
+class _Run:
+    """One plan's trainer, data and measurements during an interleaved validation."""
+
+    def __init__(self, plan: Plan, seed: int):
+        from ..runtime.trainer import TrainConfig, Trainer
+
+        self.plan = plan
+        self.trainer = Trainer(TrainConfig(plan=plan, steps=10**6, synthetic_data=True, seed=seed))
+        self.data = iter(self.trainer.build_data())
+        self.times: list[float] = []
+        self.states: dict[str, float] = {}
+        self.activations = 0.0
+        self.allocator: float | None = None
+
+    def step(self) -> float:
+        import torch
+        import torch.distributed as dist
+
+        batch = next(self.data)
+        dist.barrier()
+        t0 = time.perf_counter()
+        self.trainer.train_step(batch.tokens, batch.labels)
+        if self.trainer.device.type == "cuda":
+            torch.cuda.synchronize(self.trainer.device)
+        return time.perf_counter() - t0
+
+    def instrumented_step(self) -> None:
+        """Saved activations, and the model states just before the update (gradients present,
+        optimizer state there since the warm-up)."""
+        import torch
+
+        from .memory import SavedActivationMeter, model_state_bytes
+
+        t = self.trainer
+        local_opt = getattr(t.optimizer, "optim", t.optimizer)  # ZeroRedundancyOptimizer's own shard
+        hook = t.optimizer.register_step_pre_hook(
+            lambda *_: self.states.update(model_state_bytes(t.model_parts, [local_opt])))
+        meter = SavedActivationMeter(*t.model_parts)
+        if t.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(t.device)
+        with meter.track():
+            self.step()
+        hook.remove()
+        self.activations = float(meter.peak_bytes)
+        if t.device.type == "cuda":
+            self.allocator = float(torch.cuda.max_memory_allocated(t.device))
+
+
+def _probe_flops(device, n: int) -> float:
+    """FLOP/s of one n x n matmul right now (the machine's current speed, every rank at once)."""
+    import torch
+    import torch.distributed as dist
+
+    a = torch.randn(n, n, device=device)
+    dist.barrier()
+    t0 = time.perf_counter()
+    torch.mm(a, a)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 2.0 * n**3 / (time.perf_counter() - t0)
+
+
+def run_validations(plans: list[Plan], steps: int = 5, warmup: int = 1, seed: int = 0,
+                    probe_size: int | None = None, statistic: str = "median") -> list[Validation]:
+    """Train each plan for warmup + 1 + `steps` steps on synthetic data and measure (collective call).
+
+    The plans run interleaved, one step of each in turn, so that a change in the machine's load
+    (other jobs on a shared machine) touches every plan alike. Each round also times one square
+    matmul of side `probe_size` (default: the hardware profile's), so the machine's speed during
+    the runs can be set against the speed the profile saw (`Validation.probe_flops`).
+    `statistic` summarises the timed steps: "median", or "min" to match profiles taken with min.
+    """
     import torch
     import torch.distributed as dist
 
     from ..cost.evaluate import evaluate
-    from ..runtime.trainer import TrainConfig, Trainer
-    from .memory import SavedActivationMeter, model_state_bytes
 
     if steps < 1:
         raise ValueError(f"validate needs at least one timed step, got {steps}")
-    trainer = Trainer(TrainConfig(plan=plan, steps=warmup + 1 + steps, synthetic_data=True, seed=seed))
-    data = iter(trainer.build_data())
-
-    def one_step() -> float:
-        batch = next(data)
-        dist.barrier()
-        t0 = time.perf_counter()
-        trainer.train_step(batch.tokens, batch.labels)
-        if trainer.device.type == "cuda":
-            torch.cuda.synchronize(trainer.device)
-        return time.perf_counter() - t0
-
+    runs = [_Run(plan, seed) for plan in plans]
     for _ in range(warmup):
-        one_step()
-    # One instrumented step: saved activations, and the model states just before the update
-    # (gradients present, optimizer state there since the warm-up).
-    states: dict[str, float] = {}
-    opt = trainer.optimizer
-    local_opt = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps its shard in .optim
-    hook = opt.register_step_pre_hook(
-        lambda *_: states.update(model_state_bytes(trainer.model_parts, [local_opt])))
-    meter = SavedActivationMeter(*trainer.model_parts)
-    if trainer.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(trainer.device)
-    with meter.track():
-        one_step()
-    hook.remove()
-    allocator = float(torch.cuda.max_memory_allocated(trainer.device)) if trainer.device.type == "cuda" else None
+        for run in runs:
+            run.step()
+    for run in runs:
+        run.instrumented_step()
+    device = runs[0].trainer.device if runs else torch.device("cpu")
+    n = probe_size or (8192 if device.type == "cuda" else 1024)
+    probes = []
+    for _ in range(steps):
+        probes.append(_probe_flops(device, n))
+        for run in runs:
+            run.times.append(run.step())
+    world, rank = dist.get_world_size(), dist.get_rank()
+    probe = torch.tensor([statistics.median(probes)], dtype=torch.float64, device=device)
+    dist.all_reduce(probe)
+    results = []
+    for run in runs:
+        plan, t = run.plan, run.trainer
+        times = torch.tensor(run.times, dtype=torch.float64, device=device)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+        me = RankMeasurement(rank=rank, pp_rank=rank // plan.stage_size, step_s=summarize(run.times, statistic),
+                             params=run.states.get("params", 0.0), grads=run.states.get("grads", 0.0),
+                             optimizer=run.states.get("optimizer", 0.0), activations=run.activations,
+                             allocator_peak=run.allocator)
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, asdict(me))
+        t.close()
+        pred = plan.prediction or evaluate(plan)
+        step_times = times.tolist()
+        results.append(Validation(plan=plan.name, world=world, predicted_step_s=pred.step_time_s,
+                                  measured_step_s=summarize(step_times, statistic), step_times=step_times,
+                                  predicted_memory=predicted_memory(plan),
+                                  ranks=[RankMeasurement(**g) for g in gathered],
+                                  probe_flops=float(probe.item()) / world, profiled_flops=_profiled_rate(plan)))
+        log.info("%s: predicted %.3fs, measured %.3fs", plan.name, pred.step_time_s, results[-1].measured_step_s)
+    return results
 
-    mine = [one_step() for _ in range(steps)]
-    world = dist.get_world_size()
-    rank = dist.get_rank()
-    times = torch.tensor(mine, dtype=torch.float64, device=trainer.device)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    step_times = times.tolist()
-    me = RankMeasurement(rank=rank, pp_rank=rank // plan.stage_size, step_s=statistics.median(mine),
-                         params=states.get("params", 0.0), grads=states.get("grads", 0.0),
-                         optimizer=states.get("optimizer", 0.0), activations=float(meter.peak_bytes),
-                         allocator_peak=allocator)
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, asdict(me))
-    trainer.close()
-    pred = plan.prediction or evaluate(plan)
-    result = Validation(plan=plan.name, world=world, predicted_step_s=pred.step_time_s,
-                        measured_step_s=statistics.median(step_times), step_times=step_times,
-                        predicted_memory=predicted_memory(plan),
-                        ranks=[RankMeasurement(**g) for g in gathered])
-    log.info("%s: predicted %.3fs, measured %.3fs", plan.name, result.predicted_step_s, result.measured_step_s)
-    return result
+
+def _profiled_rate(plan: Plan) -> float:
+    """The matmul rate the plan's cluster spec assumes for fp32 (what the probe compares with)."""
+    cl = plan.cluster
+    dtype = "fp32" if "fp32" in cl.device.peak_flops else plan.workload.dtype
+    return cl.peak(dtype) * cl.compute_efficiency
+
+
+def run_validation(plan: Plan, steps: int = 5, warmup: int = 1, seed: int = 0,
+                   statistic: str = "median") -> Validation:
+    """`run_validations` of one plan."""
+    return run_validations([plan], steps, warmup, seed, statistic=statistic)[0]

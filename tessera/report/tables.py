@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rich.console import Console, Group
+from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
@@ -178,26 +179,29 @@ def memory_table(plan: Plan) -> Table:
 
 def explanation(plan: Plan) -> Group | None:
     info = plan.search
-    lines = [Text("  " + line) for line in info.explanation]
+    # Padding indents the wrapped part of a long line too.
+    lines = [Padding(Text(line), (0, 0, 0, 2)) for line in info.explanation]
     if info.search_time_s or info.candidates:
-        lines.append(Text(f"  searched {info.candidates:,} candidates in {info.search_time_s:.2f} s",
-                          style="dim"))
+        lines.append(Padding(Text(f"searched {info.candidates:,} candidates in {info.search_time_s:.2f} s",
+                                  style="dim"), (0, 0, 0, 2)))
     if not lines:
         return None
     return Group(Text("why this plan", style="bold"), *lines)
 
 
 def strategy_summary(plan: Plan) -> str:
-    """One line for a comparison row: 'pp4 1f1b | dp8 tp2 zero1' (the most common layer strategy)."""
-    groups = layer_groups(plan)
+    """One line for a comparison row: 'pp4 1f1b | dp8 tp2 zero1' (the blocks' most common strategy,
+    with how many other strategies blocks use; embedding and head are left out)."""
     counts: dict[str, int] = {}
-    for g in groups:
-        key = g.strategy.describe()
-        counts[key] = counts.get(key, 0) + g.count
+    edges = (LayerKind.EMBEDDING, LayerKind.LM_HEAD)
+    for layer, s in zip(plan.model.layers, plan.layers):
+        if layer.kind not in edges or len(plan.layers) <= 2:
+            key = s.describe()
+            counts[key] = counts.get(key, 0) + 1
     main = max(counts, key=counts.get)
     pp = plan.pipeline
     head = f"pp{pp.degree} {pp.schedule.value}" + (f" v{pp.virtual_stages}" if pp.virtual_stages > 1 else "")
-    more = f" (+{len(counts) - 1} other)" if len(counts) > 1 else ""
+    more = f" (+{len(counts) - 1} more)" if len(counts) > 1 else ""
     return f"{head} | {main}{more}" if pp.degree > 1 else f"{main}{more}"
 
 
@@ -208,7 +212,7 @@ def comparison_table(reference: Plan, others: list[Plan]) -> Table:
     table = Table(title="compared with baselines (same cost model)", title_justify="left")
     for name, justify in (("plan", "left"), ("strategy", "left"), ("step time", "right"),
                           ("tokens/s", "right"), ("MFU", "right"), ("peak mem", "right"),
-                          ("fits", "center"), ("Tessera speedup", "right")):
+                          ("fits", "center"), (f"{reference.name.capitalize()} speedup", "right")):
         table.add_column(name, justify=justify)
     ref_time = reference.prediction.step_time_s if reference.prediction else None
     for i, plan in enumerate([reference, *others]):

@@ -78,6 +78,13 @@ def _quiet_single_process():
         yield
 
 
+def _no_dist_kwarg(fn) -> dict:
+    """`no_dist=True` in a single process, where the DCP function takes it (older ones infer it)."""
+    import inspect
+
+    return {"no_dist": not _dist()} if "no_dist" in inspect.signature(fn).parameters else {}
+
+
 def _all_gather(obj) -> list:
     if not _dist():
         return [obj]
@@ -335,11 +342,11 @@ class CheckpointManager:
         if self.async_save:
             with _quiet_single_process():
                 future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group,
-                                        no_dist=not _dist())
+                                        **_no_dist_kwarg(dcp.async_save))
             self._pending = (future, tmp, final, step)
         else:
             with _quiet_single_process():
-                dcp.save(state, checkpoint_id=str(tmp), no_dist=not _dist())
+                dcp.save(state, checkpoint_id=str(tmp), **_no_dist_kwarg(dcp.save))
             self._finish(tmp, final, step)
         return final
 
@@ -412,7 +419,7 @@ class CheckpointManager:
             del state["optim"]
         try:
             with _quiet_single_process():
-                dcp.load(state, checkpoint_id=str(path), no_dist=not _dist())
+                dcp.load(state, checkpoint_id=str(path), **_no_dist_kwarg(dcp.load))
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise

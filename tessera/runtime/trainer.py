@@ -167,9 +167,8 @@ class Trainer:
                                    self.data_rank, self.data_size, self.config.seed)
         from .data import build_dataloader
 
-        # Pipeline stages pass one activation between them, so no per-document masks there.
         loader = build_dataloader(self.config.data, w.seq_len, w.global_batch, self.data_rank, self.data_size,
-                                  self.config.seed, pack=self.pipeline is None)
+                                  self.config.seed, pack=True)
         if loader.vocab_size > self.plan.model.config.vocab_size:
             raise TesseraError(f"the data's tokenizer has {loader.vocab_size} tokens, more than the model's "
                                f"vocabulary of {self.plan.model.config.vocab_size}")
@@ -228,10 +227,9 @@ class Trainer:
         return float(total) / self.world_size
 
     def forward_backward_pp(self, tokens, labels, positions, mask) -> float:
-        if positions is not None or mask is not None:
-            raise TesseraError("packed documents (positions, masks) are not supported with pipeline parallelism yet")
+        # Every rank holds the batch: positions and masks reach each stage as keyword arguments.
         with self.loss_fn.context():
-            loss = self.pipeline.step(tokens, labels)
+            loss = self.pipeline.step(tokens, labels, positions, mask)
         for part in self.pipeline_parts:
             part.rescale_grads()
         return self.pipeline.global_loss(loss)

@@ -24,38 +24,38 @@ def has_attention(layer: LayerSpec) -> bool:
 
 def balanced_stages(weights: list[float], chunks: int) -> tuple[tuple[int, int], ...]:
     """Cut `weights` (per layer, in order) into `chunks` contiguous non-empty ranges minimising the
-    heaviest range (bisection on the bound; greedy fill, leaving one layer per remaining chunk)."""
+    heaviest range: bisection on the bound, each probe a greedy fill on prefix sums (the greedy
+    that packs each range as full as the bound allows is optimal for a fixed bound)."""
     n = len(weights)
     if chunks > n:
         raise ValueError(f"cannot cut {n} layers into {chunks} pipeline chunks")
-    w = np.asarray(weights, dtype=float)
+    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(weights, dtype=float))])
 
-    def cut(bound: float) -> list[tuple[int, int]] | None:
-        out, start = [], 0
-        for c in range(chunks):
-            left = chunks - c - 1
-            end, total = start + 1, w[start]
-            while end < n - left and total + w[end] <= bound:
-                total += w[end]
-                end += 1
-            if c == chunks - 1:
-                end = n
-            if w[start:end].sum() > bound * (1 + 1e-12) and end - start > 1:
+    def cut(bound: float) -> list[int] | None:
+        ends, start = [], 0
+        for c in range(chunks - 1):
+            # furthest end with sum <= bound, leaving a layer for each later range
+            end = int(np.searchsorted(prefix, prefix[start] + bound * (1 + 1e-12), side="right")) - 1
+            end = min(max(end, start + 1), n - (chunks - c - 1))
+            if prefix[end] - prefix[start] > bound * (1 + 1e-12) and end - start > 1:
                 return None
-            out.append((start, end))
+            ends.append(end)
             start = end
-        return out
+        if prefix[n] - prefix[start] > bound * (1 + 1e-12) and n - start > 1:
+            return None
+        return ends + [n]
 
-    lo, hi = float(w.max()), float(w.sum())
+    lo, hi = float(np.max(weights)), float(prefix[-1])
     best = cut(hi)
-    for _ in range(60):
+    for _ in range(40):
         mid = (lo + hi) / 2
         got = cut(mid)
         if got is None:
             lo = mid
         else:
             best, hi = got, mid
-    return tuple(best)
+    starts = [0] + best[:-1]
+    return tuple(zip(starts, best))
 
 
 def manual_plan(model: ModelSpec, cluster: ClusterSpec, workload: Workload, *, dp: int | None = None,

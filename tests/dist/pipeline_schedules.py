@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from pipeline_checkpoint_common import (LR, TINY_GPT2, TINY_LLAMA, close, global_batch, loss_fn, make_optimizer,
-                                        make_plan, make_scheduler, reference_losses)
+                                        make_plan, make_scheduler, packed_documents, reference_losses)
 from tessera.models import build_model
 from tessera.runtime.checkpoint import CheckpointManager
 from tessera.runtime.pipeline import build_pipeline
@@ -28,14 +28,15 @@ def check(name: str, ok: bool, detail: str = "") -> None:
         print(f"CHECK {name} ok", flush=True)
 
 
-def train_pipeline(config, plan, mesh, steps, parallelize_chunk=None):
+def train_pipeline(config, plan, mesh, steps, parallelize_chunk=None, packed=False):
     runner = build_pipeline(build_model(config, seed=0), plan, mesh, loss_fn, parallelize_chunk)
     opts = [make_optimizer(p.parameters()) for p in runner.model_parts]
     scheds = [make_scheduler(o) for o in opts]
     losses = []
     for step in range(steps):
         tokens, labels = global_batch(step)
-        loss = runner.step(tokens, labels)
+        positions, mask = packed_documents(step) if packed else (None, None)
+        loss = runner.step(tokens, labels, positions, mask)
         for o, s in zip(opts, scheds):
             o.step()
             s.step()
@@ -53,13 +54,52 @@ def main() -> None:
         losses = train_pipeline(TINY_LLAMA, plan, mesh, STEPS)
         check(f"pp2_{schedule}_matches_single_process", close(losses, ref[TINY_LLAMA.name]),
               f"{losses} vs {ref[TINY_LLAMA.name]}")
+    # Packed documents: positions and the block-diagonal mask reach every stage.
+    ref_packed = reference_losses(TINY_LLAMA, STEPS, packed=True)
+    for schedule, virtual in [("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1)]:
+        plan = make_plan(TINY_LLAMA, world=2, pp=2, schedule=schedule, virtual_stages=virtual)
+        losses = train_pipeline(TINY_LLAMA, plan, mesh, STEPS, packed=True)
+        check(f"pp2_{schedule}_packed_documents_match_single_process", close(losses, ref_packed),
+              f"{losses} vs {ref_packed}")
     plan = make_plan(TINY_GPT2, world=2, pp=2, schedule="1f1b")
     losses = train_pipeline(TINY_GPT2, plan, mesh, STEPS)
     check("pp2_tied_gpt2_matches_single_process", close(losses, ref[TINY_GPT2.name]),
           f"{losses} vs {ref[TINY_GPT2.name]}")
+    trainer_pipeline_runs_packed_documents()
     if len(sys.argv) > 1:
         resume_under_other_plans(sys.argv[1])
     dist.destroy_process_group()
+
+
+def trainer_pipeline_runs_packed_documents(name: str = "trainer_pp2_interleaved_packed_documents",
+                                           strategy=None, stages=((0, 2), (2, 3), (3, 5), (5, 6)),
+                                           schedule: str = "interleaved_1f1b") -> None:
+    """The trainer's pipeline path with packed documents (positions restart, block-diagonal mask)
+    equals one process with the trainer's optimizer, warm-up and clipping."""
+    from runtime_common import LLAMA, OPTIM, S
+    from runtime_common import make_plan as runtime_plan
+    from tessera.runtime.optim import build_optimizer, build_scheduler, clip_grad_norm_
+    from tessera.runtime.trainer import TrainConfig, Trainer
+
+    batches = [(*global_batch(step), *packed_documents(step)) for step in range(3)]
+    model = build_model(LLAMA, seed=0)
+    opt = build_optimizer(model.parameters(), OPTIM)
+    sched = build_scheduler(opt, OPTIM)
+    want = []
+    for tokens, labels, positions, mask in batches:
+        loss = loss_fn(model(tokens, positions, mask), labels)
+        loss.backward()
+        clip_grad_norm_(list(model.parameters()), OPTIM.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(loss.item())
+    plan = runtime_plan(LLAMA, dist.get_world_size(), strategy or S(), num_micro_batches=2, schedule=schedule,
+                        stages=stages)
+    trainer = Trainer(TrainConfig(plan=plan, steps=3, optim=OPTIM, seed=0))
+    got = [trainer.train_step(*batch) for batch in batches]
+    trainer.close()
+    check(f"{name}_match_single_process", close(got, want), f"{got} vs {want}")
 
 
 def _tp_blocks(model, tp_mesh):
@@ -136,7 +176,47 @@ def resume_under_other_plans(ckpt_dir: str) -> None:
             check(f"resume_{config.name}_pp2xdp2_at_4_ranks_as_{layout}_at_2_ranks", close(losses, ref),
                   f"{losses} vs {ref}")
     zero1_resume_save_and_resume_plain(ckpt_dir)
+    async_save_while_training(f"{ckpt_dir}-async")
     refuse_corrupt_checkpoint(ckpt_dir)
+
+
+def async_save_while_training(directory: str) -> None:
+    """FSDP2 at 2 ranks: an asynchronous save holds the weights of the step it was called at,
+    although training goes on before it finishes; the next save finishes it (manifest, rename)."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    rank = dist.get_rank()
+    rows = slice(rank * 4, rank * 4 + 4)
+
+    def fresh(seed):
+        model = _fsdp(build_model(TINY_LLAMA, seed=seed), mesh)
+        return model, make_optimizer(model.parameters())
+
+    def train_one(model, opt, step):
+        tokens, labels = global_batch(step)
+        loss_fn(model(tokens[rows]), labels[rows]).backward()
+        opt.step()
+        opt.zero_grad()
+
+    if rank == 0:
+        import shutil
+
+        shutil.rmtree(directory, ignore_errors=True)
+    dist.barrier()
+    model, opt = fresh(0)
+    manager = CheckpointManager(directory, async_save=True)
+    train_one(model, opt, 0)
+    manager.save(1, [model], opt, {"data_step": 1})
+    snapshot = [p.full_tensor().clone() for p in model.parameters()]
+    pending = not (manager.directory / "step-1").exists() or manager.latest() is None
+    train_one(model, opt, 1)
+    manager.save(2, [model], opt, {"data_step": 2})
+    manager.wait()
+    names = [p.name for p in manager.checkpoints()]
+    restored, restored_opt = fresh(7)
+    extra = manager.load([restored], restored_opt, path=manager.directory / "step-1")
+    same = all(torch.equal(a, b.full_tensor()) for a, b in zip(snapshot, restored.parameters()))
+    check("async_save_keeps_the_weights_of_its_step", pending and names == ["step-1", "step-2"] and same
+          and extra["data_step"] == 1, f"{pending} {names} {same}")
 
 
 def zero1_resume_save_and_resume_plain(ckpt_dir: str) -> None:

@@ -1,0 +1,47 @@
+"""The memory instrumentation: saved activations counted once per storage, live, without parameters."""
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+from tessera.profile.memory import SavedActivationMeter, model_state_bytes
+
+
+def test_saved_activations_are_counted_once_and_released_after_backward():
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 64, bias=False)
+    x = torch.randn(8, 64, requires_grad=True)
+    meter = SavedActivationMeter(lin)
+    with meter.track():
+        h = lin(x)  # saves x (and the weight: excluded)
+        y = torch.tanh(h)  # saves its output y
+        z = (y * y).sum()  # saves y twice: one storage
+        assert meter.live_bytes == x.nbytes + y.nbytes
+        z.backward()
+    assert meter.peak_bytes == x.nbytes + y.nbytes
+    del h, y, z
+    assert meter.live_bytes == 0
+
+
+def test_checkpointed_module_counts_only_its_kept_input():
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+    x = torch.randn(4, 32, requires_grad=True)
+    plain = SavedActivationMeter(block)
+    with plain.track():
+        block(x).sum().backward()
+    wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+    meter = SavedActivationMeter(wrapped)
+    with meter.track():
+        out = wrapped(x)
+        kept = meter.live_bytes
+        out.sum().backward()
+    assert kept == x.nbytes and plain.peak_bytes > 4 * x.nbytes
+
+
+def test_model_state_bytes_counts_params_grads_and_optimizer_state():
+    model = nn.Linear(10, 10)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 10)).sum().backward()
+    opt.step()
+    n = sum(p.numel() for p in model.parameters()) * 4
+    assert model_state_bytes([model], [opt]) == {"params": n, "grads": n, "optimizer": 2 * n}
