@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ..errors import TesseraError
 from ..models.transformer import build_model
 from ..plan import Plan
+from .materialize import materialize, param_shapes
 from .mesh import ParallelDims
 from .metrics import MetricsWriter, StepRecord, model_flops_utilisation, peak_memory_bytes
 from .optim import OptimConfig, build_optimizer, build_scheduler, clip_grad_norm_
@@ -45,6 +46,7 @@ class TrainConfig:
     tensorboard_dir: str | None = None
     log_every: int = 1
     compile: bool = False
+    meta_init: bool | None = None  # None: for sharded plans (FSDP2 path), not for plain DDP
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     resume: str | None = None
@@ -101,8 +103,14 @@ class Trainer:
             log.info("workload dtype %s runs as fp32 on CPU", self.plan.workload.dtype)
 
     def build_model(self) -> None:
-        """Build the full model from the seed on every rank (same init as one process), then shard."""
-        self.model = build_model(self.plan.model.config, seed=self.config.seed, device=self.device)
+        """The model, initialised as one process would from the seed, then sharded.
+
+        Plain data parallelism builds the full model on every rank. Sharded plans build it on the
+        meta device, apply the plan, and initialise each rank's shards (`materialize`)."""
+        self.meta_init = self.config.meta_init if self.config.meta_init is not None else not uses_ddp(self.plan)
+        cfg = self.plan.model.config
+        self.model = build_model(cfg, seed=self.config.seed, device="meta" if self.meta_init else self.device)
+        self.param_shapes = param_shapes(self.model)
         mp_policy = None
         if self.dtype in ("bf16", "fp16"):
             from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -115,6 +123,7 @@ class Trainer:
             return
         self.parallel: Parallelized = parallelize(self.model, self.plan, self.dims, self.rank,
                                                   compile=self.config.compile, mp_policy=mp_policy)
+        self.maybe_materialize(self.parallel.module)
         self.model_parts = [self.parallel.module]
         self.loss_fn = self.parallel.loss
         # FSDP2 casts through its MixedPrecisionPolicy; the DDP path autocasts.
@@ -131,6 +140,7 @@ class Trainer:
         def parallelize_chunk(chunk, layers: range):
             parts.append(parallelize(chunk, self.plan, self.dims, self.rank, layers, compile=self.config.compile,
                                      mp_policy=mp_policy, root_only=root_fsdp_only(self.plan)))
+            self.maybe_materialize(parts[-1].module)  # before the pipeline stage sees it
             return parts[-1].module
 
         self.loss_fn = ParallelLoss(StageContext.build(self.plan, self.dims, self.rank))
@@ -138,6 +148,10 @@ class Trainer:
         self.pipeline_parts = parts
         self.model_parts = list(self.pipeline.model_parts)
         self.autocast = nullcontext()
+
+    def maybe_materialize(self, part) -> None:
+        if self.meta_init:
+            materialize(part, self.param_shapes, self.plan.model.config, self.config.seed, self.device)
 
     def build_optimizer(self) -> None:
         """AdamW and its LR schedule per model part (pipeline chunks checkpoint one pair each)."""
