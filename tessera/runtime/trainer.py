@@ -250,34 +250,40 @@ class Trainer:
 
     # --- the loop ---------------------------------------------------------------------------------
     def train(self) -> list[StepRecord]:
+        """Resume if asked; then step, log and checkpoint until `steps`. Returns the logged records."""
         self.maybe_resume()
         if self.data_iter is None:
             self.loader = self.build_data()
             self.data_iter = iter(self.loader)
         records = []
-        tokens_per_step = self.plan.workload.tokens_per_step
-        predicted = self.plan.prediction.step_time_s if self.plan.prediction is not None else None
         while self.step < self.config.steps:
             batch = next(self.data_iter)
-            start = time.perf_counter()
             packed = getattr(batch, "packed", False)
+            start = time.perf_counter()
             loss = self.train_step(batch.tokens, batch.labels, batch.positions if packed else None,
                                    batch.doc_mask() if packed else None)
-            elapsed = time.perf_counter() - start
             self.step += 1
             if self.step % self.config.log_every == 0 or self.step == self.config.steps:
-                record = StepRecord(
-                    step=self.step, loss=loss, lr=self.schedulers[0].get_last_lr()[0], grad_norm=self.grad_norm,
-                    step_time_s=elapsed, tokens_per_s=tokens_per_step / elapsed,
-                    mfu=model_flops_utilisation(self.plan, tokens_per_step / elapsed, self.world_size, self.dtype),
-                    peak_memory_bytes=self.gather_peak_memory(), predicted_step_time_s=predicted)
-                records.append(record)
-                if self.rank == 0:
-                    log.info("step %d loss %.4f %.0f tok/s", record.step, record.loss, record.tokens_per_s)
-                    self.metrics and self.metrics.write(record)
-                    self.on_step and self.on_step(record)
+                records.append(self.log_step(loss, time.perf_counter() - start))
             self.maybe_checkpoint()
         return records
+
+    def log_step(self, loss: float, elapsed: float) -> StepRecord:
+        """Measure and report one step (collective: peak memory is gathered from every rank)."""
+        tokens_per_s = self.plan.workload.tokens_per_step / elapsed
+        record = StepRecord(
+            step=self.step, loss=loss, lr=self.schedulers[0].get_last_lr()[0], grad_norm=self.grad_norm,
+            step_time_s=elapsed, tokens_per_s=tokens_per_s,
+            mfu=model_flops_utilisation(self.plan, tokens_per_s, self.world_size, self.dtype),
+            peak_memory_bytes=self.gather_peak_memory(),
+            predicted_step_time_s=self.plan.prediction.step_time_s if self.plan.prediction else None)
+        if self.rank == 0:
+            log.info("step %d loss %.4f %.0f tok/s", record.step, record.loss, record.tokens_per_s)
+            if self.metrics is not None:
+                self.metrics.write(record)
+            if self.on_step is not None:
+                self.on_step(record)
+        return record
 
     def gather_peak_memory(self) -> list[float]:
         mine = torch.tensor([peak_memory_bytes(self.device)], dtype=torch.float64, device=self.device)
@@ -299,8 +305,8 @@ class Trainer:
 
     def maybe_checkpoint(self) -> None:
         cfg = self.config
-        if cfg.checkpoint_dir and cfg.checkpoint_every and (self.step % cfg.checkpoint_every == 0
-                                                            or self.step == cfg.steps):
+        every = cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
+        if cfg.checkpoint_dir and (every or self.step == cfg.steps):  # and always after the last step
             self._checkpoint_manager(cfg.checkpoint_dir).save(self.step, self.model_parts, self.optimizers,
                                                               self.extra_state())
 
