@@ -121,3 +121,14 @@ def test_every_single_layout_of_four_ranks_is_a_valid_plan():
         check_plan_supported(make_plan(LLAMA, 4, S(dp=dp, tp=tp, zero=zero if dp > 1 else 0,
                                                     sp="megatron" if tp > 1 else "none")), 4)
     assert SPKind.ULYSSES.value == "ulysses"
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 4])
+def test_default_local_plan_runs_on_this_runtime(nproc):
+    """`tessera train --model tiny-llama --nproc N` plans something the runtime accepts."""
+    from tessera.cli.train import make_local_plan
+    from tessera.spec.workload import Workload
+
+    plan = make_local_plan("tiny-llama", nproc, Workload(global_batch=8, seq_len=128, dtype="fp32"))
+    assert plan.world_size == nproc
+    check_plan_supported(plan, nproc, pipeline_available=True)

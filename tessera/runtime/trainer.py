@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ..errors import TesseraError
 from ..models.transformer import build_model
 from ..plan import Plan
+from .materialize import materialize, param_shapes
 from .mesh import ParallelDims
 from .metrics import MetricsWriter, StepRecord, model_flops_utilisation, peak_memory_bytes
 from .optim import OptimConfig, build_optimizer, build_scheduler, clip_grad_norm_
@@ -45,6 +46,7 @@ class TrainConfig:
     tensorboard_dir: str | None = None
     log_every: int = 1
     compile: bool = False
+    meta_init: bool | None = None  # None: for sharded plans (FSDP2 path), not for plain DDP
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     resume: str | None = None
@@ -101,8 +103,14 @@ class Trainer:
             log.info("workload dtype %s runs as fp32 on CPU", self.plan.workload.dtype)
 
     def build_model(self) -> None:
-        """Build the full model from the seed on every rank (same init as one process), then shard."""
-        self.model = build_model(self.plan.model.config, seed=self.config.seed, device=self.device)
+        """The model, initialised as one process would from the seed, then sharded.
+
+        Plain data parallelism builds the full model on every rank. Sharded plans build it on the
+        meta device, apply the plan, and initialise each rank's shards (`materialize`)."""
+        self.meta_init = self.config.meta_init if self.config.meta_init is not None else not uses_ddp(self.plan)
+        cfg = self.plan.model.config
+        self.model = build_model(cfg, seed=self.config.seed, device="meta" if self.meta_init else self.device)
+        self.param_shapes = param_shapes(self.model)
         mp_policy = None
         if self.dtype in ("bf16", "fp16"):
             from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -115,6 +123,7 @@ class Trainer:
             return
         self.parallel: Parallelized = parallelize(self.model, self.plan, self.dims, self.rank,
                                                   compile=self.config.compile, mp_policy=mp_policy)
+        self.maybe_materialize(self.parallel.module)
         self.model_parts = [self.parallel.module]
         self.loss_fn = self.parallel.loss
         # FSDP2 casts through its MixedPrecisionPolicy; the DDP path autocasts.
@@ -131,6 +140,7 @@ class Trainer:
         def parallelize_chunk(chunk, layers: range):
             parts.append(parallelize(chunk, self.plan, self.dims, self.rank, layers, compile=self.config.compile,
                                      mp_policy=mp_policy, root_only=root_fsdp_only(self.plan)))
+            self.maybe_materialize(parts[-1].module)  # before the pipeline stage sees it
             return parts[-1].module
 
         self.loss_fn = ParallelLoss(StageContext.build(self.plan, self.dims, self.rank))
@@ -138,6 +148,10 @@ class Trainer:
         self.pipeline_parts = parts
         self.model_parts = list(self.pipeline.model_parts)
         self.autocast = nullcontext()
+
+    def maybe_materialize(self, part) -> None:
+        if self.meta_init:
+            materialize(part, self.param_shapes, self.plan.model.config, self.config.seed, self.device)
 
     def build_optimizer(self) -> None:
         """AdamW and its LR schedule per model part (pipeline chunks checkpoint one pair each)."""
@@ -236,34 +250,40 @@ class Trainer:
 
     # --- the loop ---------------------------------------------------------------------------------
     def train(self) -> list[StepRecord]:
+        """Resume if asked; then step, log and checkpoint until `steps`. Returns the logged records."""
         self.maybe_resume()
         if self.data_iter is None:
             self.loader = self.build_data()
             self.data_iter = iter(self.loader)
         records = []
-        tokens_per_step = self.plan.workload.tokens_per_step
-        predicted = self.plan.prediction.step_time_s if self.plan.prediction is not None else None
         while self.step < self.config.steps:
             batch = next(self.data_iter)
-            start = time.perf_counter()
             packed = getattr(batch, "packed", False)
+            start = time.perf_counter()
             loss = self.train_step(batch.tokens, batch.labels, batch.positions if packed else None,
                                    batch.doc_mask() if packed else None)
-            elapsed = time.perf_counter() - start
             self.step += 1
             if self.step % self.config.log_every == 0 or self.step == self.config.steps:
-                record = StepRecord(
-                    step=self.step, loss=loss, lr=self.schedulers[0].get_last_lr()[0], grad_norm=self.grad_norm,
-                    step_time_s=elapsed, tokens_per_s=tokens_per_step / elapsed,
-                    mfu=model_flops_utilisation(self.plan, tokens_per_step / elapsed, self.world_size, self.dtype),
-                    peak_memory_bytes=self.gather_peak_memory(), predicted_step_time_s=predicted)
-                records.append(record)
-                if self.rank == 0:
-                    log.info("step %d loss %.4f %.0f tok/s", record.step, record.loss, record.tokens_per_s)
-                    self.metrics and self.metrics.write(record)
-                    self.on_step and self.on_step(record)
+                records.append(self.log_step(loss, time.perf_counter() - start))
             self.maybe_checkpoint()
         return records
+
+    def log_step(self, loss: float, elapsed: float) -> StepRecord:
+        """Measure and report one step (collective: peak memory is gathered from every rank)."""
+        tokens_per_s = self.plan.workload.tokens_per_step / elapsed
+        record = StepRecord(
+            step=self.step, loss=loss, lr=self.schedulers[0].get_last_lr()[0], grad_norm=self.grad_norm,
+            step_time_s=elapsed, tokens_per_s=tokens_per_s,
+            mfu=model_flops_utilisation(self.plan, tokens_per_s, self.world_size, self.dtype),
+            peak_memory_bytes=self.gather_peak_memory(),
+            predicted_step_time_s=self.plan.prediction.step_time_s if self.plan.prediction else None)
+        if self.rank == 0:
+            log.info("step %d loss %.4f %.0f tok/s", record.step, record.loss, record.tokens_per_s)
+            if self.metrics is not None:
+                self.metrics.write(record)
+            if self.on_step is not None:
+                self.on_step(record)
+        return record
 
     def gather_peak_memory(self) -> list[float]:
         mine = torch.tensor([peak_memory_bytes(self.device)], dtype=torch.float64, device=self.device)
@@ -285,8 +305,8 @@ class Trainer:
 
     def maybe_checkpoint(self) -> None:
         cfg = self.config
-        if cfg.checkpoint_dir and cfg.checkpoint_every and (self.step % cfg.checkpoint_every == 0
-                                                            or self.step == cfg.steps):
+        every = cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
+        if cfg.checkpoint_dir and (every or self.step == cfg.steps):  # and always after the last step
             self._checkpoint_manager(cfg.checkpoint_dir).save(self.step, self.model_parts, self.optimizers,
                                                               self.extra_state())
 

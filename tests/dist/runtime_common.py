@@ -124,8 +124,12 @@ def reference_trained_losses(config: TransformerConfig) -> list[float]:
 
 
 def check_trained(name: str, plan: Plan, config: TransformerConfig, checkpoint_dir: str | None = None,
-                  resume: str | None = None, rtol: float = 1e-5) -> None:
-    """`Trainer.train()` (synthetic data, optional checkpoints / resume) matches one process."""
+                  resume: str | None = None, rtol: float = 5e-5) -> None:
+    """`Trainer.train()` (synthetic data, optional checkpoints / resume) matches one process.
+
+    Four AdamW steps at lr 3e-3 amplify reduction-order rounding (2e-6 at step 3, ~1e-5 at step 4
+    for a layer-wise plan), hence 5e-5 here; a wrong gradient or a lost optimizer state moves the
+    loss by 1e-3 or more."""
     trainer = Trainer(TrainConfig(plan=plan, steps=TRAIN_STEPS, optim=OPTIM, seed=0, synthetic_data=True,
                                   checkpoint_dir=checkpoint_dir, checkpoint_every=2 if checkpoint_dir else 0,
                                   resume=resume))
