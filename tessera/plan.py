@@ -215,7 +215,8 @@ class Plan(Frozen):
                     f"layer {i} ({self.model.layers[i].name}) uses dp*sp*tp={s.devices} devices, "
                     f"its stage has {per_stage}"
                 )
-        if any(self.dp_of_batch % s.dp for s in self.layers):
+        widest = self.dp_of_batch  # once: the property scans every layer
+        if any(widest % s.dp for s in self.layers):
             raise ValueError(f"every layer's dp must divide the widest dp {self.dp_of_batch}")
         per_replica = self.micro_batch_size * self.num_micro_batches
         if per_replica * self.dp_of_batch != self.workload.global_batch:

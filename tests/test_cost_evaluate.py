@@ -78,3 +78,22 @@ def test_vectorised_collectives_match_the_scalar_reference():
         got = collective_times(c, coll, nbytes, sizes, strides)
         want = [collective_time(c, coll, n, s, st) for n, s, st in zip(nbytes, sizes, strides)]
         assert got == pytest.approx(want)
+
+
+def test_ulysses_and_expert_all_to_alls_are_charged():
+    from tessera.cost.layer import StepContext, StrategyTable, layer_costs
+    from tessera.plan import LayerStrategy
+
+    c = make_cluster("h100-80gb", 8)
+    ctx = StepContext(cluster=c, workload=Workload(global_batch=8, seq_len=4096), stage_size=8, micro_batch_seqs=8)
+    block = get_model("llama2-7b").layers[1]
+    t = StrategyTable.build([LayerStrategy(dp=2, sp="ulysses", sp_degree=4)])
+    costs = layer_costs(block, t, ctx)
+    tokens = 8 / 2 * 4096 / 4  # per device
+    a2a = 4 * collective_time(c, "all_to_all", tokens * 4096 * 2, 4, 1)  # q, k, v, out (MHA: kv = q)
+    assert costs.fwd[0] - costs.compute_fwd[0] == pytest.approx(a2a)
+    moe = get_model("mixtral-8x7b").layers[1]
+    t = StrategyTable.build([LayerStrategy(dp=8), LayerStrategy(dp=8, ep=8)])
+    costs = layer_costs(moe, t, ctx)
+    msg = 4096 * moe.top_k * moe.capacity_factor * moe.hidden * 2  # one sequence per device
+    assert costs.fwd[1] - costs.fwd[0] == pytest.approx(2 * collective_time(c, "all_to_all", msg, 8, 1))

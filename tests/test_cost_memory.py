@@ -89,3 +89,12 @@ def test_in_flight_activations_scale_the_stage_memory():
     m_count = 64  # dp = 8 / (pp 4 x tp 2) = 1, micro-batch 1
     # Rank 1 holds all m micro-batches under GPipe and pp - 1 = 3 under 1F1B.
     assert gpipe.stage_memory[1].activations / one.stage_memory[1].activations == pytest.approx(m_count / 3)
+
+
+def test_expert_parallelism_divides_expert_states_only():
+    layer = get_model("mixtral-8x7b").layers[1]
+    wl = Workload(global_batch=8, seq_len=4096)
+    p1, _, _ = model_state_bytes(layer, wl, 1, 1, 0, 1, 1, False)
+    p8, _, _ = model_state_bytes(layer, wl, 1, 8, 0, 1, 1, False)
+    assert p1 == pytest.approx(2 * layer.params)
+    assert p8 == pytest.approx(2 * (layer.dense_params + layer.expert_params / 8))

@@ -15,6 +15,15 @@ from tessera.runtime.tokenizer import EOT_ID, decode, encode_documents, gpt2_tok
 from tessera.spec.presets import get_model_config
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine, OpenMP spinning makes 2 threads 5-30x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     """A private cache dir for the module (the corpus is tokenized once here, then read from it)."""
@@ -89,7 +98,8 @@ def test_token_cache_is_written_once_atomically(cache):
     first = data.cached_tokens("unit", documents)
     second = data.cached_tokens("unit", documents)
     assert len(calls) == 1 and isinstance(second, np.memmap) and np.array_equal(first, second)
-    assert sorted(p.name for p in cache.iterdir() if "unit" in p.name) == ["tokens-unit.npy"]  # no temp left
+    assert sorted(p.name for p in cache.iterdir() if "unit" in p.name and not p.name.endswith(".lock")) == [
+        "tokens-unit.npy"]  # no temporary file left behind
     (cache / "tokens-unit.npy").write_bytes(b"\x93NUMPY garbage")  # a torn file is rebuilt, not trusted
     assert np.array_equal(data.cached_tokens("unit", documents), first) and len(calls) == 2
 
@@ -208,3 +218,4 @@ def test_bad_data_is_one_sentence(tmp_path):
     np.save(tmp_path / "s" / "x.npy", np.arange(50, dtype=np.int32))
     assert "fewer than one global batch" in error(tmp_path / "s", seq_len=8, global_batch=8)
     assert "not divisible" in error(tmp_path / "s", global_batch=3, dp_size=2)
+    assert "beyond the model's vocabulary of 32" in error(tmp_path / "s", model_vocab_size=32)

@@ -10,7 +10,8 @@ Breakdown: bubble = makespan - busy time of the busiest rank; compute = that ran
 (m micro-batches) plus its optimizer update; exposed communication = the rest.
 
 MFU = 3 * model forward FLOPs of the step (attention included, recompute excluded)
-      / (step * world * peak bf16 FLOP/s)          (peak of the workload dtype if no bf16 figure)
+      / (step * world * peak FLOP/s of the workload dtype)   (bf16 for the usual mixed precision;
+      an fp32 run on CPUs is measured against the fp32 peak, not the much lower bf16 one)
 
 Memory of pipeline rank r (chunks r, r + pp, ...):
     sum of layer model states + in_flight(schedule, r) * sum of layer activations
@@ -126,7 +127,8 @@ def evaluate(plan: Plan) -> Prediction:
                   + _scalar(costs[i], "optimizer_time") for i in crit_layers)
     bubble = sim.step_time - sim.busy[crit]
     memory = stage_memory(plan, costs)
-    peak = "bf16" if "bf16" in plan.cluster.device.peak_flops else plan.workload.dtype
+    flops = plan.cluster.device.peak_flops
+    peak = plan.workload.dtype if plan.workload.dtype in flops else "bf16"
     mfu = model_flops_per_step(plan) / (step * plan.world_size * plan.cluster.peak(peak))
     return Prediction(
         step_time_s=step, tokens_per_s=plan.workload.tokens_per_step / step, mfu=mfu,

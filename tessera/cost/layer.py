@@ -19,8 +19,10 @@ Per step (seconds, once): ZeRO-0/1 gradient all-reduce (ZeRO-1: reduce-scatter +
     same volume) overlapped with the last micro-batch's backward of the layer; ZeRO-2 parameter
     all-gather after the update overlapped with the first forward; HSDP / Ulysses replica
     all-reduce of the 1/S shard, exposed; the optimizer update, memory-bound:
-    (3 pb + 2 ob) * local params / HBM bandwidth; with offload, the gradient download and parameter
-    upload over `host_bandwidth` instead (host compute is not modelled).
+    (3 pb + 2 ob) * local params / HBM bandwidth. With offload: gradients down and parameters up
+    (2 pb) plus the host update's own traffic (2 ob + 2 pb), all at `host_bandwidth`, not
+    overlapped — a GPU's share of its node's DRAM bandwidth is of the order of its PCIe link, so
+    one measured figure bounds both.
 Group spans follow the rank layout (tp innermost, then sp, then dp): the tp group has stride 1,
 Ulysses stride tp, ZeRO shard groups stride tp * sp.
 
@@ -46,40 +48,56 @@ _RC_CODE = {"none": RC_NONE, "selective": RC_SELECTIVE, "full": RC_FULL}
 _TP_COLLECTIVES = {LayerKind.EMBEDDING: (1, 0), LayerKind.LM_HEAD: (1, 1)}  # others: (2, 2)
 
 
+_RC_NAME = {v: k for k, v in _RC_CODE.items()}
+
+
 @dataclass(frozen=True)
 class StrategyTable:
-    """Candidate strategies as parallel arrays (index i = strategies[i])."""
+    """Candidate strategies as parallel arrays; `get(i)` builds strategy i as a LayerStrategy.
 
-    strategies: tuple[LayerStrategy, ...]
+    `dp_shard` is the plan's field (0 = shard over all dp); `shard` the resulting ZeRO shard
+    degree (1 without ZeRO)."""
+
     dp: np.ndarray
     tp: np.ndarray
     sp: np.ndarray  # Ulysses degree
     megatron: np.ndarray
     zero: np.ndarray
-    shard: np.ndarray  # ZeRO shard degree (1 without ZeRO)
+    dp_shard: np.ndarray
     recompute: np.ndarray
     offload: np.ndarray
     ep: np.ndarray
 
+    @property
+    def shard(self) -> np.ndarray:
+        return np.where(self.zero > 0, np.where(self.dp_shard > 0, self.dp_shard, self.dp), 1)
+
     @classmethod
     def build(cls, strategies: Sequence[LayerStrategy]) -> "StrategyTable":
-        s = tuple(strategies)
-        arr = lambda f, dtype=np.int64: np.array([f(x) for x in s], dtype=dtype)  # noqa: E731
-        return cls(strategies=s, dp=arr(lambda x: x.dp), tp=arr(lambda x: x.tp),
-                   sp=arr(lambda x: x.sp_degree), megatron=arr(lambda x: x.sp == SPKind.MEGATRON, bool),
-                   zero=arr(lambda x: x.zero), shard=arr(lambda x: x.shard_degree),
-                   recompute=arr(lambda x: _RC_CODE[x.recompute.value]),
-                   offload=arr(lambda x: x.offload_optimizer, bool), ep=arr(lambda x: x.ep))
+        return cls.from_rows([(x.dp, x.tp, x.sp_degree, x.sp == SPKind.MEGATRON, x.zero, x.dp_shard,
+                               _RC_CODE[x.recompute.value], x.offload_optimizer, x.ep) for x in strategies])
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[tuple]) -> "StrategyTable":
+        """Rows of (dp, tp, sp, megatron, zero, dp_shard, recompute code, offload, ep)."""
+        a = np.array(rows, dtype=np.int64).reshape(-1, 9)
+        return cls(dp=a[:, 0], tp=a[:, 1], sp=a[:, 2], megatron=a[:, 3].astype(bool), zero=a[:, 4],
+                   dp_shard=a[:, 5], recompute=a[:, 6], offload=a[:, 7].astype(bool), ep=a[:, 8])
+
+    def get(self, i: int) -> LayerStrategy:
+        u = int(self.sp[i])
+        kind = SPKind.ULYSSES if u > 1 else (SPKind.MEGATRON if self.megatron[i] else SPKind.NONE)
+        return LayerStrategy(dp=int(self.dp[i]), tp=int(self.tp[i]), sp=kind, sp_degree=u,
+                             zero=int(self.zero[i]), dp_shard=int(self.dp_shard[i]),
+                             recompute=_RC_NAME[int(self.recompute[i])],
+                             offload_optimizer=bool(self.offload[i]), ep=int(self.ep[i]))
 
     def __len__(self) -> int:
-        return len(self.strategies)
+        return len(self.dp)
 
     def subset(self, index) -> "StrategyTable":
         index = np.asarray(index)
-        return StrategyTable(strategies=tuple(self.strategies[i] for i in index), dp=self.dp[index],
-                             tp=self.tp[index], sp=self.sp[index], megatron=self.megatron[index],
-                             zero=self.zero[index], shard=self.shard[index],
-                             recompute=self.recompute[index], offload=self.offload[index], ep=self.ep[index])
+        return StrategyTable(**{f: getattr(self, f)[index] for f in self.__dataclass_fields__})
 
 
 @dataclass(frozen=True)
@@ -168,11 +186,12 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
         comm_b = comm_b + e2e
 
     # Data parallel / ZeRO over S = shard ranks (stride tp * sp), replicas R = dp * sp / S.
-    es = expert_shard(t.shard, t.dp, t.sp, t.ep)
+    shard = t.shard
+    es = expert_shard(shard, t.dp, t.sp, t.ep)
     slow = cl.overlap_slowdown
     pd, pe = layer.dense_params / t.tp, layer.expert_params / (t.tp * t.ep)
     ag = rs = ar_step = rep = 0.0
-    for p, s, group in ((pd, t.shard, t.dp * t.sp), (pe, es, t.dp * t.sp // t.ep)):
+    for p, s, group in ((pd, shard, t.dp * t.sp), (pe, es, t.dp * t.sp // t.ep)):
         if not np.any(p):
             continue
         st = t.tp * t.sp
@@ -190,9 +209,9 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
                     np.where(z == 1, _overlap_extra(cb, ag + rs, slow),
                              np.where(z == 2, _overlap_extra(cf, ag, slow), 0.0)) + rep)
 
-    params, grads, optimizer = model_state_bytes(layer, wl, t.tp, t.ep, z, t.shard, es, t.offload)
-    local = pd / np.where(z >= 1, t.shard, 1) + pe / np.where(z >= 1, es, 1)
-    opt_time = np.where(t.offload, 2 * pb * local / cl.host_bandwidth,
+    params, grads, optimizer = model_state_bytes(layer, wl, t.tp, t.ep, z, shard, es, t.offload)
+    local = pd / np.where(z >= 1, shard, 1) + pe / np.where(z >= 1, es, 1)
+    opt_time = np.where(t.offload, (4 * pb + 2 * ob) * local / cl.host_bandwidth,
                         (3 * pb + 2 * ob) * local / cl.device.memory_bandwidth)
     act = activation_bytes(layer, tokens_dev, t.tp, t.megatron, t.recompute)
     buf = buffer_bytes(layer, wl, tokens_dev, t.tp, t.ep, t.megatron, z, t.recompute)
@@ -226,6 +245,19 @@ def transition_time(hidden: int, a: tuple[int, int, int, bool], b: tuple[int, in
     group = max(a[1] * a[2], b[1] * b[2])
     n = max(share(a), share(b))
     return 2.0 * float(collective_times(ctx.cluster, "all_gather", n, group, 1))
+
+
+def transition_matrix(hidden: int, layouts: Sequence[tuple[int, int, int, bool]], ctx: StepContext) -> np.ndarray:
+    """`transition_time` for every ordered pair of layouts at once."""
+    seq = ctx.workload.seq_len
+    lay = np.array(layouts, dtype=np.int64).reshape(-1, 4)
+    share = ctx.micro_batch_seqs / lay[:, 0] * seq / lay[:, 2] * hidden * ctx.act_elt / np.where(lay[:, 3] > 0, lay[:, 1], 1)
+    width = lay[:, 1] * lay[:, 2]
+    group = np.maximum(width[:, None], width[None, :])
+    n = np.maximum(share[:, None], share[None, :])
+    out = 2.0 * collective_times(ctx.cluster, "all_gather", n, group, 1)
+    same = np.all(lay[:, None, :] == lay[None, :, :], axis=2)
+    return np.where(same, 0.0, out)
 
 
 def pipeline_p2p_time(hidden: int, ctx: StepContext) -> float:

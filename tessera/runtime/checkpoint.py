@@ -78,6 +78,13 @@ def _quiet_single_process():
         yield
 
 
+def _no_dist_kwarg(fn) -> dict:
+    """`no_dist=True` in a single process, where the DCP function takes it (older ones infer it)."""
+    import inspect
+
+    return {"no_dist": not _dist()} if "no_dist" in inspect.signature(fn).parameters else {}
+
+
 def _all_gather(obj) -> list:
     if not _dist():
         return [obj]
@@ -89,14 +96,57 @@ def _all_gather(obj) -> list:
 # --- state dictionaries -----------------------------------------------------------------------
 
 
+def _plain_optimizer(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """ZeRO-1 (`ZeroRedundancyOptimizer`) keeps this rank's share of the state in `.optim`, a plain
+    optimizer over the parameters this rank owns: saving that share under the parameters' names
+    from every rank stores each state once, and loading asks each rank for the share it now owns."""
+    # By name: importing torch.distributed.optim costs seconds (TorchScript) for nothing otherwise.
+    zero1 = any(c.__name__ == "ZeroRedundancyOptimizer" for c in type(opt).__mro__)
+    return opt.optim if zero1 else opt
+
+
+def _sync_zero1_hyperparameters(optimizers, to_outer: bool) -> None:
+    """ZeRO-1 copies LR etc. from its outer param groups (which the LR scheduler writes) to the
+    inner optimizer only when it steps: sync inner from outer before saving, outer from inner
+    after loading."""
+    for opt in [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else optimizers or []:
+        inner = _plain_optimizer(opt)
+        if inner is opt or len(inner.param_groups) != len(opt.param_groups):
+            continue
+        pairs = zip(inner.param_groups, opt.param_groups) if to_outer else zip(opt.param_groups, inner.param_groups)
+        for src, dst in pairs:
+            dst.update({k: v for k, v in src.items() if k != "params"})
+
+
+class _PartsView(nn.Module):
+    """One module over several pipeline chunks of a rank, with the full model's names, so that a
+    single optimizer over all chunks maps every parameter to its name."""
+
+    def __init__(self, model_parts: Sequence[nn.Module]):
+        super().__init__()
+        for part in model_parts:
+            for name, child in part.named_children():
+                if isinstance(child, nn.ModuleDict) and isinstance(getattr(self, name, None), nn.ModuleDict):
+                    getattr(self, name).update(child)
+                elif name in self._modules and self._modules[name] is not child:
+                    raise TesseraError(f"two model parts both hold '{name}'")
+                else:
+                    self.add_module(name, child if not isinstance(child, nn.ModuleDict) else nn.ModuleDict(child))
+
+
 def _pair(model_parts: Sequence[nn.Module], optimizers) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
+    """(module, optimizer) pairs whose parameters match: one optimizer per part, or one for all."""
     if isinstance(optimizers, torch.optim.Optimizer):
         optimizers = [optimizers]
-    optimizers = list(optimizers or [])
-    if optimizers and len(optimizers) != len(model_parts):
-        raise TesseraError(f"checkpoint needs one optimizer per model part: got {len(optimizers)} optimizers "
-                           f"for {len(model_parts)} parts")
-    return list(zip(model_parts, optimizers))
+    optimizers = [_plain_optimizer(o) for o in (optimizers or [])]
+    if not optimizers:
+        return []
+    if len(optimizers) == len(model_parts):
+        return list(zip(model_parts, optimizers))
+    if len(optimizers) == 1:
+        return [(_PartsView(model_parts), optimizers[0])]
+    raise TesseraError(f"checkpoint needs one optimizer per model part or one for all: got {len(optimizers)} "
+                       f"optimizers for {len(model_parts)} parts")
 
 
 def _options():
@@ -282,6 +332,7 @@ class CheckpointManager:
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         _barrier()
+        _sync_zero1_hyperparameters(optimizers, to_outer=False)
         pairs = _pair(model_parts, optimizers)
         optim = [_with_tied_aliases(part, o) for (part, _), o in zip(pairs, _optim_states(pairs))]
         state = {"model": _merge(_model_states(model_parts)), "optim": _merge(optim)}
@@ -291,11 +342,11 @@ class CheckpointManager:
         if self.async_save:
             with _quiet_single_process():
                 future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group,
-                                        no_dist=not _dist())
+                                        **_no_dist_kwarg(dcp.async_save))
             self._pending = (future, tmp, final, step)
         else:
             with _quiet_single_process():
-                dcp.save(state, checkpoint_id=str(tmp), no_dist=not _dist())
+                dcp.save(state, checkpoint_id=str(tmp), **_no_dist_kwarg(dcp.save))
             self._finish(tmp, final, step)
         return final
 
@@ -368,7 +419,7 @@ class CheckpointManager:
             del state["optim"]
         try:
             with _quiet_single_process():
-                dcp.load(state, checkpoint_id=str(path), no_dist=not _dist())
+                dcp.load(state, checkpoint_id=str(path), **_no_dist_kwarg(dcp.load))
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
@@ -377,6 +428,7 @@ class CheckpointManager:
             set_model_state_dict(part, {k: state["model"][k] for k in part_state})
         for (part, opt), part_state in zip(pairs, optim_states):
             set_optimizer_state_dict(part, opt, {k: state["optim"][k] for k in part_state}, options=_options())
+        _sync_zero1_hyperparameters(optimizers, to_outer=True)
         extra = self._load_extra(path)
         extra.setdefault("step", manifest["step"])
         logger.info("loaded checkpoint %s (step %d, written by %d ranks)", path, manifest["step"],

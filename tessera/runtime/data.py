@@ -20,6 +20,7 @@ on dp, and the data position (`state_dict`) is one integer: samples consumed.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -151,19 +152,50 @@ def _atomic_save(path: Path, array: np.ndarray) -> None:
         raise
 
 
+@contextlib.contextmanager
+def _cache_lock(path: Path):
+    """An exclusive lock beside `path`, so that concurrent ranks tokenize once and the rest wait."""
+    try:
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path.with_name(path.name + ".lock"), "a")
+    except (ImportError, OSError):  # no fcntl, or a read-only cache: work without the lock
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _load_cached(path: Path) -> np.ndarray | None:
+    if not path.is_file():
+        return None
+    try:
+        return np.load(path, mmap_mode="r")
+    except (ValueError, OSError) as e:
+        log.warning("ignoring unreadable token cache %s (%s)", path, e)
+        return None
+
+
 def cached_tokens(key: str, make_documents: Callable[[], list[str]]) -> np.ndarray:
     """Token stream of `make_documents()`, cached as `<cache>/tokens-<key>.npy` (atomic write)."""
     path = cache_dir() / f"tokens-{key}.npy"
-    if path.is_file():
+    tokens = _load_cached(path)
+    if tokens is not None:
+        return tokens
+    with _cache_lock(path):
+        tokens = _load_cached(path)  # another process may have written it while we waited
+        if tokens is not None:
+            return tokens
+        tokens = encode_documents(make_documents())
         try:
-            return np.load(path, mmap_mode="r")
-        except (ValueError, OSError) as e:
-            log.warning("ignoring unreadable token cache %s (%s)", path, e)
-    tokens = encode_documents(make_documents())
-    try:
-        _atomic_save(path, tokens)
-    except OSError as e:
-        log.warning("cannot write the token cache %s (%s); continuing without it", path, e)
+            _atomic_save(path, tokens)
+        except OSError as e:
+            log.warning("cannot write the token cache %s (%s); continuing without it", path, e)
     return tokens
 
 
@@ -318,7 +350,12 @@ class TokenLoader:
 
     @property
     def vocab_size(self) -> int:
+        """Token ids are below this: check it against the model's vocabulary."""
         return self.stream.vocab_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_windows // self.global_batch
 
     def _window_ids(self, samples: np.ndarray) -> np.ndarray:
         epochs, offsets = np.divmod(samples, self.num_windows)
@@ -385,10 +422,15 @@ class TokenLoader:
 
 def build_dataloader(source: str | Path | None, seq_len: int, global_batch: int, dp_rank: int = 0,
                      dp_size: int = 1, seed: int = 0, pack: bool = True, shuffle: bool = True,
-                     eot_id: int = EOT_ID) -> TokenLoader:
+                     eot_id: int = EOT_ID, model_vocab_size: int | None = None) -> TokenLoader:
     """This rank's loader over `source` (None = Shakespeare; else a directory, see module docstring).
 
-    `eot_id` marks document starts in token files made with another tokenizer.
+    `eot_id` marks document starts in token files made with another tokenizer; with
+    `model_vocab_size`, data whose token ids do not fit the model's embedding is refused.
     """
-    return TokenLoader(load_token_stream(source), seq_len, global_batch, dp_rank, dp_size,
+    stream = load_token_stream(source)
+    if model_vocab_size is not None and stream.vocab_size > model_vocab_size:
+        raise TesseraError(f"'{stream.name}' holds token ids up to {stream.vocab_size - 1}, beyond the "
+                           f"model's vocabulary of {model_vocab_size}")
+    return TokenLoader(stream, seq_len, global_batch, dp_rank, dp_size,
                        seed=seed, pack=pack, shuffle=shuffle, eot_id=eot_id)

@@ -18,6 +18,7 @@ backward.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -90,7 +91,9 @@ def _gather_blocks(x: torch.Tensor, layout: ActLayout, batch: int, seq: int, gro
     x = x.contiguous()
     world = layout.stage_size
     pieces = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(pieces, x, group=group)
+    with warnings.catch_warnings():  # renamed in newer torch; the old name works from 2.11 on
+        warnings.simplefilter("ignore", FutureWarning)
+        dist.all_gather_into_tensor(pieces, x, group=group)
     pieces = pieces.view(world, *x.shape)
     full = torch.empty((batch, seq, *x.shape[2:]), dtype=x.dtype, device=x.device)
     for r in range(world):

@@ -1,9 +1,9 @@
 """AdamW, the warmup-cosine learning-rate schedule, and gradient clipping across meshes.
 
 A parallelised model mixes plain tensors and DTensors on several meshes (one per layer layout),
-so the optimizer keeps one parameter group per (mesh, decay) — foreach kernels never mix meshes —
-and the global gradient norm adds each group's squared norm, summed over the mesh axes its
-gradients are sharded on.
+so the optimizer keeps two parameter groups (decay or not: a checkpoint's groups then match any
+other plan's), and the global gradient norm adds the squared norms of the gradients of each
+(mesh, placements), summed over the mesh axes they are sharded on.
 """
 from __future__ import annotations
 
@@ -33,15 +33,16 @@ def _mesh_key(p: torch.Tensor):
 
 
 def param_groups(params, weight_decay: float) -> list[dict]:
-    """One group per (mesh, decay): matrices decay, vectors (norms, biases) do not."""
-    groups: dict = {}
-    for p in params:
-        if not p.requires_grad:
-            continue
-        decay = p.dim() >= 2
-        key = (_mesh_key(p), decay)
-        groups.setdefault(key, {"params": [], "weight_decay": weight_decay if decay else 0.0})["params"].append(p)
-    return list(groups.values())
+    """Two groups whatever the plan (checkpoints then load under any other plan): matrices decay,
+    vectors (norms, biases) do not."""
+    decay = [p for p in params if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in params if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _foreach_ok(params) -> bool:
+    """foreach kernels take all-DTensor or all-plain lists, not a mix (layer-wise plans mix)."""
+    return len({hasattr(p, "device_mesh") for p in params}) <= 1
 
 
 def build_optimizer(params, cfg: OptimConfig, zero1_group=None) -> torch.optim.Optimizer:
@@ -57,7 +58,7 @@ def build_optimizer(params, cfg: OptimConfig, zero1_group=None) -> torch.optim.O
         for g in groups[1:]:
             opt.add_param_group(g)
         return opt
-    return torch.optim.AdamW(param_groups(params, cfg.weight_decay), **kwargs)
+    return torch.optim.AdamW(param_groups(params, cfg.weight_decay), foreach=_foreach_ok(params), **kwargs)
 
 
 def lr_lambda(cfg: OptimConfig):
@@ -114,10 +115,13 @@ def grad_norm(params, pp_group=None) -> torch.Tensor:
     return total.sqrt()
 
 
-def clip_grad_norm_(params, max_norm: float, pp_group=None) -> float:
-    """Scale gradients so their global norm is at most `max_norm`; return the norm before."""
+def clip_grad_norm_(params, max_norm: float, pp_group=None, skip_in_norm: set[int] = frozenset()) -> float:
+    """Scale gradients so their global norm is at most `max_norm`; return the norm before.
+
+    `skip_in_norm`: ids of parameters that are copies of another stage's (a pipeline's tied head),
+    scaled like the rest but counted once in the norm."""
     params = [p for p in params if p.grad is not None]
-    norm = float(grad_norm(params, pp_group))
+    norm = float(grad_norm([p for p in params if id(p) not in skip_in_norm], pp_group))
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
         by_mesh: dict = {}

@@ -24,19 +24,20 @@ by g / P after backward (`GradScaler`-free: one foreach multiply).
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import TesseraError
 from ..models.transformer import Transformer
 from ..plan import LayerStrategy, Plan, Recompute, SPKind
 from ..spec.model import LayerKind
-from .layout import ActLayout, reshard, take_block
+from .layout import ActLayout
 from .mesh import Axis, LayerLayout, ParallelDims
+from .parallel_model import ParallelLoss, ParallelTransformer, StageContext
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +82,6 @@ def check_plan_supported(plan: Plan, world_size: int | None = None, *, pipeline_
     if cfg.tie_embeddings and LayerLayout.of(plan.layers[0]) != LayerLayout.of(plan.layers[-1]):
         raise TesseraError("plan.layers: a model with tied embeddings needs the same dp/sp/tp/zero on "
                            "its embedding and lm_head layers")
-    if cfg.tie_embeddings and plan.pipeline.degree > 1:
-        raise TesseraError("plan.pipeline.degree > 1 with tied embeddings is not supported")
 
 
 def uses_ddp(plan: Plan) -> bool:
@@ -93,139 +92,6 @@ def uses_ddp(plan: Plan) -> bool:
                for s in plan.layers)
     return (same and plan.pipeline.degree == 1 and first.tp == 1 and first.zero <= 1
             and not first.dp_shard and not any(s.offload_optimizer for s in plan.layers))
-
-
-# --- the plan-aware model -------------------------------------------------------------------------
-
-
-@dataclass
-class StageContext:
-    """What a chunk needs to place data: its layer strategies, its rank and its stage group."""
-
-    plan: Plan
-    stage_rank: int
-    group: object
-    data_layout: ActLayout  # the block of the batch each rank loads (the smallest dp of the plan)
-    layer_acts: list[ActLayout] = field(default_factory=list)
-
-    @classmethod
-    def build(cls, plan: Plan, dims: ParallelDims, rank: int) -> "StageContext":
-        dp_min = min(s.dp for s in plan.layers)
-        data = ActLayout(dp=dp_min, sp=1, tp=plan.stage_size // dp_min)
-        acts = [ActLayout.of(s) for s in plan.layers]
-        # The embedding's output is never split over tp (learned positions add full rows).
-        acts[0] = ActLayout.of(plan.layers[0], seq_over_tp=False)
-        return cls(plan=plan, stage_rank=dims.stage_rank(rank), group=dims.stage_group,
-                   data_layout=data, layer_acts=acts)
-
-    def data_block(self, x: torch.Tensor | None, want: ActLayout, with_seq: bool = True):
-        """This rank's `want` block of a per-rank data tensor (tokens, positions, labels, masks)."""
-        if x is None:
-            return None
-        batch = x.shape[0] * self.data_layout.dp
-        seq = x.shape[1] if with_seq else x.shape[-1]
-        return take_block(x, self.data_layout, want, self.stage_rank, batch, seq,
-                          seq_dim=1 if with_seq else None)
-
-
-def _seq_only(act: ActLayout) -> ActLayout:
-    """Same batch and Ulysses blocks, full sequence across tp (attention gathers over tp first)."""
-    return ActLayout(dp=act.dp, sp=act.sp, tp=act.tp, seq_over_tp=False)
-
-
-class ParallelTransformer(nn.Module):
-    """A chunk of a Transformer (plan layers [start, end)) executing the plan's layouts.
-
-    Keeps the submodule names of `Transformer` (state dicts match a single-device model).
-    `forward(x, positions=None, mask=None)`: `x` is this rank's block of tokens (B_d, S) in the
-    plan's data layout when the chunk holds the embedding, otherwise the activation in the
-    layout of layer `start - 1`; positions (B_d, S) and mask (B_d, 1, S, S) are in the data
-    layout. Returns the logits (a vocabulary-sharded DTensor under tensor parallelism) when the
-    chunk holds the LM head, else the activation in the layout of layer `end - 1`.
-    """
-
-    def __init__(self, model: Transformer, ctx: StageContext, layers: range):
-        super().__init__()
-        self.config = model.config
-        self.ctx = ctx
-        self.start, self.end = layers.start, layers.stop
-        num_plan_layers = len(ctx.plan.layers)
-        self.has_embedding = self.start == 0
-        self.has_head = self.end == num_plan_layers
-        if self.has_embedding:
-            self.tok_embeddings = model.tok_embeddings
-            if getattr(model, "pos_embeddings", None) is not None:
-                self.pos_embeddings = model.pos_embeddings
-        self.layers = nn.ModuleDict({str(i - 1): model.layers[str(i - 1)]
-                                     for i in range(max(self.start, 1), min(self.end, num_plan_layers - 1))})
-        if self.has_head:
-            self.norm = model.norm
-            self.output = model.output
-        if self.config.position != "learned":
-            self.register_buffer("freqs", model.freqs, persistent=False)
-
-    def _positions(self, positions, act: ActLayout, seq: int, device) -> torch.Tensor:
-        """Position ids of this rank's (batch, seq) block, shape (B_l, S_l) or (S_l,)."""
-        act = _seq_only(act)
-        if positions is not None:
-            return self.ctx.data_block(positions, act)
-        _, _, s0, s1 = act.block(self.ctx.stage_rank, act.dp, seq)
-        return torch.arange(s0, s1, device=device)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        ctx, acts = self.ctx, self.ctx.layer_acts
-        seq = x.shape[1] * (1 if self.has_embedding else acts[self.start - 1].seq_parts)
-        if self.has_embedding:
-            act = acts[0]
-            tokens = ctx.data_block(x, act)
-            h = self.tok_embeddings(tokens)
-            if hasattr(self, "pos_embeddings"):
-                h = h + self.pos_embeddings(self._positions(positions, act, seq, h.device))
-            prev = act
-        else:
-            h, prev = x, acts[self.start - 1]
-        for key, block in self.layers.items():
-            act = acts[int(key) + 1]
-            h = reshard(h, prev, act, ctx.stage_rank, ctx.group)
-            freqs = None
-            if self.config.position != "learned":
-                freqs = self.freqs[self._positions(positions, act, seq, h.device)]
-            h = block(h, freqs, ctx.data_block(mask, _seq_only(act), with_seq=False))
-            prev = act
-        if not self.has_head:
-            return h
-        h = reshard(h, prev, acts[-1], ctx.stage_rank, ctx.group)
-        return self.output(self.norm(h))
-
-
-class ParallelLoss:
-    """Mean cross-entropy of this rank's piece of the LM head's layout (loss parallel under TP).
-
-    Called as `loss(logits, labels)` with labels (B_d, S) in the data layout; the caller runs
-    forward and backward inside `context()` (loss parallel needs both under it).
-    """
-
-    def __init__(self, ctx: StageContext):
-        self.ctx = ctx
-        head = ctx.plan.layers[-1]
-        self.vocab_parallel = head.tp > 1
-        self.act = _seq_only(ctx.layer_acts[-1])
-        self.pieces = head.dp * head.sp_degree
-
-    def context(self):
-        if self.vocab_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            return loss_parallel()
-        from contextlib import nullcontext
-
-        return nullcontext()
-
-    def __call__(self, logits, labels: torch.Tensor) -> torch.Tensor:
-        labels = self.ctx.data_block(labels, self.act)
-        return F.cross_entropy(logits.flatten(0, 1).float() if not self.vocab_parallel else logits.flatten(0, 1),
-                               labels.flatten())
 
 
 # --- strategies -----------------------------------------------------------------------------------
@@ -325,8 +191,8 @@ def _recompute(module: nn.Module, mode: Recompute) -> nn.Module:
 def _fsdp_kwargs(s: LayerStrategy, dims: ParallelDims, mp_policy) -> dict | None:
     """fully_shard arguments of one layer, or None when its parameters live on one rank."""
     layout = LayerLayout.of(s)
-    if layout.dp * layout.sp == 1:
-        return None
+    if layout.dp * layout.sp == 1 and mp_policy is None:
+        return None  # nothing to shard; with mixed precision FSDP2 on one rank still casts
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     mesh = dims.layer_mesh(layout)
@@ -338,7 +204,8 @@ def _fsdp_kwargs(s: LayerStrategy, dims: ParallelDims, mp_policy) -> dict | None
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     if s.offload_optimizer:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        # Pinned host memory only helps (and only exists) with an accelerator.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=dims.device_type == "cuda")
     return kwargs
 
 
@@ -356,15 +223,21 @@ class Parallelized:
 
     def rescale_grads(self) -> None:
         for params, factor in self.grad_rescale:
-            grads = [p.grad for p in params if p.grad is not None]
-            if grads:
+            by_mesh: dict = {}  # foreach kernels never mix meshes (or DTensors with tensors)
+            for p in params:
+                if p.grad is not None:
+                    by_mesh.setdefault(id(getattr(p.grad, "device_mesh", None)), []).append(p.grad)
+            for grads in by_mesh.values():
                 torch._foreach_mul_(grads, factor)
 
 
 def parallelize(model: Transformer, plan: Plan, dims: ParallelDims, rank: int,
                 layers: range | None = None, *, compile: bool = False,
-                mp_policy=None) -> Parallelized:
-    """Apply the plan to `model` (or to the chunk of plan layers `layers`) on this rank."""
+                mp_policy=None, root_only: bool = False) -> Parallelized:
+    """Apply the plan to `model` (or to the chunk of plan layers `layers`) on this rank.
+
+    `root_only`: one `fully_shard` for the whole chunk (zero-bubble pipelines need it); the
+    chunk's layers must then share one sharding layout."""
     ctx = StageContext.build(plan, dims, rank)
     layers = layers if layers is not None else range(len(plan.layers))
     chunk = ParallelTransformer(model, ctx, layers)
@@ -399,7 +272,10 @@ def parallelize(model: Transformer, plan: Plan, dims: ParallelDims, rank: int,
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             group = dims.layer_mesh(LayerLayout(layout.dp, layout.sp, 1, 1)).get_group(Axis.DP_REPLICATE)
-            result.module = DDP(chunk, process_group=group, broadcast_buffers=False)
+            with warnings.catch_warnings():  # the rename of broadcast_buffers is newer than torch 2.11
+                warnings.simplefilter("ignore", FutureWarning)
+                # Buffers (RoPE tables) are computed identically on every rank: no per-step broadcast.
+                result.module = DDP(chunk, process_group=group, broadcast_buffers=False)
             if strategies[0].zero == 1:
                 result.zero1 = True
                 result.ddp_group = dims.layer_mesh(layout).get_group(Axis.DP_SHARD)
@@ -409,31 +285,49 @@ def parallelize(model: Transformer, plan: Plan, dims: ParallelDims, rank: int,
     from torch.distributed.fsdp import fully_shard
 
     tied = model.config.tie_embeddings
-    for key, block in chunk.layers.items():
-        s = strategies[int(key) + 1]
+    if root_only:
+        _fsdp_root_only(chunk, [strategies[i] for i in layers], dims, mp_policy, result)
+        return result
+    # The root (the chunk) holds the embedding and, when it shards the same way (always with tied
+    # weights), the head: as in a hand-written FSDP2 model; other layers are units of their own.
+    root = first if first is not None else (last if last is not None else strategies[layers.start])
+    units = [(block, strategies[int(key) + 1]) for key, block in chunk.layers.items()]
+    if first is not None:
+        _note_rescale(result, [p for m in (chunk.tok_embeddings, chunk.pos_embeddings) if m is not None
+                               for p in m.parameters()], first, pieces)
+    if last is not None:
+        if tied or _shards_alike(last, root):
+            _note_rescale(result, [*chunk.norm.parameters(), *chunk.output.parameters()], last, pieces)
+        else:
+            units += [(chunk.norm, last), (chunk.output, last)]
+    unsharded: set[nn.Parameter] = set()  # parameters of layers that live on one rank (dp * sp = 1)
+    for module, s in units:
         kw = _fsdp_kwargs(s, dims, mp_policy)
         if kw is not None:
-            fully_shard(block, **kw)
-            _note_rescale(result, block.parameters(), s, pieces)
-    if first is not None and not tied:
-        kw = _fsdp_kwargs(first, dims, mp_policy)
-        for name in ("tok_embeddings", "pos_embeddings"):
-            if hasattr(chunk, name) and kw is not None:
-                fully_shard(getattr(chunk, name), **kw)
-                _note_rescale(result, getattr(chunk, name).parameters(), first, pieces)
-    if last is not None and not tied:
-        kw = _fsdp_kwargs(last, dims, mp_policy)
-        if kw is not None:
-            fully_shard(chunk.norm, **kw)
-            fully_shard(chunk.output, **kw)
-            _note_rescale(result, [*chunk.norm.parameters(), *chunk.output.parameters()], last, pieces)
-    root = first if first is not None else (last if last is not None else strategies[layers.start])
+            fully_shard(module, **kw)
+        else:
+            unsharded.update(module.parameters())
+        _note_rescale(result, module.parameters(), s, pieces)
     kw = _fsdp_kwargs(root, dims, mp_policy)
     if kw is not None:
-        fully_shard(chunk, **kw)
-    if tied and first is not None:
-        _note_rescale(result, [chunk.tok_embeddings.weight], first, pieces)
+        fully_shard(chunk, **kw, **({"ignored_params": unsharded} if unsharded else {}))
     return result
+
+
+def _shards_alike(a: LayerStrategy, b: LayerStrategy) -> bool:
+    return (LayerLayout.of(a), a.zero >= 3, a.offload_optimizer) == (LayerLayout.of(b), b.zero >= 3, b.offload_optimizer)
+
+
+def _fsdp_root_only(chunk, strategies, dims, mp_policy, result: Parallelized) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    if not all(_shards_alike(s, strategies[0]) for s in strategies):
+        raise TesseraError("plan.layers: a zero-bubble pipeline stage shards with one fully_shard, so its "
+                           "layers need the same dp/sp/tp/zero/offload")
+    kw = _fsdp_kwargs(strategies[0], dims, mp_policy)
+    if kw is not None:
+        fully_shard(chunk, **kw)
+    _note_rescale(result, chunk.parameters(), strategies[0], result.loss.pieces)
 
 
 def _note_rescale(result: Parallelized, params, s: LayerStrategy, pieces: int) -> None:

@@ -12,7 +12,9 @@ Loss and gradients. Each micro-batch's loss is the mean over its tokens; the sch
 gradients by the number of micro-batches m (`scale_grads=True`), so the gradient is that of
     L = (1/m) * sum_j loss_j,
 which is the full batch's mean loss when micro-batches hold equally many tokens. `step` returns L
-on the ranks that hold the last stage.
+on the ranks that hold the last stage. Packed documents: every rank holds the batch, so the
+positions and the block-diagonal mask reach every chunk as keyword arguments of the schedule
+(split into micro-batches like the tokens) instead of travelling between stages.
 
 Tied embeddings (GPT-2): when the embedding and the LM head land in different chunks, the head
 gets its own copy of the weight (same initial value) and, after each backward, the two copies'
@@ -67,6 +69,11 @@ def _check_model_matches(model: Transformer, plan: Plan) -> None:
             f"model has {n_blocks} blocks, i.e. {n_blocks + 2} layers")
 
 
+def _is_tied(model: Transformer) -> bool:
+    return (model.config.tie_embeddings and model.output is not None and model.tok_embeddings is not None
+            and model.output.weight is model.tok_embeddings.weight)
+
+
 def _make_chunk(model: Transformer, start: int, end: int) -> Transformer:
     """A Transformer owning plan layers [start, end) of `model`, sharing its modules (no copy)."""
     n_blocks = len(model.layers)
@@ -85,8 +92,7 @@ def _make_chunk(model: Transformer, start: int, end: int) -> Transformer:
     chunk.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in range(first_block, last_block)})
     chunk.norm = model.norm if owns_head else None
     chunk.output = model.output if owns_head else None
-    tied = model.config.tie_embeddings and model.output.weight is model.tok_embeddings.weight
-    if owns_head and tied and not owns_embedding:
+    if owns_head and _is_tied(model) and not owns_embedding:
         # Untie: the head keeps its own copy, kept equal by summing gradients (module docstring).
         weight = model.tok_embeddings.weight
         chunk.output = nn.Linear(weight.shape[1], weight.shape[0], bias=False,
@@ -186,8 +192,10 @@ class PipelineRunner:
     pp_degree: int
     num_micro_batches: int
     schedule: object
+    device: torch.device = torch.device("cpu")
     tied_params: list[nn.Parameter] = field(default_factory=list)
     tied_group: object = None
+    _tied_is_copy: list[bool] = field(default_factory=list)
 
     @property
     def has_first_stage(self) -> bool:
@@ -197,21 +205,34 @@ class PipelineRunner:
     def has_last_stage(self) -> bool:
         return self.num_chunks - 1 in self.chunk_ids
 
-    def step(self, tokens: torch.Tensor | None, labels: torch.Tensor | None) -> torch.Tensor | None:
+    @property
+    def tied_copies(self) -> list[nn.Parameter]:
+        """Parameters that duplicate another stage's (the untied LM head copy of a tied embedding).
+
+        Leave them out of a global gradient norm: they would count the tied gradient twice."""
+        return [p for p, is_copy in zip(self.tied_params, self._tied_is_copy) if is_copy]
+
+    def step(self, tokens: torch.Tensor | None, labels: torch.Tensor | None,
+             positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor | None:
         """Forward and backward of one batch, split into the plan's micro-batches.
 
         Every rank of the pipeline calls this; `tokens` are used on the first stage, `labels` on
-        the last (pass None elsewhere). Returns the mean micro-batch loss (detached) on ranks
-        with the last stage, None on the others. Gradients are left in `.grad` for the optimizer."""
+        the last (pass None elsewhere). Packed documents: `positions` (B, S) and the boolean
+        `mask` (B, 1, S, S) go to every stage's chunks (as keyword arguments, split into
+        micro-batches like the tokens), so every rank must pass them. Returns the mean
+        micro-batch loss (detached) on ranks with the last stage, None on the others. Gradients
+        are left in `.grad` for the optimizer."""
         m = self.num_micro_batches
-        for name, t in (("tokens", tokens), ("labels", labels)):
+        extra = {k: v for k, v in (("positions", positions), ("mask", mask)) if v is not None}
+        for name, t in (("tokens", tokens), ("labels", labels), *extra.items()):
             if t is not None and t.shape[0] % m:
                 raise TesseraError(f"{name} batch of {t.shape[0]} sequences does not split into {m} micro-batches")
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         args = (tokens,) if self.has_first_stage else ()
         target = labels if self.has_last_stage else None
-        kwargs = {"return_outputs": False} if _accepts_return_outputs(self.schedule) else {}
-        self.schedule.step(*args, target=target, losses=losses, **kwargs)
+        if _accepts_return_outputs(self.schedule):
+            extra["return_outputs"] = False  # the logits are not needed, only the losses
+        self.schedule.step(*args, target=target, losses=losses, **extra)
         self._sync_tied_gradients()
         if losses is None:
             return None
@@ -223,7 +244,7 @@ class PipelineRunner:
         The last stage's ranks hold equal shares of the global batch (dp) or equal copies (tp),
         so their mean is the global batch's mean loss."""
         stage_ranks = dist.get_world_size() // self.pp_degree
-        value = torch.zeros(1, dtype=torch.float64)
+        value = torch.zeros(1, dtype=torch.float64, device=self.device)
         if loss is not None:
             value += float(loss) / stage_ranks
         dist.all_reduce(value)
@@ -244,6 +265,14 @@ class PipelineRunner:
             dist.all_reduce(total, group=self.tied_group)
         for g in locals_:
             g.copy_(total)
+
+
+def _find_param(module: nn.Module, fqn: str) -> nn.Parameter | None:
+    """The parameter named `fqn` in the full model, looking through recompute/compile wrappers."""
+    for name, p in module.named_parameters():
+        if name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "") == fqn:
+            return p
+    return None
 
 
 def _accepts_return_outputs(schedule) -> bool:
@@ -277,16 +306,17 @@ def build_pipeline(model: Transformer, plan: Plan, mesh, loss_fn: Callable[[torc
     parts = [s.submod for s in stages]
     runner = PipelineRunner(model_parts=parts, chunk_ids=chunk_ids, num_chunks=num_chunks,
                             pp_degree=plan.pipeline.degree, num_micro_batches=plan.num_micro_batches,
-                            schedule=_make_schedule(plan, stages, loss_fn))
-    if model.config.tie_embeddings:
+                            schedule=_make_schedule(plan, stages, loss_fn), device=device)
+    if _is_tied(model):
         # First and last chunk are on different ranks (pp >= 2, chunk c on rank c % pp).
         runner.tied_group = _tied_sync_group(mesh, plan)
         for part in parts:
-            params = dict(part.named_parameters())
-            if part.tok_embeddings is not None:
-                runner.tied_params.append(params[EMBEDDING_WEIGHT])
-            elif part.output is not None:
-                runner.tied_params.append(params[HEAD_WEIGHT])
+            for name, is_copy in ((EMBEDDING_WEIGHT, False), (HEAD_WEIGHT, True)):
+                param = _find_param(part, name)
+                if param is not None:
+                    runner.tied_params.append(param)
+                    runner._tied_is_copy.append(is_copy)
+                    break  # a chunk with the embedding holds the tied weight itself
     logger.info("pipeline rank %d runs chunks %s with %s over %d micro-batches", pp_rank, chunk_ids,
                 type(runner.schedule).__name__, plan.num_micro_batches)
     return runner

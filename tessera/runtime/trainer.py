@@ -71,6 +71,9 @@ class Trainer:
         self.build_distributed()
         check_plan_supported(self.plan, self.world_size, pipeline_available=_pipeline_available())
         self.build_model()
+        if (config.checkpoint_dir or config.resume) and self.pipeline is None and self.parallel.zero1:
+            raise TesseraError("checkpointing a ZeRO-1 data-parallel run (ZeroRedundancyOptimizer state) is not "
+                               "supported; use zero=2, whose sharded state reshards on load")
         self.build_optimizer()
         self.loader = None
         self.data_iter = None
@@ -86,10 +89,10 @@ class Trainer:
             self.device = torch.device("cpu")
             backend = "gloo"
         if not dist.is_initialized():
-            if "RANK" not in os.environ:  # a single process without torchrun
-                os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                                  MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
-            dist.init_process_group(backend)
+            if "RANK" in os.environ:
+                dist.init_process_group(backend)
+            else:  # one process without torchrun: an in-memory store, no port to collide on
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dims = ParallelDims.from_plan(self.plan, self.world_size, self.device.type)
         # bf16 compute only on accelerators: CPUs here have no fast bf16 matmul.
@@ -119,48 +122,57 @@ class Trainer:
                          if mp_policy is not None and uses_ddp(self.plan) else nullcontext())
 
     def build_pipeline(self, mp_policy) -> None:
-        from .pipeline import build_pipeline  # available when check_plan_supported let pp > 1 pass
+        """Cut the model into the plan's stages; each local chunk is parallelised like a model."""
+        from .parallelize import ParallelLoss, StageContext
+        from .pipeline import build_pipeline, root_fsdp_only
 
-        holder: dict = {}
+        parts: list[Parallelized] = []
 
         def parallelize_chunk(chunk, layers: range):
-            result = parallelize(chunk, self.plan, self.dims, self.rank, layers,
-                                 compile=self.config.compile, mp_policy=mp_policy)
-            holder.setdefault("parts", []).append(result)
-            holder["loss"] = result.loss
-            return result.module
+            parts.append(parallelize(chunk, self.plan, self.dims, self.rank, layers, compile=self.config.compile,
+                                     mp_policy=mp_policy, root_only=root_fsdp_only(self.plan)))
+            return parts[-1].module
 
-        from .parallelize import ParallelLoss, StageContext
-
-        loss = ParallelLoss(StageContext.build(self.plan, self.dims, self.rank))
-        self.loss_fn = loss
-        self.pipeline = build_pipeline(self.model, self.plan, self.dims.mesh, loss, parallelize_chunk)
-        self.pipeline_parts: list[Parallelized] = holder.get("parts", [])
+        self.loss_fn = ParallelLoss(StageContext.build(self.plan, self.dims, self.rank))
+        self.pipeline = build_pipeline(self.model, self.plan, self.dims.mesh, self.loss_fn, parallelize_chunk)
+        self.pipeline_parts = parts
         self.model_parts = list(self.pipeline.model_parts)
         self.autocast = nullcontext()
 
     def build_optimizer(self) -> None:
+        """AdamW and its LR schedule per model part (pipeline chunks checkpoint one pair each)."""
         cfg = self.config.optim
         if cfg.total_steps != self.config.steps and self.config.steps:
             cfg = OptimConfig(**{**cfg.__dict__, "total_steps": self.config.steps})
-        params = [p for part in self.model_parts for p in part.parameters()]
         zero1 = self.pipeline is None and self.parallel.zero1
-        self.optimizer = build_optimizer(params, cfg, self.parallel.ddp_group if zero1 else None)
-        self.scheduler = build_scheduler(self.optimizer, cfg)
-        self.params = params
+        self.optimizers = [build_optimizer(part.parameters(), cfg, self.parallel.ddp_group if zero1 else None)
+                           for part in self.model_parts]
+        self.schedulers = [build_scheduler(opt, cfg) for opt in self.optimizers]
+        self.params = list({id(p): p for part in self.model_parts for p in part.parameters()}.values())
+        # The gradient norm counts a tied weight once: a pipeline's head copy is left out.
+        self.tied_copies = set()
+        if self.pipeline is not None and not self.pipeline.has_first_stage:
+            self.tied_copies = {id(p) for p in self.pipeline.tied_params}
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer of the first model part (all of them: `optimizers`)."""
+        return self.optimizers[0]
 
     def build_data(self):
         """The batch iterator of this rank's data block (`data_rank` of `data_size`)."""
         w = self.plan.workload
         if self.config.synthetic_data:
-            return synthetic_batches(self.plan.model.config.vocab_size, w.seq_len, w.global_batch,
-                                     self.data_rank, self.data_size, self.config.seed)
-        try:
-            from .data import build_dataloader
-        except ImportError:
-            raise TesseraError("real-text data needs tessera.runtime.data; use synthetic data") from None
-        return build_dataloader(self.config.data, w.seq_len, w.global_batch, self.data_rank, self.data_size,
-                                self.config.seed)
+            return SyntheticLoader(self.plan.model.config.vocab_size, w.seq_len, w.global_batch,
+                                   self.data_rank, self.data_size, self.config.seed)
+        from .data import build_dataloader
+
+        loader = build_dataloader(self.config.data, w.seq_len, w.global_batch, self.data_rank, self.data_size,
+                                  self.config.seed, pack=True)
+        if loader.vocab_size > self.plan.model.config.vocab_size:
+            raise TesseraError(f"the data's tokenizer has {loader.vocab_size} tokens, more than the model's "
+                               f"vocabulary of {self.plan.model.config.vocab_size}")
+        return loader
 
     # --- data placement ---------------------------------------------------------------------------
     @property
@@ -189,10 +201,12 @@ class Trainer:
             loss = self.forward_backward(tokens, labels, positions, mask)
             self.parallel.rescale_grads()
         pp_group = self.dims.mesh.get_group("pp") if self.plan.pipeline.degree > 1 else None
-        self.grad_norm = clip_grad_norm_(self.params, self.config.optim.grad_clip, pp_group)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.grad_norm = clip_grad_norm_(self.params, self.config.optim.grad_clip, pp_group,
+                                         skip_in_norm=self.tied_copies)
+        for opt, sched in zip(self.optimizers, self.schedulers):
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
         return loss
 
     def forward_backward(self, tokens, labels, positions, mask) -> float:
@@ -213,16 +227,12 @@ class Trainer:
         return float(total) / self.world_size
 
     def forward_backward_pp(self, tokens, labels, positions, mask) -> float:
+        # Every rank holds the batch: positions and masks reach each stage as keyword arguments.
         with self.loss_fn.context():
-            loss = self.pipeline.step(tokens, labels)
+            loss = self.pipeline.step(tokens, labels, positions, mask)
         for part in self.pipeline_parts:
             part.rescale_grads()
-        # The last stage holds the loss; every rank of it holds the same mean.
-        value = torch.zeros((), device=self.device)
-        if loss is not None:
-            value += _plain(loss).detach().float()
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        return float(value) / self.plan.stage_size
+        return self.pipeline.global_loss(loss)
 
     # --- the loop ---------------------------------------------------------------------------------
     def train(self) -> list[StepRecord]:
@@ -236,13 +246,14 @@ class Trainer:
         while self.step < self.config.steps:
             batch = next(self.data_iter)
             start = time.perf_counter()
-            loss = self.train_step(batch.tokens, batch.labels, getattr(batch, "positions", None),
-                                   batch.doc_mask() if hasattr(batch, "doc_mask") else None)
+            packed = getattr(batch, "packed", False)
+            loss = self.train_step(batch.tokens, batch.labels, batch.positions if packed else None,
+                                   batch.doc_mask() if packed else None)
             elapsed = time.perf_counter() - start
             self.step += 1
             if self.step % self.config.log_every == 0 or self.step == self.config.steps:
                 record = StepRecord(
-                    step=self.step, loss=loss, lr=self.scheduler.get_last_lr()[0], grad_norm=self.grad_norm,
+                    step=self.step, loss=loss, lr=self.schedulers[0].get_last_lr()[0], grad_norm=self.grad_norm,
                     step_time_s=elapsed, tokens_per_s=tokens_per_step / elapsed,
                     mfu=model_flops_utilisation(self.plan, tokens_per_step / elapsed, self.world_size, self.dtype),
                     peak_memory_bytes=self.gather_peak_memory(), predicted_step_time_s=predicted)
@@ -256,20 +267,18 @@ class Trainer:
 
     def gather_peak_memory(self) -> list[float]:
         mine = torch.tensor([peak_memory_bytes(self.device)], dtype=torch.float64, device=self.device)
-        out = torch.empty(self.world_size, dtype=torch.float64, device=self.device)
-        dist.all_gather_into_tensor(out, mine)
-        return out.tolist()
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(out, mine)
+        return [float(t) for t in out]
 
     # --- checkpoints ------------------------------------------------------------------------------
     def _checkpoint_manager(self, directory: str):
-        try:
-            from .checkpoint import CheckpointManager
-        except ImportError:
-            raise TesseraError("checkpointing needs tessera.runtime.checkpoint, which this build does not have") from None
+        from .checkpoint import CheckpointManager
+
         return CheckpointManager(directory)
 
     def extra_state(self) -> dict:
-        state = {"step": self.step, "scheduler": self.scheduler.state_dict()}
+        state = {"step": self.step, "schedulers": [s.state_dict() for s in self.schedulers]}
         if self.loader is not None and hasattr(self.loader, "state_dict"):
             state["data"] = self.loader.state_dict()
         return state
@@ -278,16 +287,21 @@ class Trainer:
         cfg = self.config
         if cfg.checkpoint_dir and cfg.checkpoint_every and (self.step % cfg.checkpoint_every == 0
                                                             or self.step == cfg.steps):
-            self._checkpoint_manager(cfg.checkpoint_dir).save(self.step, self.model_parts, self.optimizer,
+            self._checkpoint_manager(cfg.checkpoint_dir).save(self.step, self.model_parts, self.optimizers,
                                                               self.extra_state())
 
     def maybe_resume(self) -> None:
         if not self.config.resume:
             return
-        manager = self._checkpoint_manager(self.config.resume)
-        extra = manager.load(self.model_parts, self.optimizer)
+        resume = Path(self.config.resume)
+        # Either a checkpoint directory (its latest step) or one `step-N` inside it.
+        is_step = resume.name.startswith("step-") and (resume / "manifest.json").exists()
+        manager = self._checkpoint_manager(str(resume.parent if is_step else resume))
+        extra = manager.load(self.model_parts, self.optimizers, path=resume if is_step else None)
         self.step = int(extra["step"])
-        self.scheduler.load_state_dict(extra["scheduler"])
+        # The schedule depends on the step only; another plan may have other chunk counts.
+        for sched in self.schedulers:
+            sched.load_state_dict(extra["schedulers"][0])
         self.loader = self.build_data()
         if "data" in extra and hasattr(self.loader, "load_state_dict"):
             self.loader.load_state_dict(extra["data"])
@@ -308,16 +322,39 @@ class SyntheticBatch:
     tokens: torch.Tensor
     labels: torch.Tensor
     positions: torch.Tensor | None = None
+    packed: bool = False
 
     def doc_mask(self):
         return None
 
 
-def synthetic_batches(vocab: int, seq_len: int, global_batch: int, dp_rank: int, dp_size: int, seed: int):
-    """Seeded random token sequences: every rank draws the global batch and keeps its rows."""
-    gen = torch.Generator().manual_seed(seed)
-    rows = global_batch // dp_size
-    while True:
+class SyntheticLoader:
+    """Seeded random token sequences: step k's global batch comes from a generator seeded (seed, k),
+    each rank keeps its rows; the position is one integer, so resume is exact."""
+
+    def __init__(self, vocab: int, seq_len: int, global_batch: int, dp_rank: int, dp_size: int, seed: int):
+        self.vocab, self.seq_len, self.global_batch = vocab, seq_len, global_batch
+        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+        self.step = 0
+
+    @staticmethod
+    def global_batch_at(vocab: int, seq_len: int, global_batch: int, seed: int, step: int):
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
         seqs = torch.randint(0, vocab, (global_batch, seq_len + 1), generator=gen)
-        mine = seqs[dp_rank * rows:(dp_rank + 1) * rows]
-        yield SyntheticBatch(tokens=mine[:, :-1].contiguous(), labels=mine[:, 1:].contiguous())
+        return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> SyntheticBatch:
+        tokens, labels = self.global_batch_at(self.vocab, self.seq_len, self.global_batch, self.seed, self.step)
+        self.step += 1
+        rows = self.global_batch // self.dp_size
+        mine = slice(self.dp_rank * rows, (self.dp_rank + 1) * rows)
+        return SyntheticBatch(tokens=tokens[mine], labels=labels[mine])
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])

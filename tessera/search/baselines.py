@@ -3,10 +3,13 @@
 - `manual_plan(...)`: one strategy for every block (the embedding and LM head share its layout,
   without recompute; EP only on MoE layers), stages balanced by `balanced_stages`.
 - `baseline_plans(...)`: "megatron-default" (tp = GPUs per node, Megatron SP, the smallest pp
-  that fits, 1F1B, full recompute if needed), "fsdp" (ZeRO-3 over all GPUs, recompute if needed),
-  "ddp" and "zero1" (pure data parallel). Infeasible ones are returned too, with fits=False.
+  that fits, 1F1B, micro-batch 1, full recompute if needed), "fsdp" (ZeRO-3 over all GPUs),
+  "zero1" and "ddp" (pure data parallel), each with the largest micro-batch that fits, recompute
+  only if nothing fits without. Infeasible ones are returned too, with fits=False.
 """
 from __future__ import annotations
+
+from bisect import bisect_right
 
 import numpy as np
 
@@ -14,7 +17,7 @@ from ..cost.evaluate import evaluate
 from ..cost.layer import StepContext, StrategyTable, layer_costs
 from ..plan import LayerStrategy, PipelineSpec, Plan, Recompute, Schedule, SPKind
 from ..spec.cluster import ClusterSpec
-from ..spec.model import LayerKind, LayerSpec, ModelSpec
+from ..spec.model import LayerSpec, ModelSpec
 from ..spec.workload import Workload
 
 
@@ -24,38 +27,38 @@ def has_attention(layer: LayerSpec) -> bool:
 
 def balanced_stages(weights: list[float], chunks: int) -> tuple[tuple[int, int], ...]:
     """Cut `weights` (per layer, in order) into `chunks` contiguous non-empty ranges minimising the
-    heaviest range (bisection on the bound; greedy fill, leaving one layer per remaining chunk)."""
+    heaviest range: bisection on the bound, each probe a greedy fill on prefix sums (the greedy
+    that packs each range as full as the bound allows is optimal for a fixed bound)."""
     n = len(weights)
     if chunks > n:
         raise ValueError(f"cannot cut {n} layers into {chunks} pipeline chunks")
-    w = np.asarray(weights, dtype=float)
+    prefix = [0.0] + np.cumsum(np.asarray(weights, dtype=float)).tolist()
 
-    def cut(bound: float) -> list[tuple[int, int]] | None:
-        out, start = [], 0
-        for c in range(chunks):
-            left = chunks - c - 1
-            end, total = start + 1, w[start]
-            while end < n - left and total + w[end] <= bound:
-                total += w[end]
-                end += 1
-            if c == chunks - 1:
-                end = n
-            if w[start:end].sum() > bound * (1 + 1e-12) and end - start > 1:
+    def cut(bound: float) -> list[int] | None:
+        ends, start = [], 0
+        for c in range(chunks - 1):
+            # furthest end with sum <= bound, leaving a layer for each later range
+            end = bisect_right(prefix, prefix[start] + bound * (1 + 1e-12)) - 1
+            end = min(max(end, start + 1), n - (chunks - c - 1))
+            if prefix[end] - prefix[start] > bound * (1 + 1e-12) and end - start > 1:
                 return None
-            out.append((start, end))
+            ends.append(end)
             start = end
-        return out
+        if prefix[n] - prefix[start] > bound * (1 + 1e-12) and n - start > 1:
+            return None
+        return ends + [n]
 
-    lo, hi = float(w.max()), float(w.sum())
+    lo, hi = float(np.max(weights)), float(prefix[-1])
     best = cut(hi)
-    for _ in range(60):
+    for _ in range(40):
         mid = (lo + hi) / 2
         got = cut(mid)
         if got is None:
             lo = mid
         else:
             best, hi = got, mid
-    return tuple(best)
+    starts = [0] + best[:-1]
+    return tuple(zip(starts, best))
 
 
 def manual_plan(model: ModelSpec, cluster: ClusterSpec, workload: Workload, *, dp: int | None = None,
@@ -166,15 +169,20 @@ def baseline_plans(model: ModelSpec, cluster: ClusterSpec, workload: Workload) -
             break
     if meg is not None:
         out.append(meg)
+    per_replica = workload.global_batch // world if workload.global_batch % world == 0 else 0
+    sizes = [b for b in range(per_replica, 0, -1) if per_replica % b == 0]
     for name, kwargs in (("fsdp", dict(zero=3)), ("zero1", dict(zero=1)), ("ddp", dict(zero=0))):
+        # The largest micro-batch that fits (fewer ZeRO-3 gathers), without recompute if possible.
         best = None
         for rc in ("none", "full"):
-            try:
-                cand = manual_plan(model, cluster, workload, recompute=rc, name=name, **kwargs)
-            except ValueError:
-                break
-            best = cand
-            if _fits(cand):
+            for mbs in sizes:
+                cand = manual_plan(model, cluster, workload, recompute=rc, micro_batch_size=mbs, name=name, **kwargs)
+                if (best is None or (_fits(cand) and not _fits(best))
+                        or (not _fits(best) and cand.prediction.peak_memory < best.prediction.peak_memory)):
+                    best = cand  # a fitting one, else the closest to fitting
+                if _fits(cand):
+                    break
+            if best is not None and _fits(best):
                 break
         if best is not None:
             out.append(best)

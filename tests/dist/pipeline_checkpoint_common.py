@@ -51,6 +51,19 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
+def packed_documents(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions and block-diagonal causal mask (B, 1, S, S) for packed documents: each sequence
+    holds two documents, split at a seeded position."""
+    gen = torch.Generator().manual_seed(2000 + step)
+    cut = torch.randint(2, SEQ_LEN - 2, (GLOBAL_BATCH, 1), generator=gen)
+    idx = torch.arange(SEQ_LEN).expand(GLOBAL_BATCH, SEQ_LEN)
+    doc = (idx >= cut).long()
+    positions = torch.where(doc == 1, idx - cut, idx)
+    causal = torch.ones(SEQ_LEN, SEQ_LEN, dtype=torch.bool).tril()
+    mask = (doc[:, :, None] == doc[:, None, :]) & causal
+    return positions, mask[:, None]
+
+
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
@@ -64,7 +77,7 @@ def make_scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 3) * 0.9 ** s)
 
 
-def reference_losses(config: TransformerConfig, steps: int, seed: int = 0) -> list[float]:
+def reference_losses(config: TransformerConfig, steps: int, seed: int = 0, packed: bool = False) -> list[float]:
     """Single-process training on the global batch: loss of each step (before its update)."""
     model = build_model(config, seed=seed)
     opt = make_optimizer(model.parameters())
@@ -72,7 +85,8 @@ def reference_losses(config: TransformerConfig, steps: int, seed: int = 0) -> li
     losses = []
     for step in range(steps):
         tokens, labels = global_batch(step)
-        loss = loss_fn(model(tokens), labels)
+        positions, mask = packed_documents(step) if packed else (None, None)
+        loss = loss_fn(model(tokens, positions, mask), labels)
         loss.backward()
         opt.step()
         sched.step()

@@ -85,6 +85,13 @@ def main() -> None:
     losses = train(TINY_GPT2, plan, block_fsdp, STEPS)
     check("pp2xdp2_fsdp_tied_gpt2_matches_single_process", close(losses, ref_gpt2), f"{losses} vs {ref_gpt2}")
 
+    # The trainer's pipeline with tensor + sequence parallel stages on packed documents.
+    from pipeline_schedules import trainer_pipeline_runs_packed_documents
+    from runtime_common import S
+
+    trainer_pipeline_runs_packed_documents("trainer_pp2_tp2_sp_packed_documents", S(tp=2, sp="megatron"),
+                                           stages=((0, 3), (3, 6)), schedule="1f1b")
+
     # The checkpoint that the 2-rank launch resumes: pp=2 x dp=2, FSDP2 per block, after 3 steps.
     manager = CheckpointManager(ckpt_dir, keep=2)
     plan = make_plan(TINY_LLAMA, world=4, pp=2, schedule="1f1b", zero=3)

@@ -1,7 +1,7 @@
 """2 ranks, pp=2: every schedule (GPipe, 1F1B, interleaved 1F1B with 4 chunks, zero-bubble) and a
 tied-embedding GPT-2 give the single-process losses over 4 AdamW steps. Then, when a checkpoint
 directory is given (written at 4 ranks by `pipeline_dp_checkpoint_save.py`, pp=2 x dp=2 FSDP2),
-resume it here under other plans (dp=2 FSDP2, pp=2, tp=2) from a differently initialised model:
+resume it here under other plans (dp=2 FSDP2, pp=2, interleaved pp=2, tp=2, DDP+ZeRO-1) from a differently initialised model:
 the next losses equal those of the uninterrupted single-process run."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from pipeline_checkpoint_common import (TINY_GPT2, TINY_LLAMA, close, global_batch, loss_fn, make_optimizer,
-                                        make_plan, make_scheduler, reference_losses)
+from pipeline_checkpoint_common import (LR, TINY_GPT2, TINY_LLAMA, close, global_batch, loss_fn, make_optimizer,
+                                        make_plan, make_scheduler, packed_documents, reference_losses)
 from tessera.models import build_model
 from tessera.runtime.checkpoint import CheckpointManager
 from tessera.runtime.pipeline import build_pipeline
@@ -28,14 +28,15 @@ def check(name: str, ok: bool, detail: str = "") -> None:
         print(f"CHECK {name} ok", flush=True)
 
 
-def train_pipeline(config, plan, mesh, steps, parallelize_chunk=None):
+def train_pipeline(config, plan, mesh, steps, parallelize_chunk=None, packed=False):
     runner = build_pipeline(build_model(config, seed=0), plan, mesh, loss_fn, parallelize_chunk)
     opts = [make_optimizer(p.parameters()) for p in runner.model_parts]
     scheds = [make_scheduler(o) for o in opts]
     losses = []
     for step in range(steps):
         tokens, labels = global_batch(step)
-        loss = runner.step(tokens, labels)
+        positions, mask = packed_documents(step) if packed else (None, None)
+        loss = runner.step(tokens, labels, positions, mask)
         for o, s in zip(opts, scheds):
             o.step()
             s.step()
@@ -53,13 +54,52 @@ def main() -> None:
         losses = train_pipeline(TINY_LLAMA, plan, mesh, STEPS)
         check(f"pp2_{schedule}_matches_single_process", close(losses, ref[TINY_LLAMA.name]),
               f"{losses} vs {ref[TINY_LLAMA.name]}")
+    # Packed documents: positions and the block-diagonal mask reach every stage.
+    ref_packed = reference_losses(TINY_LLAMA, STEPS, packed=True)
+    for schedule, virtual in [("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1)]:
+        plan = make_plan(TINY_LLAMA, world=2, pp=2, schedule=schedule, virtual_stages=virtual)
+        losses = train_pipeline(TINY_LLAMA, plan, mesh, STEPS, packed=True)
+        check(f"pp2_{schedule}_packed_documents_match_single_process", close(losses, ref_packed),
+              f"{losses} vs {ref_packed}")
     plan = make_plan(TINY_GPT2, world=2, pp=2, schedule="1f1b")
     losses = train_pipeline(TINY_GPT2, plan, mesh, STEPS)
     check("pp2_tied_gpt2_matches_single_process", close(losses, ref[TINY_GPT2.name]),
           f"{losses} vs {ref[TINY_GPT2.name]}")
+    trainer_pipeline_runs_packed_documents()
     if len(sys.argv) > 1:
         resume_under_other_plans(sys.argv[1])
     dist.destroy_process_group()
+
+
+def trainer_pipeline_runs_packed_documents(name: str = "trainer_pp2_interleaved_packed_documents",
+                                           strategy=None, stages=((0, 2), (2, 3), (3, 5), (5, 6)),
+                                           schedule: str = "interleaved_1f1b") -> None:
+    """The trainer's pipeline path with packed documents (positions restart, block-diagonal mask)
+    equals one process with the trainer's optimizer, warm-up and clipping."""
+    from runtime_common import LLAMA, OPTIM, S
+    from runtime_common import make_plan as runtime_plan
+    from tessera.runtime.optim import build_optimizer, build_scheduler, clip_grad_norm_
+    from tessera.runtime.trainer import TrainConfig, Trainer
+
+    batches = [(*global_batch(step), *packed_documents(step)) for step in range(3)]
+    model = build_model(LLAMA, seed=0)
+    opt = build_optimizer(model.parameters(), OPTIM)
+    sched = build_scheduler(opt, OPTIM)
+    want = []
+    for tokens, labels, positions, mask in batches:
+        loss = loss_fn(model(tokens, positions, mask), labels)
+        loss.backward()
+        clip_grad_norm_(list(model.parameters()), OPTIM.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(loss.item())
+    plan = runtime_plan(LLAMA, dist.get_world_size(), strategy or S(), num_micro_batches=2, schedule=schedule,
+                        stages=stages)
+    trainer = Trainer(TrainConfig(plan=plan, steps=3, optim=OPTIM, seed=0))
+    got = [trainer.train_step(*batch) for batch in batches]
+    trainer.close()
+    check(f"{name}_match_single_process", close(got, want), f"{got} vs {want}")
 
 
 def _tp_blocks(model, tp_mesh):
@@ -83,29 +123,36 @@ def _fsdp(model, dp_mesh):
 
 
 def resume_under_other_plans(ckpt_dir: str) -> None:
-    """Resume the 4-rank pp=2 x dp=2 checkpoints at 2 ranks under three other plans."""
+    """Resume the 4-rank pp=2 x dp=2 checkpoints at 2 ranks under other plans: FSDP2, pipelines
+    (one optimizer per chunk, or one for all chunks), tensor parallel, DDP with ZeRO-1."""
     world = dist.get_world_size()
     rank = dist.get_rank()
     rows = slice(rank * 8 // world, (rank + 1) * 8 // world)
     for config, directory in ((TINY_LLAMA, ckpt_dir), (TINY_GPT2, f"{ckpt_dir}-gpt2")):
         ref = reference_losses(config, RESUME_TO)[SAVE_AT:]
         manager = CheckpointManager(directory)
-        for layout in ("dp2_fsdp", "pp2", "tp2"):
+        for layout in ("dp2_fsdp", "pp2", "pp2_interleaved_one_optimizer", "tp2"):
             if layout == "tp2" and config.tie_embeddings:
                 continue
             model = build_model(config, seed=123)  # different weights: everything must come from the checkpoint
-            if layout == "pp2":
-                plan = make_plan(config, world=2, pp=2, schedule="1f1b")
+            if layout.startswith("pp2"):
+                interleaved = layout != "pp2"
+                plan = make_plan(config, world=2, pp=2, schedule="interleaved_1f1b" if interleaved else "1f1b",
+                                 virtual_stages=2 if interleaved else 1)
                 mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
                 runner = build_pipeline(model, plan, mesh, loss_fn)
                 parts = runner.model_parts
+                # The trainer's way: one optimizer over all of a rank's chunks.
+                opts = ([make_optimizer([p for part in parts for p in part.parameters()])] if interleaved
+                        else [make_optimizer(p.parameters()) for p in parts])
 
-                def step_fn(tokens, labels):
+                def step_fn(tokens, labels, runner=runner):
                     return runner.global_loss(runner.step(tokens, labels))
             else:
                 name = layout[:2]
                 mesh = init_device_mesh("cpu", (2,), mesh_dim_names=(name,))
                 parts = [_fsdp(model, mesh) if name == "dp" else _tp_blocks(model, mesh)]
+                opts = [make_optimizer(parts[0].parameters())]
 
                 def step_fn(tokens, labels, model=parts[0], name=name):
                     if name == "dp":
@@ -115,7 +162,6 @@ def resume_under_other_plans(ckpt_dir: str) -> None:
                     value = loss.detach().clone()
                     dist.all_reduce(value)
                     return float(value) / world
-            opts = [make_optimizer(p.parameters()) for p in parts]
             scheds = [make_scheduler(o) for o in opts]
             extra = manager.load(parts, opts)
             for s in scheds:
@@ -129,7 +175,94 @@ def resume_under_other_plans(ckpt_dir: str) -> None:
                     o.zero_grad()
             check(f"resume_{config.name}_pp2xdp2_at_4_ranks_as_{layout}_at_2_ranks", close(losses, ref),
                   f"{losses} vs {ref}")
+    zero1_resume_save_and_resume_plain(ckpt_dir)
+    async_save_while_training(f"{ckpt_dir}-async")
     refuse_corrupt_checkpoint(ckpt_dir)
+
+
+def async_save_while_training(directory: str) -> None:
+    """FSDP2 at 2 ranks: an asynchronous save holds the weights of the step it was called at,
+    although training goes on before it finishes; the next save finishes it (manifest, rename)."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    rank = dist.get_rank()
+    rows = slice(rank * 4, rank * 4 + 4)
+
+    def fresh(seed):
+        model = _fsdp(build_model(TINY_LLAMA, seed=seed), mesh)
+        return model, make_optimizer(model.parameters())
+
+    def train_one(model, opt, step):
+        tokens, labels = global_batch(step)
+        loss_fn(model(tokens[rows]), labels[rows]).backward()
+        opt.step()
+        opt.zero_grad()
+
+    if rank == 0:
+        import shutil
+
+        shutil.rmtree(directory, ignore_errors=True)
+    dist.barrier()
+    model, opt = fresh(0)
+    manager = CheckpointManager(directory, async_save=True)
+    train_one(model, opt, 0)
+    manager.save(1, [model], opt, {"data_step": 1})
+    snapshot = [p.full_tensor().clone() for p in model.parameters()]
+    pending = not (manager.directory / "step-1").exists() or manager.latest() is None
+    train_one(model, opt, 1)
+    manager.save(2, [model], opt, {"data_step": 2})
+    manager.wait()
+    names = [p.name for p in manager.checkpoints()]
+    restored, restored_opt = fresh(7)
+    extra = manager.load([restored], restored_opt, path=manager.directory / "step-1")
+    same = all(torch.equal(a, b.full_tensor()) for a, b in zip(snapshot, restored.parameters()))
+    check("async_save_keeps_the_weights_of_its_step", pending and names == ["step-1", "step-2"] and same
+          and extra["data_step"] == 1, f"{pending} {names} {same}")
+
+
+def zero1_resume_save_and_resume_plain(ckpt_dir: str) -> None:
+    """DDP + ZeRO-1 resumes the pp x dp checkpoint, trains, and saves its sharded optimizer state
+    (each rank the share it owns); a plain single-model AdamW then resumes that checkpoint."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rows = slice(rank * 8 // world, (rank + 1) * 8 // world)
+    ref = reference_losses(TINY_LLAMA, RESUME_TO + 2)
+    model = DistributedDataParallel(build_model(TINY_LLAMA, seed=123))
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR,
+                                  weight_decay=0.1, betas=(0.9, 0.95))
+    sched = make_scheduler(opt)
+    extra = CheckpointManager(ckpt_dir).load([model], opt)
+    sched.load_state_dict(extra["lr_scheduler"])
+    losses = []
+    for step in range(extra["data_step"], RESUME_TO):
+        tokens, labels = global_batch(step)
+        loss = loss_fn(model(tokens[rows]), labels[rows])
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        value = loss.detach().clone()
+        dist.all_reduce(value)
+        losses.append(float(value) / world)
+    check("resume_test-llama_pp2xdp2_at_4_ranks_as_dp2_ddp_zero1_at_2_ranks", close(losses, ref[SAVE_AT:RESUME_TO]),
+          f"{losses} vs {ref[SAVE_AT:RESUME_TO]}")
+    manager = CheckpointManager(f"{ckpt_dir}-zero1")
+    manager.save(RESUME_TO, [model], opt, {"lr_scheduler": sched.state_dict(), "data_step": RESUME_TO})
+    plain = build_model(TINY_LLAMA, seed=5)
+    plain_opt = make_optimizer(plain.parameters())
+    plain_sched = make_scheduler(plain_opt)
+    plain_sched.load_state_dict(manager.load([plain], plain_opt)["lr_scheduler"])
+    losses = []
+    for step in (RESUME_TO, RESUME_TO + 1):  # the second loss shows the optimizer state was restored
+        tokens, labels = global_batch(step)
+        loss = loss_fn(plain(tokens), labels)
+        loss.backward()
+        plain_opt.step()
+        plain_sched.step()
+        plain_opt.zero_grad()
+        losses.append(loss.item())
+    check("zero1_checkpoint_resumes_as_one_process", close(losses, ref[RESUME_TO:]), f"{losses} vs {ref[RESUME_TO:]}")
 
 
 def refuse_corrupt_checkpoint(ckpt_dir: str) -> None:
@@ -143,6 +276,7 @@ def refuse_corrupt_checkpoint(ckpt_dir: str) -> None:
     corrupt = Path(f"{ckpt_dir}-corrupt")
     victim = corrupt / "step-3" / "__0_0.distcp"  # sorted files: rank 1 checks the 2nd, 4th, ...
     if dist.get_rank() == 0:
+        shutil.rmtree(corrupt, ignore_errors=True)
         shutil.copytree(ckpt_dir, corrupt)
         size = victim.stat().st_size
         with open(victim, "r+b") as f:

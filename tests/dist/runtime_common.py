@@ -30,8 +30,10 @@ def S(dp=1, tp=1, sp="none", sp_degree=1, zero=0, dp_shard=0, recompute="none", 
 
 
 def make_plan(config: TransformerConfig, world: int, strategies, num_micro_batches: int = 1,
-              global_batch: int = GLOBAL_BATCH, seq_len: int = SEQ) -> Plan:
-    """A hand-made plan: one strategy for every layer, or a list (embedding, blocks..., head)."""
+              global_batch: int = GLOBAL_BATCH, seq_len: int = SEQ, stages=None,
+              schedule: str = "1f1b") -> Plan:
+    """A hand-made plan: one strategy for every layer, or a list (embedding, blocks..., head);
+    `stages` = the pipeline chunks' layer ranges (pp = world / ranks of a stage)."""
     spec = ModelSpec.from_config(config)
     n = len(spec.layers)
     layers = tuple(strategies) if isinstance(strategies, (list, tuple)) else (strategies,) * n
@@ -40,7 +42,12 @@ def make_plan(config: TransformerConfig, world: int, strategies, num_micro_batch
     return Plan(model=spec, cluster=local_cpu_cluster(world),
                 workload=Workload(global_batch=global_batch, seq_len=seq_len, dtype="fp32"),
                 micro_batch_size=global_batch // dp // num_micro_batches, num_micro_batches=num_micro_batches,
-                pipeline=PipelineSpec(degree=1, stages=((0, n),)), layers=layers)
+                pipeline=_pipeline(world, layers[0].devices, stages or ((0, n),), schedule), layers=layers)
+
+
+def _pipeline(world: int, stage_size: int, stages, schedule: str) -> PipelineSpec:
+    pp = world // stage_size
+    return PipelineSpec(degree=pp, schedule=schedule, virtual_stages=len(stages) // pp, stages=tuple(stages))
 
 
 def global_batches(config: TransformerConfig, steps: int = STEPS, seed: int = 1):
@@ -88,5 +95,50 @@ def check(name: str, plan: Plan, config: TransformerConfig, rtol: float = 1e-5) 
     for step, (g, w) in enumerate(zip(got, want)):
         if abs(g - w) > rtol * abs(w):
             raise AssertionError(f"{name}: step {step} loss {g:.8f} != one-process {w:.8f}")
+    if dist.get_rank() == 0:
+        print(f"CHECK {name} ok", flush=True)
+
+
+TRAIN_STEPS = 4
+
+
+def reference_trained_losses(config: TransformerConfig) -> list[float]:
+    """One process, `Trainer.train`'s synthetic batches, TRAIN_STEPS steps."""
+    from tessera.runtime.trainer import SyntheticLoader
+
+    optim = OptimConfig(**{**OPTIM.__dict__, "total_steps": TRAIN_STEPS})
+    model = build_model(config, seed=0)
+    opt = build_optimizer(model.parameters(), optim)
+    sched = build_scheduler(opt, optim)
+    losses = []
+    for step in range(TRAIN_STEPS):
+        tokens, labels = SyntheticLoader.global_batch_at(config.vocab_size, SEQ, GLOBAL_BATCH, 0, step)
+        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), labels.flatten())
+        loss.backward()
+        clip_grad_norm_(list(model.parameters()), optim.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def check_trained(name: str, plan: Plan, config: TransformerConfig, checkpoint_dir: str | None = None,
+                  resume: str | None = None, rtol: float = 1e-5) -> None:
+    """`Trainer.train()` (synthetic data, optional checkpoints / resume) matches one process."""
+    trainer = Trainer(TrainConfig(plan=plan, steps=TRAIN_STEPS, optim=OPTIM, seed=0, synthetic_data=True,
+                                  checkpoint_dir=checkpoint_dir, checkpoint_every=2 if checkpoint_dir else 0,
+                                  resume=resume))
+    records = trainer.train()
+    trainer.close()
+    want = reference_trained_losses(config)
+    first = TRAIN_STEPS - len(records)
+    for r in records:
+        w = want[r.step - 1]
+        if abs(r.loss - w) > rtol * abs(w):
+            raise AssertionError(f"{name}: step {r.step} loss {r.loss:.8f} != one-process {w:.8f}")
+    assert [r.step for r in records] == list(range(first + 1, TRAIN_STEPS + 1)), [r.step for r in records]
+    if resume is not None:
+        assert first > 0, "resume did not skip the saved steps"
     if dist.get_rank() == 0:
         print(f"CHECK {name} ok", flush=True)

@@ -1,0 +1,208 @@
+"""`tessera plan`: search the fastest hybrid-parallel plan that fits memory, or evaluate one by hand.
+
+    tessera plan                                   # the built-in default job (printed)
+    tessera plan --model llama3-70b --gpus 1024 --global-batch 1024 --seq-len 8192 -o plan.json
+    tessera plan --model path/to/config.json --compare
+    tessera plan --dp 4 --tp 2 --pp 2 ...          # a hand-made plan, same cost model
+    tessera plan --cluster cluster.json --model-profile model-profile.json ...
+
+Prints the plan with rich; `-o` writes the versioned plan JSON, `--json` prints it to stdout.
+No torch import.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from ..errors import TesseraError
+
+DEFAULT_MODEL = "llama2-7b"
+DEFAULT_GPUS = 64
+DEFAULT_GPUS_PER_NODE = 8
+DEFAULT_GPU = "h100-80gb"
+DEFAULT_GLOBAL_BATCH = 512
+DEFAULT_SEQ_LEN = 4096
+
+# Flags that make a hand-made plan; None means "not given".
+MANUAL_FLAGS = ("dp", "tp", "pp", "sp", "sp_degree", "zero", "dp_shard", "recompute", "offload",
+                "ep", "schedule", "virtual_stages", "micro_batch_size")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = (f"default job: {DEFAULT_MODEL} on {DEFAULT_GPUS // DEFAULT_GPUS_PER_NODE} nodes x "
+                f"{DEFAULT_GPUS_PER_NODE} {DEFAULT_GPU}, global batch {DEFAULT_GLOBAL_BATCH} x "
+                f"{DEFAULT_SEQ_LEN} tokens")
+    what = p.add_argument_group("what to train")
+    what.add_argument("--model", default=DEFAULT_MODEL,
+                      help="preset name (e.g. llama3-70b) or a Hugging Face config.json (file or directory)")
+    what.add_argument("--model-profile", metavar="JSON", help="measured model profile (tessera profile model)")
+    what.add_argument("--global-batch", type=int, metavar="N", default=DEFAULT_GLOBAL_BATCH, help="sequences per step")
+    what.add_argument("--seq-len", type=int, metavar="N", default=None,
+                      help=f"tokens per sequence (default {DEFAULT_SEQ_LEN}, capped at the model's maximum)")
+    what.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    what.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    where = p.add_argument_group("on what")
+    where.add_argument("--gpus", type=int, metavar="N", default=None, help=f"number of GPUs (default {DEFAULT_GPUS})")
+    where.add_argument("--gpus-per-node", type=int, metavar="N", default=None,
+                       help=f"GPUs per node (default {DEFAULT_GPUS_PER_NODE})")
+    where.add_argument("--gpu", default=None, help=f"GPU kind (default {DEFAULT_GPU})")
+    where.add_argument("--cluster", metavar="JSON", help="cluster spec JSON (tessera profile hardware); "
+                                                         "--gpus resizes it")
+    manual = p.add_argument_group("a hand-made plan (any of these skips the search)")
+    manual.add_argument("--dp", type=int, metavar="N", help="data-parallel degree (default: what the GPUs leave)")
+    manual.add_argument("--tp", type=int, metavar="N", help="tensor-parallel degree")
+    manual.add_argument("--pp", type=int, metavar="N", help="pipeline-parallel degree")
+    manual.add_argument("--sp", choices=("none", "megatron", "ulysses"), help="sequence parallelism")
+    manual.add_argument("--sp-degree", type=int, metavar="N", help="Ulysses degree")
+    manual.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage")
+    manual.add_argument("--dp-shard", type=int, metavar="N", help="hybrid sharding group size (HSDP)")
+    manual.add_argument("--recompute", choices=("none", "selective", "full"))
+    manual.add_argument("--offload", action="store_true", default=None, help="offload optimizer state")
+    manual.add_argument("--ep", type=int, metavar="N", help="expert-parallel degree")
+    manual.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"))
+    manual.add_argument("--virtual-stages", type=int, metavar="N", help="model chunks per pipeline rank")
+    manual.add_argument("--micro-batch-size", type=int, metavar="N", help="sequences per micro-batch")
+    out = p.add_argument_group("output")
+    out.add_argument("--compare", action="store_true", help="show the plan beside the baselines")
+    out.add_argument("-o", "--output", metavar="PLAN_JSON", help="write the plan JSON here")
+    out.add_argument("--json", action="store_true", help="print the plan JSON to stdout (no tables)")
+
+
+def build_cluster(args: argparse.Namespace):
+    from ..spec.loaders import load_cluster
+    from ..spec.presets import make_cluster
+
+    if args.cluster:
+        if args.gpu or args.gpus_per_node:
+            raise TesseraError("--cluster already gives the GPU kind and GPUs per node; "
+                               "drop --gpu/--gpus-per-node (use --gpus to resize it)")
+        cluster = load_cluster(args.cluster)
+        return cluster.with_gpus(args.gpus) if args.gpus else cluster
+    return make_cluster(args.gpu or DEFAULT_GPU, DEFAULT_GPUS if args.gpus is None else args.gpus,
+                        args.gpus_per_node or DEFAULT_GPUS_PER_NODE)
+
+
+def build_model(args: argparse.Namespace):
+    from ..spec.loaders import resolve_model
+
+    model = resolve_model(args.model)
+    if args.model_profile:
+        from ..profile.apply import apply_model_profile
+
+        model = apply_model_profile(model, args.model_profile)
+    return model
+
+
+def build_workload(args: argparse.Namespace, model):
+    from ..spec.workload import Workload
+
+    config = model.config
+    seq_len = args.seq_len
+    if seq_len is None:
+        seq_len = min(DEFAULT_SEQ_LEN, config.max_seq_len) if config else DEFAULT_SEQ_LEN
+    elif config is not None and config.position == "learned" and seq_len > config.max_seq_len:
+        raise TesseraError(f"--seq-len {seq_len} is longer than {model.name}'s {config.max_seq_len} "
+                           "learned positions")
+    if args.global_batch <= 0 or seq_len <= 0:
+        raise TesseraError(f"--global-batch and --seq-len must be positive (got {args.global_batch}, {seq_len})")
+    return Workload(global_batch=args.global_batch, seq_len=seq_len, dtype=args.dtype,
+                    optimizer=args.optimizer)
+
+
+def manual_options(args: argparse.Namespace) -> dict:
+    """The hand-made plan's degrees the user gave (empty: search instead)."""
+    given = {k: getattr(args, k) for k in MANUAL_FLAGS if getattr(args, k) is not None}
+    if "offload" in given:
+        given["offload"] = bool(given["offload"])
+    return given
+
+
+def check_batch_divides(workload, cluster, opts: dict) -> None:
+    """The global batch must split into dp replicas of micro-batches: say by what it does not divide."""
+    tp, pp = opts.get("tp", 1), opts.get("pp", 1)
+    sp_degree = opts.get("sp_degree", 1)
+    per_stage, rest = divmod(cluster.num_gpus, pp * tp * sp_degree)
+    if rest or per_stage == 0:
+        raise TesseraError(f"pp {pp} x tp {tp} x sp {sp_degree} = {pp * tp * sp_degree} does not "
+                           f"divide {cluster.num_gpus} GPUs")
+    dp = opts.get("dp") or per_stage
+    mbs = opts.get("micro_batch_size", 1)
+    if workload.global_batch % (dp * mbs):
+        raise TesseraError(f"global batch {workload.global_batch} is not divisible by dp {dp} x "
+                           f"micro-batch size {mbs} = {dp * mbs}")
+
+
+def evaluated(plan):
+    """The plan with its prediction (hand-made plans and baselines may come without one)."""
+    if plan.prediction is not None:
+        return plan
+    from ..cost import evaluate
+
+    return plan.model_copy(update={"prediction": evaluate(plan)})
+
+
+def make_plan(args, model, cluster, workload, console):
+    opts = manual_options(args)
+    if opts:
+        check_batch_divides(workload, cluster, opts)
+        from pydantic import ValidationError
+
+        from ..search import manual_plan
+        from ..spec.loaders import first_validation_error
+
+        start = time.perf_counter()
+        try:
+            plan = evaluated(manual_plan(model, cluster, workload, **opts))
+        except ValidationError as e:  # pydantic's message spans lines; the CLI answers in one
+            raise TesseraError(f"invalid hand-made plan: {first_validation_error(e)}") from None
+        return plan, time.perf_counter() - start
+    from ..search import search
+
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    start = time.perf_counter()
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        progress.add_task(f"searching plans for {model.name} on {cluster.num_gpus} GPUs", total=None)
+        plan = evaluated(search(model, cluster, workload, None))
+    return plan, time.perf_counter() - start
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..report.tables import comparison_table, make_console, render_plan
+
+    # Tables go to stdout, unless --json keeps stdout for the plan; the spinner always to stderr.
+    out = make_console(stderr=args.json)
+    status = make_console(stderr=True)
+    model = build_model(args)
+    cluster = build_cluster(args)
+    workload = build_workload(args, model)
+    if _is_default_job(args) and not args.json:
+        out.print(f"[dim]built-in default job: {model.name} on {cluster.name}, global batch "
+                  f"{workload.global_batch} x {workload.seq_len} tokens (see tessera plan --help)[/dim]")
+    plan, elapsed = make_plan(args, model, cluster, workload, status)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        plan.save(args.output)
+    if args.json:
+        sys.stdout.write(plan.to_json() + "\n")
+        return 0
+    render_plan(plan, out)
+    if args.compare:
+        from ..search import baseline_plans
+
+        baselines = [evaluated(b) for b in baseline_plans(model, cluster, workload)]
+        out.print()
+        out.print(comparison_table(plan, baselines))
+    out.print(f"[dim]planned in {elapsed:.2f} s[/dim]")
+    if args.output:
+        out.print(f"wrote {args.output} (show it with: tessera show {args.output})")
+    return 0
+
+
+def _is_default_job(args: argparse.Namespace) -> bool:
+    return (args.model == DEFAULT_MODEL and args.gpus is None and args.cluster is None
+            and args.gpu is None and args.global_batch == DEFAULT_GLOBAL_BATCH and args.seq_len is None)

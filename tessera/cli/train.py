@@ -1,0 +1,212 @@
+"""`tessera train`: train a model with a plan.
+
+    tessera train --model tiny-llama --nproc 4          # plan for 4 local ranks, launch torchrun, train
+    torchrun --nproc-per-node 8 -m tessera train --plan plan.json --data DIR --steps 1000 \\
+             --checkpoint-dir ckpt --checkpoint-every 100
+    tessera train ... --resume ckpt                     # continue (another plan or world size too)
+
+Without --plan, the plan is searched for the local ranks (`tessera.search`), or, where the
+search is not available, made by hand as plain data parallelism. With --nproc N outside torchrun,
+the plan is written to the run directory and N processes are launched with
+`torch.distributed.run`, each running `tessera train --plan ...`.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from ..errors import TesseraError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "tiny-llama"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_argument_group("what to train")
+    src.add_argument("--plan", help="plan JSON (from `tessera plan -o`); default: plan for the local ranks")
+    src.add_argument("--model", default=None, help=f"model preset or HF config.json when planning (default {DEFAULT_MODEL})")
+    src.add_argument("--nproc", type=int, default=None, help="local ranks: launch torchrun with this many processes")
+    src.add_argument("--global-batch", type=int, default=8, help="sequences per step when planning (default 8)")
+    src.add_argument("--seq-len", type=int, default=128, help="tokens per sequence when planning (default 128)")
+    src.add_argument("--data", default=None, help="directory of .txt/.jsonl/.bin/.npy files (default: Shakespeare)")
+    src.add_argument("--synthetic-data", action="store_true", help="train on seeded random tokens")
+    run = p.add_argument_group("how long and how")
+    run.add_argument("--steps", type=int, default=100)
+    run.add_argument("--lr", type=float, default=3e-4)
+    run.add_argument("--warmup", type=int, default=10, help="warmup steps of the LR schedule")
+    run.add_argument("--grad-clip", type=float, default=1.0)
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--compile", action="store_true", help="torch.compile each block")
+    out = p.add_argument_group("outputs")
+    out.add_argument("--out", default=None, help="run directory for plan.json and metrics.jsonl (default runs/<model>)")
+    out.add_argument("--checkpoint-dir", default=None)
+    out.add_argument("--checkpoint-every", type=int, default=0)
+    out.add_argument("--resume", default=None, help="checkpoint directory to continue from")
+    out.add_argument("--log-every", type=int, default=1)
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _workload(args):
+    from ..spec.workload import Workload
+
+    return Workload(global_batch=args.global_batch, seq_len=args.seq_len, dtype="fp32")
+
+
+def make_local_plan(model_name: str, nproc: int, workload):
+    """Plan for `nproc` local ranks: the search when available, else plain data parallelism."""
+    from ..spec.hf_config import resolve_model_config
+    from ..spec.model import ModelSpec
+    from ..spec.presets.clusters import local_cpu_cluster
+
+    model = ModelSpec.from_config(resolve_model_config(model_name))
+    cluster = local_cpu_cluster(nproc)
+    try:
+        from ..search import search
+    except ImportError:
+        search = None
+    if search is not None:
+        result = search(model, cluster, workload)
+        return getattr(result, "plan", result)
+    from ..search import manual_plan
+
+    if workload.global_batch % nproc:
+        raise TesseraError(f"--global-batch {workload.global_batch} is not divisible by --nproc {nproc}")
+    return manual_plan(model, cluster, workload, dp=nproc, micro_batch_size=workload.global_batch // nproc,
+                       name="data-parallel")
+
+
+def _validate(plan, world: int, args) -> None:
+    from ..runtime.parallelize import check_plan_supported
+    from ..runtime.trainer import _pipeline_available
+
+    check_plan_supported(plan, world, pipeline_available=_pipeline_available())
+    if args.data is not None and not Path(args.data).is_dir():
+        raise TesseraError(f"data directory {args.data} does not exist")
+    if args.resume is not None and not Path(args.resume).exists():
+        raise TesseraError(f"checkpoint directory {args.resume} does not exist")
+
+
+def _child_argv(args, plan_path: Path, metrics: Path) -> list[str]:
+    argv = ["train", "--plan", str(plan_path), "--steps", str(args.steps), "--lr", str(args.lr),
+            "--warmup", str(args.warmup), "--grad-clip", str(args.grad_clip), "--seed", str(args.seed),
+            "--out", str(metrics.parent), "--log-every", str(args.log_every)]
+    for flag, value in (("--data", args.data), ("--checkpoint-dir", args.checkpoint_dir),
+                        ("--resume", args.resume)):
+        if value is not None:
+            argv += [flag, value]
+    if args.checkpoint_every:
+        argv += ["--checkpoint-every", str(args.checkpoint_every)]
+    argv += [flag for flag, on in (("--compile", args.compile), ("--synthetic-data", args.synthetic_data)) if on]
+    return argv
+
+
+def run(args) -> int:
+    from ..plan import Plan
+
+    if args.plan and args.model:
+        raise TesseraError("give either --plan or --model (a plan already names its model)")
+    world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else (args.nproc or 1)
+    if args.plan:
+        plan = Plan.load(args.plan)
+    else:
+        plan = make_local_plan(args.model or DEFAULT_MODEL, world, _workload(args))
+    _validate(plan, world, args)
+    out = Path(args.out or Path("runs") / plan.model.name)
+    if world > 1 and not _under_torchrun():
+        return _launch(args, plan, world, out)
+    return _train_here(args, plan, out)
+
+
+def _launch(args, plan, nproc: int, out: Path) -> int:
+    """Start `nproc` local ranks with torchrun, each running `tessera train --plan`."""
+    out.mkdir(parents=True, exist_ok=True)
+    plan_path = out / "plan.json"
+    plan.save(plan_path)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "tessera", *_child_argv(args, plan_path, out / "metrics.jsonl")]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    print(f"plan '{plan.name}' for {nproc} ranks written to {plan_path}; launching torchrun", flush=True)
+    return subprocess.call(cmd, env=env)
+
+
+def _train_here(args, plan, out: Path) -> int:
+    from ..runtime.optim import OptimConfig
+    from ..runtime.trainer import TrainConfig, Trainer
+
+    logging.basicConfig(level=logging.WARNING)
+    config = TrainConfig(
+        plan=plan, steps=args.steps, seed=args.seed, data=args.data, synthetic_data=args.synthetic_data,
+        optim=OptimConfig(lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps, grad_clip=args.grad_clip),
+        metrics_path=str(out / "metrics.jsonl"), tensorboard_dir=str(out / "tensorboard"),
+        log_every=args.log_every, compile=args.compile, checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every, resume=args.resume)
+    progress = _Progress(args.steps) if int(os.environ.get("RANK", 0)) == 0 else None
+    trainer = Trainer(config, on_step=progress.update if progress else None)
+    try:
+        if progress:
+            progress.start(plan, trainer.world_size, trainer.step)
+        records = trainer.train()
+    finally:
+        if progress:
+            progress.stop()
+        trainer.close()
+    if progress and records:
+        _summary(records, plan, out)
+    return 0
+
+
+class _Progress:
+    """A rich progress bar with the last step's loss, throughput, MFU, memory and the prediction."""
+
+    def __init__(self, steps: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[info]}"), TimeRemainingColumn())
+        self.steps = steps
+        self.task = None
+
+    def start(self, plan, world: int, step: int) -> None:
+        self.progress.console.print(f"training {plan.model.name} with plan '{plan.name}' on {world} ranks "
+                                    f"({plan.layers[1].describe()} ...)")
+        self.progress.start()
+        self.task = self.progress.add_task("train", total=self.steps, completed=step, info="")
+
+    def update(self, r) -> None:
+        pred = f" pred {r.predicted_step_time_s:.2f}s" if r.predicted_step_time_s else ""
+        mfu = f" mfu {100 * r.mfu:.1f}%" if r.mfu is not None else ""
+        mem = max(r.peak_memory_bytes) / 2**20 if r.peak_memory_bytes else 0
+        info = (f"loss {r.loss:.4f} | {r.tokens_per_s:,.0f} tok/s{mfu} | step {r.step_time_s:.2f}s{pred} "
+                f"| peak {mem:,.0f} MiB")
+        self.progress.update(self.task, completed=r.step, info=info)
+
+    def stop(self) -> None:
+        self.progress.stop()
+
+
+def _summary(records, plan, out: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    steady = records[1:] or records
+    step_time = sum(r.step_time_s for r in steady) / len(steady)
+    table = Table(title=f"{plan.model.name}: {len(records)} steps")
+    for col in ("first loss", "last loss", "step time (s)", "predicted (s)", "tokens/s", "MFU", "peak mem / rank (MiB)"):
+        table.add_column(col, justify="right")
+    last = records[-1]
+    table.add_row(f"{records[0].loss:.4f}", f"{last.loss:.4f}", f"{step_time:.3f}",
+                  f"{last.predicted_step_time_s:.3f}" if last.predicted_step_time_s else "-",
+                  f"{plan.workload.tokens_per_step / step_time:,.0f}",
+                  f"{100 * last.mfu:.2f}%" if last.mfu is not None else "-",
+                  " ".join(f"{m / 2**20:,.0f}" for m in last.peak_memory_bytes))
+    Console().print(table)
+    Console().print(f"metrics: {out / 'metrics.jsonl'}")

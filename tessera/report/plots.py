@@ -1,0 +1,220 @@
+"""A plan as pictures: the pipeline schedule timeline and the memory of each pipeline rank.
+
+`plot_timeline` draws the events of the schedule simulator (`tessera.cost.schedule.simulate`):
+one row per pipeline rank, one box per forward (F), backward (B, or input-gradient under
+zero-bubble) and weight-gradient (W) event, thin bars for the point-to-point sends between
+stages, and grey boxes for the idle time (the bubble). Every event box carries an SVG id
+(`event-F-s0-m3-c0`), so the picture can be checked against the simulation it came from.
+
+`plot_memory` stacks parameters, gradients, optimizer state, activations and buffers per
+pipeline rank against the device capacity.
+
+matplotlib is imported inside the functions, so planning never pays for it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from ..plan import Plan
+from .tables import GiB, MEMORY_PARTS, fmt_seconds
+
+EVENT_STYLE = {  # kind -> (colour, legend label)
+    "F": ("#4c72b0", "forward"),
+    "B": ("#dd8452", "backward"),
+    "W": ("#55a868", "weight grad"),
+}
+COMM_COLOUR = "#8172b3"
+TAIL_COLOUR = "#64b5cd"
+BUBBLE_COLOUR = "#d9d9d9"
+MEMORY_COLOURS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868",
+                  "activations": "#c44e52", "buffers": "#937860"}
+FORMATS = ("png", "svg")
+
+
+@dataclass(frozen=True)
+class TimelineDrawing:
+    """What `plot_timeline` drew: the files and how many boxes of each sort."""
+
+    paths: tuple[Path, ...]
+    event_boxes: int
+    bubble_boxes: int
+    comm_boxes: int
+
+
+def _margins(fig: Any, left: float, right: float, top: float, bottom: float) -> None:
+    """Fixed margins in inches: cheaper than bbox_inches="tight", which draws every figure twice."""
+    w, h = fig.get_size_inches()
+    fig.subplots_adjust(left=left / w, right=1 - right / w, top=1 - top / h, bottom=bottom / h)
+
+
+def _save(fig: Any, stem: Path) -> tuple[Path, ...]:
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for fmt in FORMATS:
+        path = stem.with_name(f"{stem.name}.{fmt}")
+        tmp = path.with_name(path.name + ".tmp")
+        fig.savefig(tmp, format=fmt, dpi=150)
+        tmp.replace(path)
+        paths.append(path)
+    return tuple(paths)
+
+
+def idle_intervals(events: Iterable[Any], num_stages: int, end: float) -> list[tuple[int, float, float]]:
+    """(stage, start, stop) of every gap in each stage's busy time between 0 and `end`."""
+    busy: dict[int, list[tuple[float, float]]] = {s: [] for s in range(num_stages)}
+    for e in events:
+        busy[e.stage].append((e.start, e.end))
+    gaps = []
+    for stage, spans in busy.items():
+        t = 0.0
+        for start, stop in sorted(spans):
+            if start > t + 1e-12 * max(end, 1.0):
+                gaps.append((stage, t, start))
+            t = max(t, stop)
+        if end > t + 1e-12 * max(end, 1.0):
+            gaps.append((stage, t, end))
+    return gaps
+
+
+def plot_timeline(events: Sequence[Any], num_stages: int, stem: str | Path, *, title: str = "",
+                  p2p: float = 0.0, tails: Sequence[float] = ()) -> TimelineDrawing:
+    """Draw schedule events (stage, kind, micro_batch, chunk, start, end) to `stem`.png and .svg.
+
+    `tails[r]`: seconds rank r spends after its last event on the once-per-step work (exposed
+    gradient sync, optimizer update), drawn as one box; the step ends when the last tail does."""
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch, Rectangle
+
+    makespan = max((e.end for e in events), default=0.0)
+    end = makespan + max(tails, default=0.0)
+    scale, unit = (1e3, "ms") if end < 10 else (1.0, "s")
+    num_chunks = max((e.chunk for e in events), default=0) + 1
+    virtual = max(1, num_chunks // num_stages)
+    fig = Figure(figsize=(12, 1.5 + 0.55 * num_stages))
+    _margins(fig, left=0.9, right=0.2, top=0.75, bottom=0.55)
+    ax = fig.add_subplot()
+    height = 0.8
+    min_label_width = end / 60  # label a box with its micro-batch only where the number fits
+
+    def row(stage: int) -> float:
+        return num_stages - 1 - stage - height / 2  # stage 0 on top
+
+    event_boxes = 0
+    for e in events:
+        colour, _ = EVENT_STYLE[e.kind]
+        # A rank's later model chunks (interleaved schedules) drawn lighter to tell them apart;
+        # `chunk` is the global chunk index, chunk // num_stages the rank's virtual stage.
+        alpha = 1.0 - 0.4 * (e.chunk // num_stages) / max(1, virtual - 1)
+        ax.add_patch(Rectangle((e.start * scale, row(e.stage)), (e.end - e.start) * scale, height,
+                               facecolor=colour, edgecolor="white", linewidth=0.5, alpha=alpha,
+                               gid=f"event-{e.kind}-s{e.stage}-m{e.micro_batch}-c{e.chunk}"))
+        event_boxes += 1
+        if e.end - e.start >= min_label_width:
+            ax.text((e.start + e.end) / 2 * scale, row(e.stage) + height / 2, str(e.micro_batch),
+                    ha="center", va="center", fontsize=7, color="white")
+    comm_boxes = 0
+    if p2p > 0:
+        for e in events:
+            # A forward sends to the next chunk, a backward to the previous one, except at the ends.
+            sends = (e.kind == "F" and e.chunk < num_chunks - 1) or (e.kind == "B" and e.chunk > 0)
+            if sends and num_stages > 1:
+                ax.add_patch(Rectangle((e.end * scale, row(e.stage)), p2p * scale, height * 0.2,
+                                       facecolor=COMM_COLOUR, edgecolor="none",
+                                       gid=f"comm-{e.kind}-s{e.stage}-m{e.micro_batch}-c{e.chunk}"))
+                comm_boxes += 1
+    for stage, tail in enumerate(tails):
+        if tail > 0:
+            ax.add_patch(Rectangle((makespan * scale, row(stage)), tail * scale, height,
+                                   facecolor=TAIL_COLOUR, edgecolor="white", linewidth=0.5,
+                                   gid=f"tail-s{stage}"))
+    gaps = idle_intervals(events, num_stages, makespan)
+    for i, (stage, start, stop) in enumerate(gaps):
+        ax.add_patch(Rectangle((start * scale, row(stage)), (stop - start) * scale, height,
+                               facecolor=BUBBLE_COLOUR, edgecolor="none", hatch="///",
+                               gid=f"bubble-{i}", zorder=0))
+    ax.set_xlim(0, end * scale * 1.01 if end else 1)
+    ax.set_ylim(-0.6, num_stages - 0.4)
+    ax.set_yticks([num_stages - 1 - s for s in range(num_stages)],
+                  [f"stage {s}" for s in range(num_stages)])
+    ax.set_xlabel(f"time ({unit})")
+    ax.set_title(title, loc="left", fontsize=10, pad=24)
+    kinds = [k for k in EVENT_STYLE if any(e.kind == k for e in events)]
+    handles = [Patch(facecolor=EVENT_STYLE[k][0], label=EVENT_STYLE[k][1]) for k in kinds]
+    if virtual > 1:
+        handles.append(Patch(facecolor=EVENT_STYLE["F"][0], alpha=0.6, label="lighter: later chunk"))
+    if comm_boxes:
+        handles.append(Patch(facecolor=COMM_COLOUR, label=f"p2p send ({fmt_seconds(p2p)})"))
+    if any(t > 0 for t in tails):
+        handles.append(Patch(facecolor=TAIL_COLOUR, label="grad sync + optimizer"))
+    handles.append(Patch(facecolor=BUBBLE_COLOUR, hatch="///", label="idle (bubble)"))
+    ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=len(handles),
+              frameon=False, fontsize=8, borderaxespad=0.2)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    paths = _save(fig, Path(stem))
+    return TimelineDrawing(paths, event_boxes, len(gaps), comm_boxes)
+
+
+def plot_memory(plan: Plan, stem: str | Path) -> tuple[Path, ...]:
+    """Stacked bars of each pipeline rank's peak memory by part, against the device capacity."""
+    from matplotlib.figure import Figure
+
+    if plan.prediction is None:
+        raise ValueError("plan has no prediction to plot; evaluate it first")
+    stages = plan.prediction.stage_memory
+    capacity = plan.cluster.device.memory_bytes / GiB
+    fig = Figure(figsize=(max(6.0, 2.8 + 0.7 * len(stages)), 4.2))
+    _margins(fig, left=0.8, right=1.4, top=0.4, bottom=0.6)
+    ax = fig.add_subplot()
+    xs = list(range(len(stages)))
+    bottom = [0.0] * len(stages)
+    for part in MEMORY_PARTS:
+        values = [getattr(m, part) / GiB for m in stages]
+        ax.bar(xs, values, bottom=bottom, color=MEMORY_COLOURS[part], label=part, width=0.65)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.axhline(capacity, color="black", linestyle="--", linewidth=1)
+    ax.set_xlim(-0.6, len(stages) - 0.4)
+    ax.text(-0.55, capacity, f"device {capacity:.0f} GiB", va="bottom", ha="left", fontsize=8)
+    for x, total in zip(xs, bottom):
+        ax.text(x, total, f"{total:.1f}", ha="center", va="bottom", fontsize=7,
+                color="red" if total > capacity else "black")
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel("pipeline rank")
+    ax.set_ylabel("peak memory per GPU (GiB)")
+    ax.set_ylim(0, max(capacity, max(bottom)) * 1.15)
+    ax.set_title(f"{plan.model.name} / {plan.name}: peak memory per GPU", loc="left", fontsize=10)
+    handles, labels = ax.get_legend_handles_labels()  # top of the stack first, as drawn
+    ax.legend(handles[::-1], labels[::-1], loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False,
+              fontsize=8)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    return _save(fig, Path(stem))
+
+
+def timeline_title(plan: Plan, result: Any, tails: Sequence[float] = ()) -> str:
+    p = plan.pipeline
+    v = f", {p.virtual_stages} chunks/rank" if p.virtual_stages > 1 else ""
+    step = result.step_time + max(tails, default=0.0)
+    return (f"{plan.model.name} / {plan.name}: {p.schedule.value}, {p.degree} stage{'s' if p.degree > 1 else ''}{v}, "
+            f"{plan.num_micro_batches} micro-batches - step {fmt_seconds(step)}, "
+            f"pipeline bubble {result.bubble_fraction:.0%}")
+
+
+
+def plot_plan(plan: Plan, out_dir: str | Path, stem: str = "plan") -> dict[str, tuple[Path, ...]]:
+    """Both pictures of a plan into `out_dir`: `<stem>.timeline.{png,svg}`, `<stem>.memory.{png,svg}`.
+
+    The timeline is the cost model's own simulation of the plan (`tessera.cost.evaluate`), with
+    each rank's once-per-step tail (exposed gradient sync and optimizer update) after it."""
+    from ..cost.evaluate import plan_context, simulate_plan
+    from ..cost.layer import pipeline_p2p_time
+
+    out = Path(out_dir)
+    result, tails = simulate_plan(plan)
+    hidden = max(layer.hidden for layer in plan.model.layers)
+    p2p = pipeline_p2p_time(hidden, plan_context(plan)) if plan.pipeline.degree > 1 else 0.0
+    drawing = plot_timeline(result.events, plan.pipeline.degree, out / f"{stem}.timeline",
+                            title=timeline_title(plan, result, tails), p2p=p2p, tails=tails)
+    return {"timeline": drawing.paths, "memory": plot_memory(plan, out / f"{stem}.memory")}

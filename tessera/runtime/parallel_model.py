@@ -1,0 +1,158 @@
+"""The plan-aware model: a Transformer chunk that places every layer's input as its strategy says.
+
+`ParallelTransformer` keeps the submodules (and state-dict names) of `tessera.models.Transformer`
+and replaces its forward: each rank receives its block of the batch in the plan's data layout
+(the batch split over the smallest dp of any layer), every layer takes its own (batch, sequence)
+block of that (`StageContext.data_block`), and activations move between layers whose layouts
+differ with `layout.reshard`. `ParallelLoss` is the cross-entropy of the LM head's block, with
+loss parallelism when the head is tensor-parallel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..models.transformer import Transformer
+from ..plan import Plan
+from .layout import ActLayout, reshard, take_block
+from .mesh import ParallelDims
+
+
+@dataclass
+class StageContext:
+    """What a chunk needs to place data: its layer strategies, its rank and its stage group."""
+
+    plan: Plan
+    stage_rank: int
+    group: object
+    data_layout: ActLayout  # the block of the batch each rank loads (the smallest dp of the plan)
+    layer_acts: list[ActLayout] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, plan: Plan, dims: ParallelDims, rank: int) -> "StageContext":
+        dp_min = min(s.dp for s in plan.layers)
+        data = ActLayout(dp=dp_min, sp=1, tp=plan.stage_size // dp_min)
+        acts = [ActLayout.of(s) for s in plan.layers]
+        # The embedding's output is never split over tp (learned positions add full rows).
+        acts[0] = ActLayout.of(plan.layers[0], seq_over_tp=False)
+        return cls(plan=plan, stage_rank=dims.stage_rank(rank), group=dims.stage_group,
+                   data_layout=data, layer_acts=acts)
+
+    def data_block(self, x: torch.Tensor | None, want: ActLayout, with_seq: bool = True):
+        """This rank's `want` block of a per-rank data tensor (tokens, positions, labels, masks)."""
+        if x is None:
+            return None
+        batch = x.shape[0] * self.data_layout.dp
+        seq = x.shape[1] if with_seq else x.shape[-1]
+        return take_block(x, self.data_layout, want, self.stage_rank, batch, seq,
+                          seq_dim=1 if with_seq else None)
+
+
+def _seq_only(act: ActLayout) -> ActLayout:
+    """Same batch and Ulysses blocks, full sequence across tp (attention gathers over tp first)."""
+    return ActLayout(dp=act.dp, sp=act.sp, tp=act.tp, seq_over_tp=False)
+
+
+class ParallelTransformer(nn.Module):
+    """A chunk of a Transformer (plan layers [start, end)) executing the plan's layouts.
+
+    Keeps the submodule names of `Transformer` (state dicts match a single-device model).
+    `forward(x, positions=None, mask=None)`: `x` is this rank's block of tokens (B_d, S) in the
+    plan's data layout when the chunk holds the embedding, otherwise the activation in the
+    layout of layer `start - 1`; positions (B_d, S) and mask (B_d, 1, S, S) are in the data
+    layout. Returns the logits (a vocabulary-sharded DTensor under tensor parallelism) when the
+    chunk holds the LM head, else the activation in the layout of layer `end - 1`.
+    """
+
+    def __init__(self, model: Transformer, ctx: StageContext, layers: range):
+        super().__init__()
+        self.config = model.config
+        self.ctx = ctx
+        self.start, self.end = layers.start, layers.stop
+        num_plan_layers = len(ctx.plan.layers)
+        self.has_embedding = self.start == 0
+        self.has_head = self.end == num_plan_layers
+        # Absent modules are None, as in a pipeline chunk of `Transformer`.
+        self.tok_embeddings = model.tok_embeddings if self.has_embedding else None
+        self.pos_embeddings = getattr(model, "pos_embeddings", None) if self.has_embedding else None
+        self.layers = nn.ModuleDict({str(i - 1): model.layers[str(i - 1)]
+                                     for i in range(max(self.start, 1), min(self.end, num_plan_layers - 1))})
+        self.norm = model.norm if self.has_head else None
+        self.output = model.output if self.has_head else None
+        if self.config.position != "learned":
+            self.register_buffer("freqs", model.freqs, persistent=False)
+
+    def _positions(self, positions, act: ActLayout, seq: int, device) -> torch.Tensor:
+        """Position ids of this rank's (batch, seq) block, shape (B_l, S_l) or (S_l,)."""
+        act = _seq_only(act)
+        if positions is not None:
+            return self.ctx.data_block(positions, act)
+        _, _, s0, s1 = act.block(self.ctx.stage_rank, act.dp, seq)
+        return torch.arange(s0, s1, device=device)
+
+    def _freqs(self, positions, act: ActLayout, seq: int, device, cache: dict) -> torch.Tensor:
+        """RoPE rotations of this rank's block, computed once per layout and forward."""
+        key = _seq_only(act)
+        if key not in cache:
+            if positions is None:  # a slice of the table, no copy
+                _, _, s0, s1 = key.block(self.ctx.stage_rank, key.dp, seq)
+                cache[key] = self.freqs[s0:s1]
+            else:
+                cache[key] = self.freqs[self._positions(positions, act, seq, device)]
+        return cache[key]
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        ctx, acts, cache = self.ctx, self.ctx.layer_acts, {}
+        seq = x.shape[1] * (1 if self.has_embedding else acts[self.start - 1].seq_parts)
+        if self.has_embedding:
+            act = acts[0]
+            tokens = ctx.data_block(x, act)
+            h = self.tok_embeddings(tokens)
+            if self.pos_embeddings is not None:
+                h = h + self.pos_embeddings(self._positions(positions, act, seq, h.device))
+            prev = act
+        else:
+            h, prev = x, acts[self.start - 1]
+        for key, block in self.layers.items():
+            act = acts[int(key) + 1]
+            h = reshard(h, prev, act, ctx.stage_rank, ctx.group)
+            freqs = self._freqs(positions, act, seq, h.device, cache) if self.config.position != "learned" else None
+            h = block(h, freqs, ctx.data_block(mask, _seq_only(act), with_seq=False))
+            prev = act
+        if not self.has_head:
+            return h
+        h = reshard(h, prev, acts[-1], ctx.stage_rank, ctx.group)
+        return self.output(self.norm(h))
+
+
+class ParallelLoss:
+    """Mean cross-entropy of this rank's piece of the LM head's layout (loss parallel under TP).
+
+    Called as `loss(logits, labels)` with labels (B_d, S) in the data layout; the caller runs
+    forward and backward inside `context()` (loss parallel needs both under it).
+    """
+
+    def __init__(self, ctx: StageContext):
+        self.ctx = ctx
+        head = ctx.plan.layers[-1]
+        self.vocab_parallel = head.tp > 1
+        self.act = _seq_only(ctx.layer_acts[-1])
+        self.pieces = head.dp * head.sp_degree
+
+    def context(self):
+        if self.vocab_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        from contextlib import nullcontext
+
+        return nullcontext()
+
+    def __call__(self, logits, labels: torch.Tensor) -> torch.Tensor:
+        labels = self.ctx.data_block(labels, self.act)
+        return F.cross_entropy(logits.flatten(0, 1).float() if not self.vocab_parallel else logits.flatten(0, 1),
+                               labels.flatten())

@@ -1,0 +1,487 @@
+"""The static planner: `search(model, cluster, workload)` returns the fastest plan that fits.
+
+Optimisation problem
+--------------------
+Variables
+    pp        pipeline degree: divides the world; a stage is whole nodes or part of one node
+    schedule  GPipe, 1F1B, interleaved 1F1B (v virtual stages), zero-bubble (ZB-H1)
+    m         micro-batches per step (divides the global batch G); B = G / m sequences per
+              micro-batch over a stage's n = world / pp devices
+    split     stage boundaries (pp * v contiguous layer ranges)
+    s_l       each layer's strategy from its candidate set (space.py): dp * tp * sp = n,
+              ZeRO 0-3 / HSDP, recompute, offload, EP
+Objective
+    step(plan) = makespan of the schedule simulator over chunk times + max rank tail
+    (cost/evaluate.py); the plan returned minimises it
+Constraints
+    memory    for every pipeline rank r: sum_l (states_l + in_flight_r * act_l) + max_l buf_l
+              + reserved <= device memory                                     (cost/memory.py)
+    layout    dp divides B; tp within a node and dividing the heads; ep divides experts and dp sp
+    batch     micro_batch_size * m * max_l dp_l = G
+
+Method (which function does what)
+    `_contexts`      enumerates (pp, m, schedule, v) and orders them by a balanced-stage,
+                     compute-only estimate of the step; contexts whose estimate is already slower
+                     than the best plan found are skipped (the estimate has no communication and
+                     no imbalance, so it is optimistic).
+    `_candidates`    builds each distinct layer's candidates once per (n, B) — all decoder blocks of
+                     a dense model are one layer spec — costs them vectorised (cost/layer.py) and
+                     drops dominated ones (space.prune_dominated, with its proof).
+    `_splits`        all stage boundaries when there are few, else the balanced split; when that
+                     cannot fit (up to `shifted_splits_up_to` chunks), each boundary moved by one.
+    `_chunk_bound`   a valid lower bound per split: rank r cannot finish before micro-batch 0
+                     crossed the chunks before it, it ran m micro-batches, and the last gradient
+                     went back (each term with per-layer minimal times); splits it cannot improve
+                     on are skipped.
+    `_split_bound`   adds, per rank, the LP relaxation of its memory knapsack (space.lp_time_bound):
+                     a valid bound that already prices the memory constraint. (context, split)
+                     pairs are processed best-first by these bounds.
+    dp.solve_rank    the layer-wise dynamic program per rank (memory in bins, buffer caps)
+                     minimising (m + bubble) (f + b + re-sharding) + step under the rank's memory
+                     budget; for pp = 1 this is exactly the step time.
+    `evaluate`       scores the assembled plan with the simulator; the fastest feasible wins.
+    explain.explain  why this plan, the runner-up with another structure and by how much, and
+                     which constraint binds.
+
+Exactness. With pp = 1 the rank program's objective is the step time itself, so the search is
+exact up to the memory resolution (`memory_bins`; the test suite checks it against enumeration).
+With pipelines the ranks are solved one by one: the coupling through the makespan and through the
+largest once-per-step tail is approximated by the (m + bubble) weight, so a plan can be a little
+slower than the enumerated optimum (within 1% on the test instances).
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+from dataclasses import dataclass, field
+from math import comb
+
+import numpy as np
+
+from ..cost.compute import achieved_flops
+from ..cost.evaluate import evaluate
+from ..cost.layer import StepContext, cost_key, layer_costs, pipeline_p2p_time, transition_matrix
+from ..cost.schedule import in_flight
+from ..errors import TesseraError
+from ..plan import PipelineSpec, Plan, Schedule, SearchInfo
+from ..spec.cluster import ClusterSpec
+from ..spec.model import ModelSpec
+from ..spec.workload import Workload
+from .baselines import balanced_stages
+from .dp import Slot, solve_rank
+from .explain import explain, structure
+from .space import (Candidates, SearchOptions, candidate_table, divisors, dominated_on_rank,
+                    lower_hull, lp_time_bound, prune_dominated)
+
+log = logging.getLogger(__name__)
+GiB = 2**30
+
+
+class NoFeasiblePlanError(TesseraError):
+    """No plan of the space fits in device memory."""
+
+    def __init__(self, message: str, best_peak_bytes: float, device_bytes: float):
+        super().__init__(message)
+        self.best_peak_bytes = best_peak_bytes
+        self.device_bytes = device_bytes
+
+
+@dataclass(order=True)
+class _Context:
+    """One outer choice. `bubble`: micro-batch passes the schedule adds to the critical path of
+    equal stages (pp - 1 for GPipe/1F1B, (pp - 1) / v interleaved, about (pp - 1) / 3 for
+    zero-bubble); the rank program weighs per-micro-batch time by m + bubble, as the makespan
+    (m + bubble) (F + B) of balanced stages does, against once-per-step time."""
+
+    estimate: float
+    pp: int = field(compare=False)
+    m: int = field(compare=False)
+    schedule: str = field(compare=False)
+    v: int = field(compare=False)
+    bubble: float = field(compare=False, default=0.0)
+
+
+@dataclass
+class _Scored:
+    step: float
+    plan: Plan
+
+
+class _Search:
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, workload: Workload, options: SearchOptions):
+        self.model, self.cluster, self.workload, self.opts = model, cluster, workload, options
+        self.world = cluster.num_gpus
+        keys: dict[tuple, int] = {}
+        self.kind_of = [keys.setdefault(cost_key(layer), len(keys)) for layer in model.layers]
+        self.kind_layer = {k: model.layers[i] for i, k in reversed(list(enumerate(self.kind_of)))}
+        self.budget = cluster.device.memory_bytes - cluster.device.reserved_bytes
+        self.tables: dict[tuple[int, int], dict[int, Candidates] | None] = {}
+        self.layouts: dict[tuple[int, int], tuple[dict, np.ndarray]] = {}
+        self.scored: list[_Scored] = []
+        self.best_infeasible: tuple[float, str] | None = None
+        self.dp_cache: dict[tuple, tuple] = {}
+        self.hulls: dict[tuple, list] = {}
+        self.stats = dict(contexts=0, skipped=0, splits=0, plans=0, states=0, candidates=0, pruned=0)
+
+    # --- the space ------------------------------------------------------------------------------
+    def _pp_options(self) -> list[int]:
+        gpn = self.cluster.gpus_per_node
+        out = []
+        for pp in divisors(self.world):
+            n = self.world // pp
+            if pp > len(self.model.layers) or (self.opts.max_pp and pp > self.opts.max_pp):
+                continue
+            if self.opts.pp is not None and pp != self.opts.pp:
+                continue
+            if n % gpn == 0 or gpn % n == 0:
+                out.append(pp)
+        return out
+
+    def _contexts(self) -> list[_Context]:
+        G, seq = self.workload.global_batch, self.workload.seq_len
+        # FLOPs as the cost model times them (measured time scales included), so that the estimate
+        # stays below any plan's compute.
+        flops = sum(layer.flops_per_token * layer.linear_time_scale
+                    + layer.attn_flops_coeff * seq * layer.attn_time_scale for layer in self.model.layers)
+        rate = achieved_flops(self.cluster, self.workload.dtype)
+        out = []
+        for pp in self._pp_options():
+            for m in divisors(G):
+                per_mb = 3.0 * flops * (G // m) * seq / (rate * self.world)  # balanced, no comm
+                scheds: list[tuple[str, int, float]] = []
+                if pp == 1:
+                    scheds.append(("1f1b", 1, 0.0))
+                else:
+                    for s in self.opts.schedules:
+                        if s == "interleaved_1f1b":
+                            for v in self.opts.virtual_stages:
+                                if v > 1 and m % pp == 0 and pp * v <= len(self.model.layers):
+                                    scheds.append((s, v, (pp - 1) / v))
+                        elif s == "zero_bubble":
+                            scheds.append((s, 1, (pp - 1) / 3))
+                        else:
+                            scheds.append((s, 1, float(pp - 1)))
+                for s, v, bubble in scheds:
+                    out.append(_Context(per_mb * (m + bubble), pp, m, s, v, bubble))
+        return sorted(out)
+
+    def _candidates(self, n: int, B: int) -> dict[int, Candidates] | None:
+        key = (n, B)
+        if key in self.tables:
+            return self.tables[key]
+        ctx = StepContext(cluster=self.cluster, workload=self.workload, stage_size=n, micro_batch_seqs=B)
+        out: dict[int, Candidates] = {}
+        layouts: dict[tuple, int] = {}
+        for kind, layer in self.kind_layer.items():
+            table = candidate_table(layer, n, B, self.cluster, self.opts)
+            if not len(table):
+                self.tables[key] = None
+                return None
+            costs = layer_costs(layer, table, ctx)
+            keep = prune_dominated(table, costs)
+            self.stats["candidates"] += len(table)
+            self.stats["pruned"] += len(table) - len(keep)
+            table = table.subset(keep)
+            costs = type(costs)(**{f: np.asarray(getattr(costs, f))[keep] for f in costs.__dataclass_fields__})
+            lay = [(int(a), int(b), int(c), bool(d)) for a, b, c, d in
+                   zip(table.dp, table.tp, table.sp, table.megatron)]
+            for x in lay:
+                layouts.setdefault(x, len(layouts))
+            out[kind] = Candidates(table=table, costs=costs, layout=lay)
+        hidden = max(layer.hidden for layer in self.model.layers)
+        names = list(layouts)
+        trans = transition_matrix(hidden, names, ctx)
+        self.layouts[key] = (layouts, trans)
+        self.tables[key] = out
+        return out
+
+    def _splits(self, cands: dict[int, Candidates], chunks: int) -> list[tuple[tuple[int, int], ...]]:
+        L = len(self.model.layers)
+        if chunks == 1:
+            return [((0, L),)]
+        if comb(L - 1, chunks - 1) <= self.opts.max_splits:
+            from itertools import combinations
+
+            return [tuple(zip((0,) + cut, cut + (L,))) for cut in combinations(range(1, L), chunks - 1)]
+        weights = [float(np.min(cands[k].costs.fwd + cands[k].costs.bwd)) for k in self.kind_of]
+        return [balanced_stages(weights, chunks)]
+
+    def _shifted(self, split) -> list[tuple[tuple[int, int], ...]]:
+        """`split` with each boundary moved by one layer (memory is uneven across ranks:
+        in-flight micro-batches, embedding, logits)."""
+        L = len(self.model.layers)
+        ends = [e for _, e in split[:-1]]
+        out = []
+        for i in range(len(ends)):
+            for d in (-1, 1):
+                cuts = [0] + ends[:i] + [ends[i] + d] + ends[i + 1:] + [L]
+                if all(a < b for a, b in zip(cuts, cuts[1:])):
+                    out.append(tuple(zip(cuts[:-1], cuts[1:])))
+        return out
+
+    # --- one context ----------------------------------------------------------------------------
+    def _chunk_bound(self, cands, split, c: _Context, p2p: float) -> float:
+        """Valid lower bound on the step for this split (per-layer minimal times)."""
+        f = {k: float(np.min(x.costs.fwd)) for k, x in cands.items()}
+        b = {k: float(np.min(x.costs.bwd - x.costs.wgrad)) for k, x in cands.items()}
+        w = {k: float(np.min(x.costs.wgrad)) for k, x in cands.items()}
+        st = {k: float(np.min(x.costs.step)) for k, x in cands.items()}
+        F = [sum(f[self.kind_of[i]] for i in range(s, e)) for s, e in split]
+        Bk = [sum(b[self.kind_of[i]] for i in range(s, e)) for s, e in split]
+        W = [sum(w[self.kind_of[i]] for i in range(s, e)) for s, e in split]
+        S = [sum(st[self.kind_of[i]] for i in range(s, e)) for s, e in split]
+        pp = c.pp
+        best = 0.0
+        tail = 0.0
+        for r in range(pp):
+            mine = range(r, len(split), pp)
+            work = c.m * sum(F[i] + Bk[i] + W[i] for i in mine)
+            before = sum(F[i] + Bk[i] for i in range(r)) + 2 * r * p2p
+            best = max(best, before + work)
+            tail = max(tail, sum(S[i] for i in mine))
+        return best + tail
+
+    def _rank_layers(self, c: _Context, split, r: int) -> list[tuple[int, int]]:
+        return [split[i] for i in range(r, len(split), c.pp)]
+
+    def _split_bound(self, c: _Context, cands, split, p2p: float) -> float:
+        """max(path bound of `_chunk_bound`, per-rank LP relaxation of the memory knapsack)."""
+        bound = self._chunk_bound(cands, split, c, p2p)
+        for r in range(c.pp):
+            k = in_flight(c.schedule, c.pp, r, c.m, c.v)
+            counts: dict[int, int] = {}
+            for s, e in self._rank_layers(c, split, r):
+                for i in range(s, e):
+                    counts[self.kind_of[i]] = counts.get(self.kind_of[i], 0) + 1
+            kinds = [(cnt, self._hull(c, kd, k, cands)) for kd, cnt in counts.items()]
+            bound = max(bound, lp_time_bound(kinds, self.budget))
+            if bound == np.inf:
+                if not self.scored:
+                    self._note_infeasible_lp(c, cands, kinds)
+                break
+        return bound
+
+    def _hull(self, c: _Context, kind: int, k: float, cands) -> list[tuple[float, float]]:
+        key = (self.world // c.pp, self.workload.global_batch // c.m, c.m, kind, k)
+        if key not in self.hulls:
+            x = cands[kind].costs
+            self.hulls[key] = lower_hull(c.m * (x.fwd + x.bwd) + x.step, x.states + k * x.act)
+        return self.hulls[key]
+
+    def _solve_split(self, c: _Context, split, slack: float = 1.0) -> None:
+        """Solve every rank of (context, split), assemble and score the plan; partial assignments
+        that cannot beat `slack` x the best step so far are pruned."""
+        n, B = self.world // c.pp, self.workload.global_batch // c.m
+        cands = self._candidates(n, B)
+        layouts, trans_mb = self.layouts[(n, B)]
+        weight = c.m + c.bubble  # micro-batch passes on the critical path (see _Context)
+        trans = weight * trans_mb
+        best_step = self.scored[0].step * slack if self.scored else np.inf
+        choice: list[int] = [0] * len(self.model.layers)
+        for r in range(c.pp):
+            k = in_flight(c.schedule, c.pp, r, c.m, c.v)
+            chunks = self._rank_layers(c, split, r)
+            key = (n, B, c.m, weight, tuple(tuple(self.kind_of[s:e]) for s, e in chunks), k)
+            hit = self.dp_cache.get(key)
+            if hit is None or (hit[0] is None and best_step > hit[2]):  # None under a tighter bound
+                slots = self._slots(cands, chunks, layouts, weight, k, trans)
+                # weight * (f + b) + step <= (weight / m) * (busy + tail) <= (weight / m) * step
+                sol = solve_rank(slots, trans, self.budget, self.opts.memory_bins, self.opts.max_buffer_caps,
+                                 upper_bound=best_step * weight / c.m)
+                if sol is not None:
+                    self.stats["states"] += sol.states_explored
+                elif not self.scored:
+                    self._note_infeasible(slots, c, cands)
+                hit = self.dp_cache[key] = (sol, self._keep, best_step)
+            sol, keep, _ = hit
+            if sol is None:
+                return
+            pos = 0
+            for s, e in chunks:
+                for i in range(s, e):
+                    choice[i] = int(keep[self.kind_of[i]][sol.choice[pos]])
+                    pos += 1
+        plan = self._assemble(c, B, split, choice, cands)
+        if plan is None:
+            return
+        pred = evaluate(plan)
+        self.stats["plans"] += 1
+        if not pred.fits:  # cannot happen: the DP enforces the same memory model
+            log.warning("search produced a plan that does not fit; skipped")
+            return
+        plan = plan.model_copy(update={"prediction": pred})
+        self.scored.append(_Scored(pred.step_time_s, plan))
+        self.scored.sort(key=lambda x: x.step)
+        del self.scored[50:]
+
+    def _slots(self, cands, chunks, layouts, m: float, k: float, trans: np.ndarray) -> list[Slot]:
+        """DP inputs for one rank, per layer kind: the rank's objective terms, without the
+        strategies another dominates for this rank (`dominated_on_rank`)."""
+        per_kind: dict[int, tuple] = {}
+        slots = []
+        penalty = trans.max(axis=0) + trans.max(axis=1)  # worst extra re-sharding into and out of a layout
+        for s, e in chunks:
+            for i in range(s, e):
+                kind = self.kind_of[i]
+                if kind not in per_kind:
+                    x = cands[kind]
+                    t = m * (x.costs.fwd + x.costs.bwd) + x.costs.step
+                    mem = x.costs.states + k * x.costs.act
+                    lay = np.array([layouts[v] for v in x.layout])
+                    keep = dominated_on_rank(t, mem, x.costs.buf, lay, penalty)
+                    per_kind[kind] = (t[keep], mem[keep], x.costs.buf[keep], lay[keep], keep)
+                t, mem, buf, lay, keep = per_kind[kind]
+                slots.append(Slot(time=t, mem=mem, buf=buf, layout=lay, chunk_start=i == s))
+        self._keep = {kind: v[4] for kind, v in per_kind.items()}
+        return slots
+
+    def _assemble(self, c, B, split, choice, cands) -> Plan | None:
+        layers = tuple(cands[self.kind_of[i]].table.get(j) for i, j in enumerate(choice))
+        dp_batch = max(s.dp for s in layers)
+        mbs = B // dp_batch
+        if self.opts.micro_batch_sizes is not None and mbs not in self.opts.micro_batch_sizes:
+            return None
+        if any(dp_batch % s.dp for s in layers):  # e.g. dp 4 and 6 in a stage of 12: no common batch split
+            return None
+        return Plan(name="tessera", model=self.model, cluster=self.cluster, workload=self.workload,
+                    micro_batch_size=mbs, num_micro_batches=c.m,
+                    pipeline=PipelineSpec(degree=c.pp, schedule=Schedule(c.schedule), virtual_stages=c.v,
+                                          stages=split),
+                    layers=layers)
+
+    def _note_infeasible(self, slots: list[Slot], c: _Context, cands) -> None:
+        """Remember the smallest memory any rank assignment of this context could need."""
+        i = [int(np.argmin(s.mem + s.buf)) for s in slots]
+        need = sum(float(s.mem[j]) for s, j in zip(slots, i)) + max(float(s.buf[j]) for s, j in zip(slots, i))
+        self._record_infeasible(need + self.cluster.device.reserved_bytes, c, cands)
+
+    def _record_infeasible(self, need: float, c: _Context, cands) -> None:
+        if self.best_infeasible is None or need < self.best_infeasible[0]:
+            block = max(cands, key=lambda k: self.kind_of.count(k))
+            x = cands[block]
+            j = int(np.argmin(x.costs.states + x.costs.act + x.costs.buf))
+            s = x.table.get(j)
+            desc = f"pp={c.pp}, tp={s.tp}" + (f", ulysses={s.sp_degree}" if s.sp_degree > 1 else "")
+            desc += f", zero{s.zero}" if s.zero else ", no zero"
+            desc += f", {s.recompute.value} recompute" if s.recompute.value != "none" else ""
+            desc += ", offload" if s.offload_optimizer else ""
+            self.best_infeasible = (need, desc)
+
+    # --- driver ---------------------------------------------------------------------------------
+    def run(self) -> Plan:
+        """Best-first over (context, split) by lower bound; stops when no bound beats the best."""
+        t0 = time.perf_counter()
+        heap: list[tuple[float, int, _Context, tuple | None]] = []
+        for i, c in enumerate(self._contexts()):
+            heap.append((c.estimate, i, c, None))
+        heapq.heapify(heap)
+        seq = len(heap)
+        hidden = max(layer.hidden for layer in self.model.layers)
+        while heap:
+            bound, _, c, split = heapq.heappop(heap)
+            if self.scored and bound >= self.scored[0].step:
+                self.stats["skipped"] += 1 + len(heap)
+                self.stats["next_bound"] = bound
+                heapq.heappush(heap, (bound, seq, c, split))  # kept for the runner-up
+                seq += 1
+                break
+            if split is None:
+                for lb, sp in self._expand(c, hidden):
+                    heapq.heappush(heap, (lb, seq, c, sp))
+                    seq += 1
+            else:
+                self._solve_split(c, split)
+        if not self.scored:
+            raise self._no_plan()
+        # A runner-up of another structure for the explanation: a few more items, within +25%.
+        extra = popped = 0
+        while heap and extra < self.opts.runner_ups and popped < 50 and not self._has_runner_up():
+            popped += 1
+            _, _, c, split = heapq.heappop(heap)
+            if split is None:
+                heap_items = self._expand(c, hidden)
+                for lb, sp in heap_items:
+                    heapq.heappush(heap, (lb, seq, c, sp))
+                    seq += 1
+            else:
+                self._solve_split(c, split, slack=1.25)
+                extra += 1
+        best = self.scored[0].plan
+        info = SearchInfo(search_time_s=time.perf_counter() - t0, candidates=self.stats["candidates"],
+                          explanation=tuple(explain(best, [(x.step, x.plan) for x in self.scored], self.stats,
+                                                    self._unconstrained(best))))
+        return best.model_copy(update={"search": info})
+
+    def _unconstrained(self, plan: Plan) -> tuple[int, float]:
+        """(rank, bytes): the largest rank's memory if every layer took its fastest strategy of the
+        chosen context — above the device memory means memory is what binds."""
+        n, B = plan.stage_size, plan.dp_of_batch * plan.micro_batch_size
+        cands = self._candidates(n, B)
+        pipe = plan.pipeline
+        worst = (0, 0.0)
+        for r in range(pipe.degree):
+            k = in_flight(pipe.schedule.value, pipe.degree, r, plan.num_micro_batches, pipe.virtual_stages)
+            mem = buf = 0.0
+            for c, (s, e) in enumerate(pipe.stages):
+                if pipe.rank_of_chunk(c) != r:
+                    continue
+                for i in range(s, e):
+                    x = cands[self.kind_of[i]].costs
+                    j = int(np.argmin(x.fwd + x.bwd + x.step / max(plan.num_micro_batches, 1)))
+                    mem += float(x.states[j] + k * x.act[j])
+                    buf = max(buf, float(x.buf[j]))
+            total = mem + buf + self.cluster.device.reserved_bytes
+            if total > worst[1]:
+                worst = (r, total)
+        return worst
+
+    def _expand(self, c: _Context, hidden: int) -> list[tuple[float, tuple]]:
+        """A context's splits with their lower bounds (infeasible ones dropped)."""
+        self.stats["contexts"] += 1
+        n, B = self.world // c.pp, self.workload.global_batch // c.m
+        cands = self._candidates(n, B)
+        if cands is None:
+            return []
+        ctx = StepContext(cluster=self.cluster, workload=self.workload, stage_size=n, micro_batch_seqs=B)
+        p2p = pipeline_p2p_time(hidden, ctx) if c.pp > 1 else 0.0
+        splits = self._splits(cands, c.pp * c.v)
+        out = []
+        for sp in splits:
+            self.stats["splits"] += 1
+            lb = self._split_bound(c, cands, sp, p2p)
+            if lb < np.inf:
+                out.append((lb, sp))
+        if not out and len(splits) == 1 and c.pp * c.v <= self.opts.shifted_splits_up_to:
+            for sp in self._shifted(splits[0]):  # the balanced cut does not fit: move a boundary
+                self.stats["splits"] += 1
+                lb = self._split_bound(c, cands, sp, p2p)
+                if lb < np.inf:
+                    out.append((lb, sp))
+        return out
+
+    def _has_runner_up(self) -> bool:
+        mine = structure(self.scored[0].plan)
+        return any(structure(x.plan) != mine for x in self.scored[1:])
+
+    def _note_infeasible_lp(self, c: _Context, cands, kinds) -> None:
+        need = sum(n * pts[0][0] for n, pts in kinds) + self.cluster.device.reserved_bytes
+        self._record_infeasible(need, c, cands)
+
+    def _no_plan(self) -> NoFeasiblePlanError:
+        dev = self.cluster.device.memory_bytes
+        if self.best_infeasible is None:
+            msg = (f"no plan of the search space applies to {self.model.name} on {self.world} GPUs with global "
+                   f"batch {self.workload.global_batch}; relax the options or change the batch size")
+            return NoFeasiblePlanError(msg, float("inf"), dev)
+        need, desc = self.best_infeasible
+        msg = (f"no plan fits in {dev / GiB:.1f} GiB per GPU: the best candidate needs {need / GiB:.1f} GiB "
+               f"({desc}); try more GPUs, a shorter sequence, a smaller micro-batch, or enabling offload")
+        return NoFeasiblePlanError(msg, need, dev)
+
+
+def search(model: ModelSpec, cluster: ClusterSpec, workload: Workload, options: SearchOptions | None = None) -> Plan:
+    """The fastest plan of the search space that fits in memory (see the module docstring).
+
+    Raises NoFeasiblePlanError when no plan fits."""
+    return _Search(model, cluster, workload, options or SearchOptions()).run()

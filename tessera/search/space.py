@@ -1,0 +1,238 @@
+"""The search space: options, candidate layer strategies, and dominance pruning.
+
+Candidates for one layer on a stage of n devices, given B sequences per micro-batch:
+    tp  divides n, <= GPUs per node (and `max_tp`), divides the attention and KV heads;
+        tp > 1 always with Megatron sequence parallelism (TP without SP has the same time and
+        more memory: the norms' activations are replicated instead of sharded).
+    sp  Ulysses degree u (attention layers): divides n / tp, tp * u divides the heads and fits in
+        a node (its four all-to-alls per layer and direction would otherwise cross the network).
+    dp  = n / (tp * u), must divide B (whole sequences per replica).
+    zero 0..3 (dp > 1), with HSDP sharding inside a node (dp_shard = GPUs per node / (tp u))
+        when that is a proper divisor of dp; offload of the optimizer state with zero >= 1.
+    recompute none / selective / full (attention layers).
+    ep  MoE layers: divides the experts and dp * u.
+
+Dominance (`prune_dominated`): within strategies of the same layout (dp, tp, sp, SP kind), which
+therefore pay identical re-sharding costs to any neighbour, strategy A is dropped when another
+strategy B is no worse in every cost component the planner and the simulator use —
+forward, backward-input, weight-gradient and once-per-step time, model-state, activation and
+buffer bytes. Proof: step time (a max-plus expression of chunk times, monotone in each) and
+memory (sums, a max and non-negative in-flight factors) are non-decreasing in every component,
+so replacing A by B in any plan, on any rank, never makes it slower or larger.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import gcd
+
+import numpy as np
+
+from ..cost.layer import _RC_CODE as RC_CODES
+from ..cost.layer import LayerCosts, StrategyTable
+from ..plan import LayerStrategy
+from ..spec.cluster import ClusterSpec
+from ..spec.model import LayerSpec
+from .baselines import has_attention
+
+ALL_SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble", "gpipe")
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """Restrictions of the search space (None = no restriction)."""
+
+    max_tp: int | None = None
+    max_sp: int | None = None  # Ulysses degree
+    max_pp: int | None = None
+    max_ep: int | None = None
+    pp: int | None = None  # fixed degrees for a partially specified search
+    tp: int | None = None  # fixes every layer's tensor-parallel degree
+    dp: int | None = None  # fixes the data-parallel degree of the batch (dp_of_batch)
+    schedules: tuple[str, ...] = ALL_SCHEDULES
+    virtual_stages: tuple[int, ...] = (2, 4)  # tried for interleaved 1F1B
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    allow_recompute: bool = True
+    allow_offload: bool = True
+    allow_hsdp: bool = True
+    allow_ulysses: bool = True
+    micro_batch_sizes: tuple[int, ...] | None = None
+    # Exhaustive stage boundaries when there are at most this many splits, else balanced.
+    max_splits: int = 64
+    shifted_splits_up_to: int = 16
+    # Memory resolution of the dynamic program (bins of the per-rank budget) and how many
+    # distinct buffer caps it enumerates (dp.py).
+    memory_bins: int = 256
+    max_buffer_caps: int = 2
+    runner_ups: int = 3
+
+    def recompute_levels(self) -> tuple[str, ...]:
+        return self.recompute if self.allow_recompute else ("none",)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_table(layer: LayerSpec, stage_size: int, micro_batch_seqs: int, cluster: ClusterSpec,
+                    options: SearchOptions) -> StrategyTable:
+    """All strategies of the space for `layer` (see the module docstring), as a table."""
+    attn = has_attention(layer)
+    rows = []
+    max_tp = min(cluster.gpus_per_node, options.max_tp or stage_size)
+    rc_codes = [RC_CODES[r] for r in (options.recompute_levels() if attn else ("none",))]
+    for tp in divisors(stage_size):
+        if tp > max_tp or (options.tp is not None and tp != options.tp):
+            continue
+        if attn and (layer.num_heads % tp or layer.num_kv_heads % tp):
+            continue
+        for u in divisors(stage_size // tp):
+            if u > 1 and not (attn and options.allow_ulysses and u <= (options.max_sp or u)
+                              and layer.num_heads % (tp * u) == 0
+                              and tp * u <= cluster.gpus_per_node):
+                continue
+            dp = stage_size // (tp * u)
+            if micro_batch_seqs % dp or (options.dp is not None and dp != options.dp):
+                continue
+            if options.micro_batch_sizes is not None and micro_batch_seqs // dp not in options.micro_batch_sizes:
+                continue
+            megatron = tp > 1 and u == 1
+            eps = [1]
+            if layer.num_experts:
+                eps = [e for e in divisors(gcd(layer.num_experts, dp * u)) if e <= (options.max_ep or e)]
+            hsdp = cluster.gpus_per_node // (tp * u) if cluster.gpus_per_node >= tp * u else 0
+            zeros: list[tuple[int, int, bool]] = []
+            for z in options.zero_stages:
+                if z == 0:
+                    zeros.append((0, 0, False))
+                    continue
+                if dp == 1:
+                    continue
+                shards = [0] + ([hsdp] if options.allow_hsdp and 1 < hsdp < dp and dp % hsdp == 0 else [])
+                for d in shards:
+                    zeros.append((z, d, False))
+                    if options.allow_offload:
+                        zeros.append((z, d, True))
+            if dp == 1 and options.allow_offload:
+                zeros.append((1, 0, True))  # offload needs the ZeRO optimizer even unsharded
+            for ep in eps:
+                for z, d, off in zeros:
+                    for rc in rc_codes:
+                        rows.append((dp, tp, u, megatron, z, d, rc, off, ep))
+    return StrategyTable.from_rows(rows)
+
+
+def candidate_strategies(layer: LayerSpec, stage_size: int, micro_batch_seqs: int, cluster: ClusterSpec,
+                         options: SearchOptions) -> list[LayerStrategy]:
+    """`candidate_table` as LayerStrategy objects."""
+    table = candidate_table(layer, stage_size, micro_batch_seqs, cluster, options)
+    return [table.get(i) for i in range(len(table))]
+
+
+@dataclass
+class Candidates:
+    """A layer's surviving strategies and their costs in one context."""
+
+    table: StrategyTable
+    costs: LayerCosts
+    layout: list[tuple[int, int, int, bool]] = field(default_factory=list)
+    pruned: int = 0
+
+
+def prune_dominated(table: StrategyTable, costs: LayerCosts) -> np.ndarray:
+    """Indices of the strategies no other strategy of the same layout dominates (docstring proof);
+    among exact ties the first is kept."""
+    comp = np.stack([costs.fwd, costs.bwd - costs.wgrad, costs.wgrad, costs.step, costs.states,
+                     costs.act, costs.buf], axis=1)
+    layout = np.stack([table.dp, table.tp, table.sp, table.megatron.astype(np.int64)], axis=1)
+    _, group = np.unique(layout, axis=0, return_inverse=True)
+    return undominated(group.ravel(), comp)
+
+
+def undominated(group: np.ndarray, comp: np.ndarray) -> np.ndarray:
+    """Indices i such that no j of the same group is <= i in every column of `comp` and better in
+    one (exact ties: the first index survives)."""
+    keep = np.ones(len(group), dtype=bool)
+    tol = 1e-12
+    for g in np.unique(group):
+        idx = np.flatnonzero(group == g)
+        if len(idx) == 1:
+            continue
+        c = comp[idx]
+        slack = np.abs(c[:, None, :]) * tol + tol
+        le = np.all(c[None, :, :] <= c[:, None, :] + slack, axis=2)  # le[i, j]: j no worse than i
+        eq = np.all(np.abs(c[None, :, :] - c[:, None, :]) <= slack, axis=2)
+        order = np.arange(len(idx))
+        dominated = np.any((le & ~eq) | (eq & (order[None, :] < order[:, None])), axis=1)
+        keep[idx[dominated]] = False
+    return np.flatnonzero(keep)
+
+
+def dominated_on_rank(time: np.ndarray, mem: np.ndarray, buf: np.ndarray, layout: np.ndarray,
+                      penalty: np.ndarray) -> np.ndarray:
+    """Indices of the strategies to keep for one rank's dynamic program.
+
+    There a strategy is just (time, memory, buffer, layout). A is dominated by B when
+    mem_B <= mem_A, buf_B <= buf_A and time_B + pen <= time_A, with pen = 0 for the same layout and
+    otherwise `penalty[layout_B]` = the largest re-sharding cost into plus out of B's layout.
+    Proof: swapping A for B in any assignment changes the two adjacent transition terms by at
+    most pen and the layer's time by time_B - time_A <= -pen, memory and buffer not upwards; so
+    the swap never hurts and an optimum without A exists. Exact ties keep the first index."""
+    first = undominated(layout, np.stack([time, mem, buf], axis=1))  # same-layout pass, cheaper
+    if len(first) < len(time):
+        rest = dominated_on_rank(time[first], mem[first], buf[first], layout[first], penalty)
+        return first[rest]
+    pen = np.where(layout[None, :] == layout[:, None], 0.0, penalty[layout][None, :])  # [A, B]
+    tol = 1e-12
+    t_ok = time[None, :] + pen <= time[:, None] * (1 + tol) + tol
+    m_ok = mem[None, :] <= mem[:, None] * (1 + tol) + tol
+    b_ok = buf[None, :] <= buf[:, None] * (1 + tol) + tol
+    dom = t_ok & m_ok & b_ok
+    same = ((np.abs(time[None, :] + pen - time[:, None]) <= np.abs(time[:, None]) * tol + tol)
+            & (np.abs(mem[None, :] - mem[:, None]) <= np.abs(mem[:, None]) * tol + tol)
+            & (np.abs(buf[None, :] - buf[:, None]) <= np.abs(buf[:, None]) * tol + tol))
+    n = len(time)
+    order = np.arange(n)
+    dominated = np.any((dom & ~same) | (same & (order[None, :] < order[:, None])), axis=1)
+    return np.flatnonzero(~dominated)
+
+
+def lp_time_bound(kinds: list[tuple[int, list[tuple[float, float]]]], budget: float) -> float:
+    """Lower bound on sum of layer times under sum of layer memory <= budget.
+
+    `kinds`: (count, lower_hull(time, mem)) per distinct layer. The linear relaxation of this
+    multiple-choice knapsack (each layer may mix strategies fractionally; re-sharding and buffers,
+    both non-negative, dropped) is solved exactly by the greedy on the lower convex hulls of
+    (memory, time): start every layer at its smallest memory, then buy the steepest time savings
+    per byte until the budget is spent. Returns inf when even the smallest memory does not fit."""
+    base_t = base_m = 0.0
+    edges = []  # (slope, capacity bytes)
+    for count, pts in kinds:
+        base_m += count * pts[0][0]
+        base_t += count * pts[0][1]
+        for (m0, t0), (m1, t1) in zip(pts, pts[1:]):
+            edges.append(((t1 - t0) / (m1 - m0), count * (m1 - m0)))
+    if base_m > budget:
+        return float("inf")
+    room = budget - base_m
+    for slope, cap in sorted(edges):
+        take = min(cap, room)
+        base_t += slope * take
+        room -= take
+        if room <= 0:
+            break
+    return base_t
+
+
+def lower_hull(time: np.ndarray, mem: np.ndarray) -> list[tuple[float, float]]:
+    """Lower convex hull of the (memory, time) points, memory ascending, time descending."""
+    order = np.lexsort((time, mem))
+    m_sorted, t_sorted = mem[order], time[order]
+    pareto = t_sorted < np.minimum.accumulate(np.concatenate([[np.inf], t_sorted[:-1]]))
+    pts: list[tuple[float, float]] = []
+    for m, t in zip(m_sorted[pareto].tolist(), t_sorted[pareto].tolist()):
+        while len(pts) >= 2 and ((pts[-1][1] - pts[-2][1]) * (m - pts[-1][0])
+                                 >= (t - pts[-1][1]) * (pts[-1][0] - pts[-2][0])):
+            pts.pop()
+        pts.append((m, t))
+    return pts

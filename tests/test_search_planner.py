@@ -1,0 +1,82 @@
+"""Search behaviour: explanations, restrictions, infeasibility, and monotonicity properties."""
+import re
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from tessera.errors import TesseraError
+from tessera.search import NoFeasiblePlanError, SearchOptions, baseline_plans, search
+from tessera.spec import ModelSpec, TransformerConfig, Workload
+from tessera.spec.presets import get_model, make_cluster
+
+MID = TransformerConfig(name="mid", hidden=2048, num_layers=8, num_heads=16, num_kv_heads=8,
+                        ffn_hidden=5632, vocab_size=32000, max_seq_len=4096)
+
+
+def _with_memory(cluster, gib):
+    return cluster.model_copy(update={"device": cluster.device.model_copy(update={"memory_bytes": gib * 2**30})})
+
+
+@pytest.fixture(scope="module")
+def llama7b_plan():
+    return search(get_model("llama2-7b"), make_cluster("h100-80gb", 8), Workload(global_batch=64, seq_len=4096))
+
+
+def test_search_explains_itself_and_beats_the_baselines(llama7b_plan):
+    plan = llama7b_plan
+    info = plan.search
+    assert info.search_time_s > 0 and info.candidates > 0
+    text = "\n".join(info.explanation)
+    assert "chosen:" in text and "binding constraint:" in text and "why:" in text
+    assert plan.prediction.fits
+    for base in baseline_plans(plan.model, plan.cluster, plan.workload):
+        if base.prediction.fits:
+            assert plan.prediction.step_time_s <= base.prediction.step_time_s * (1 + 1e-9), base.name
+
+
+def test_restrictions_are_honoured():
+    model, cluster = get_model("llama2-7b"), make_cluster("h100-80gb", 16)
+    wl = Workload(global_batch=64, seq_len=4096)
+    plan = search(model, cluster, wl, SearchOptions(pp=2, tp=4, schedules=("1f1b",), allow_offload=False,
+                                                    allow_recompute=False))
+    assert plan.pipeline.degree == 2 and plan.pipeline.schedule.value == "1f1b"
+    assert all(s.tp == 4 and not s.offload_optimizer and s.recompute.value == "none" for s in plan.layers)
+    plan = search(model, cluster, wl, SearchOptions(max_tp=2, micro_batch_sizes=(1,)))
+    assert plan.micro_batch_size == 1 and all(s.tp <= 2 for s in plan.layers)
+
+
+def test_memory_binds_and_the_explanation_says_so():
+    model = ModelSpec.from_config(MID)
+    plan = search(model, _with_memory(make_cluster("h100-80gb", 8), 6), Workload(global_batch=64, seq_len=4096))
+    assert plan.prediction.peak_memory <= 6 * 2**30
+    assert any(line.startswith("binding constraint: memory") for line in plan.search.explanation)
+
+
+def test_a_model_that_fits_nowhere_says_what_it_needs():
+    with pytest.raises(NoFeasiblePlanError) as err:
+        search(get_model("llama3-405b"), make_cluster("h100-80gb", 8), Workload(global_batch=8, seq_len=4096))
+    e = err.value
+    assert isinstance(e, TesseraError)
+    assert re.fullmatch(r"no plan fits in 80\.0 GiB per GPU: the best candidate needs [\d.]+ GiB \(pp=\d+, tp=\d+.*\); "
+                        r"try more GPUs, a shorter sequence, a smaller micro-batch, or enabling offload", str(e))
+    assert e.best_peak_bytes > e.device_bytes == 80 * 2**30
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small=st.sampled_from([9, 12, 16, 24]), extra=st.sampled_from([4, 16, 48]),
+       seq=st.sampled_from([2048, 4096]))
+def test_more_memory_never_gives_a_slower_plan(small, extra, seq):
+    model, wl = ModelSpec.from_config(MID), Workload(global_batch=32, seq_len=seq)
+    opts = SearchOptions(memory_bins=1024)
+    tight = search(model, _with_memory(make_cluster("h100-80gb", 8), small), wl, opts)
+    roomy = search(model, _with_memory(make_cluster("h100-80gb", 8), small + extra), wl, opts)
+    assert roomy.prediction.step_time_s <= tight.prediction.step_time_s * (1 + 1e-9)
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(gpus=st.sampled_from([(8, 16), (16, 32), (8, 32)]), seq=st.sampled_from([2048, 4096]))
+def test_more_gpus_never_give_lower_throughput(gpus, seq):
+    model, wl = ModelSpec.from_config(MID), Workload(global_batch=64, seq_len=seq)
+    few = search(model, make_cluster("h100-80gb", gpus[0]), wl)
+    many = search(model, make_cluster("h100-80gb", gpus[1]), wl)
+    assert many.prediction.tokens_per_s >= few.prediction.tokens_per_s * (1 - 1e-9)
