@@ -151,3 +151,12 @@ def test_write_atomic_keeps_the_old_file_when_interrupted(tmp_path, monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         write_atomic(path, "new " * 1000)
     assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["cluster.json"]
+
+
+def test_reading_and_applying_profiles_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, tessera.profile, tessera.profile.apply, tessera.profile.fit\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
