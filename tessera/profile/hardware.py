@@ -3,7 +3,8 @@
 Run under `torchrun` (every rank takes part; rank 0 gets the result). Device and backend come from
 the environment: CUDA + NCCL when a GPU is visible, otherwise CPU + gloo.
 
-What is measured (median of `reps` timed repetitions after one warm-up, slowest rank):
+What is measured (median, or min, of `reps` timed repetitions after one warm-up, each counting
+the slowest rank):
 - collectives (all_reduce, all_gather, reduce_scatter, all_to_all, p2p) per group size 2, 4, …,
   world and per span: `intra_node` groups are consecutive ranks of one node, `inter_node` groups
   take one rank per node (multi-node only) or the whole world. All disjoint groups of a size run
@@ -191,7 +192,12 @@ class _CollectiveBench:
 
 def _time_reps(env: Environment, fn: Callable[[], None], reps: int, barrier_group=None,
                statistic: str = "median") -> float:
-    """Median (or min) seconds of `fn` over `reps` runs after one warm-up, each after a barrier."""
+    """Median (or min) over `reps` runs, after one warm-up, of the slowest rank's seconds of `fn`.
+
+    Each run starts after a barrier; it lasts until the last rank of the group is done, so ranks
+    that share cores are measured sharing them (a minimum over one rank's runs would pick the runs
+    in which it happened to be scheduled first).
+    """
     fn()
     _sync(env)
     times = []
@@ -202,7 +208,9 @@ def _time_reps(env: Environment, fn: Callable[[], None], reps: int, barrier_grou
         fn()
         _sync(env)
         times.append(time.perf_counter() - t0)
-    return summarize(times, statistic)
+    slowest = torch.tensor(times, dtype=torch.float64, device=env.device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=barrier_group)
+    return summarize(slowest.tolist(), statistic)
 
 
 def monotone(seconds: Sequence[float]) -> list[float]:

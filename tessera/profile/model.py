@@ -2,10 +2,10 @@
 
 For each layer kind (the embedding, the first block of each block kind — identical blocks share
 one measurement — and the head: final norm, vocabulary projection and the loss), at a few
-(batch, seq) sizes: forward and backward time (median of `reps` after a warm-up) and the bytes of
-activations autograd saves for backward (`SavedActivationMeter`). Under `torchrun` every rank
-measures at once, as ranks of a real job compute at once, and the per-measurement median over
-ranks is kept. `tessera.profile.fit` turns the measurements into `LayerSpec` time scales relative
+(batch, seq) sizes: forward and backward time (median, or min, of `reps` after a warm-up) and the
+bytes of activations autograd saves for backward (`SavedActivationMeter`). Under `torchrun` every
+rank measures at once, as ranks of a real job compute at once, and each run counts the slowest
+rank's time (ranks that share cores are thus measured sharing them). `tessera.profile.fit` turns the measurements into `LayerSpec` time scales relative
 to the achieved FLOP/s of large matmuls measured in the same processes (`reference_flops`), or
 the cluster profile's rate when one is given.
 """
@@ -43,6 +43,16 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _slowest_rank(times: list[float], device: torch.device) -> list[float]:
+    """Per run, the largest of the ranks' times: a run lasts until every rank is done, so ranks
+    sharing cores are measured sharing them."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return times
+    t = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
 def matmul_flops(device: torch.device, dtype: torch.dtype, n: int, reps: int, statistic: str = "median") -> float:
     """Achieved FLOP/s of an n x n x n matmul (median or min time of `reps`), on this rank."""
     a = torch.randn(n, n, device=device).to(dtype)
@@ -56,7 +66,7 @@ def matmul_flops(device: torch.device, dtype: torch.dtype, n: int, reps: int, st
         torch.mm(a, b)
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return 2.0 * n**3 / summarize(times, statistic)
+    return 2.0 * n**3 / summarize(_slowest_rank(times, device), statistic)
 
 
 class _LayerRunner:
@@ -125,6 +135,7 @@ def _measure(runner: _LayerRunner, device: torch.device, reps: int, meter: Saved
     runner.backward()
     if device.type == "cuda":
         peak = float(torch.cuda.max_memory_allocated(device) - base)
+    fwd, bwd = _slowest_rank(fwd, device), _slowest_rank(bwd, device)
     return summarize(fwd, statistic), summarize(bwd, statistic), float(saved), peak
 
 
