@@ -103,7 +103,7 @@ def build_plans(out: Path, world: int, model: ModelSpec) -> list[Path]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="folder for profiles, plans and results (default: a temp dir)")
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per plan")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per plan")
     parser.add_argument("--statistic", choices=("min", "median"), default="min",
                         help="summary of repeated timings, in the profiles and the runs alike")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
@@ -122,7 +122,7 @@ def main() -> int:
             torchrun(world, "profile", "hardware", "-o", str(cluster), "--statistic", args.statistic)
         if not (args.reuse_profiles and profile.exists()):
             torchrun(world, "profile", "model", "--model", str(model_json), "-o", str(profile),
-                     "--sizes", PROFILE_SIZES, "--reps", "5", "--cluster", str(cluster), "--statistic", args.statistic)
+                     "--sizes", PROFILE_SIZES, "--reps", "10", "--cluster", str(cluster), "--statistic", args.statistic)
         model = apply_model_profile(ModelSpec.from_config(MODEL), profile)
         plans = build_plans(out, world, model)
         result_path = out / f"results{world}.json"

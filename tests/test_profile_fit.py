@@ -62,7 +62,7 @@ def test_fit_activation_bytes_and_bad_input():
         fit_time_model([1.0, 2.0], [0.0], [1.0])
 
 
-def _profile_for(model, linear=2.0, attn=3.0, act_per_token=None):
+def _profile_for(model, linear=2.0, attn=3.0, act_per_token=None, tp_part=None):
     kinds = []
     for kind in (LayerKind.EMBEDDING, LayerKind.DECODER, LayerKind.LM_HEAD):
         layer = next(l for l in model.layers if l.kind == kind)
@@ -72,7 +72,8 @@ def _profile_for(model, linear=2.0, attn=3.0, act_per_token=None):
         kinds.append(dict(kind=kind, layer=layer.name, params=layer.params, flops_per_token=layer.flops_per_token,
                           attn_flops_coeff=layer.attn_flops_coeff, measurements=(m,), linear_time_scale=linear,
                           attn_time_scale=attn, overhead_s=0.0, fit_r2=1.0, fit_max_rel_err=0.0,
-                          activation_bytes_per_token=act, activation_fit_max_rel_err=0.0, backward_over_forward=2.0))
+                          activation_bytes_per_token=act, activation_fit_max_rel_err=0.0, backward_over_forward=2.0,
+                          activation_bytes_tp_per_token=tp_part if kind == LayerKind.DECODER else None))
     return ModelProfile(model=model.name, device="cpu", dtype="fp32", reference_flops=1e10, layers=tuple(kinds))
 
 
@@ -88,8 +89,28 @@ def test_apply_model_profile_updates_every_layer_of_a_kind(tmp_path):
         assert got == pytest.approx(2 * spec + 8)
         if spec:  # the split (what TP divides) keeps the spec's proportions
             assert after.act_bytes_tp / got == pytest.approx(before.act_bytes_tp / spec)
-            assert after.act_bytes_input / before.act_bytes_input == pytest.approx(got / spec)
+            # full recompute keeps the block input: hidden fp32 elements per token
+            assert after.act_bytes_input == (4.0 * before.hidden if before.act_bytes_input else 0.0)
     assert applied.layers[0].params == model.layers[0].params and applied.name == model.name
+
+
+def test_a_measured_tp_split_replaces_the_spec_proportions():
+    model = get_model("tiny-llama")
+    applied = apply_model_profile(model, _profile_for(model, act_per_token=10000.0, tp_part=7000.0))
+    block = applied.layers[1]
+    assert (block.act_bytes_tp, block.act_bytes_replicated) == (7000.0, 3000.0)
+    spec = model.layers[1]
+    assert block.act_bytes_selective == pytest.approx(spec.act_bytes_selective * 7000.0 / spec.act_bytes_tp)
+
+
+def test_tp_split_is_fitted_from_a_whole_block_and_its_tp2_shard():
+    layer = get_model("tiny-llama").layers[1]
+    ms = [LayerMeasurement(batch=b, seq_len=64, forward_s=1.0, backward_s=2.0, activation_bytes=(3000 + 7000) * b * 64,
+                           linear_flops=1.0, attn_flops=0.0) for b in (1, 2, 4)]
+    half = [(3000 + 3500) * b * 64 for b in (1, 2, 4)]
+    kp = fit_layer_kind(layer.kind, layer.name, layer.params, layer.flops_per_token, layer.attn_flops_coeff, ms,
+                        1e9, tp2_activation_bytes=half)
+    assert kp.activation_bytes_tp_per_token == pytest.approx(7000.0)
 
 
 def test_profile_of_another_model_is_refused(tmp_path):
@@ -130,3 +151,12 @@ def test_write_atomic_keeps_the_old_file_when_interrupted(tmp_path, monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         write_atomic(path, "new " * 1000)
     assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["cluster.json"]
+
+
+def test_reading_and_applying_profiles_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, tessera.profile, tessera.profile.apply, tessera.profile.fit\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -10,7 +10,10 @@ no tensor parallelism, no recompute). The spec splits a layer's bytes into `act_
 `act_bytes_replicated` (plus the droppable `act_bytes_selective` part and the full-recompute
 `act_bytes_input`); all four are multiplied by B / (act_bytes_tp + act_bytes_replicated), so the
 split's proportions (what TP and SP divide) stay the spec's and the total becomes the measured one.
-A layer the spec gives no activations (the embedding) gets B as replicated bytes.
+When the profile measured the split (a block also measured as one rank's tp=2 shard), the TP
+part is the measured one and the rest is replicated. The kept input of full recompute is exactly
+`hidden` elements of the profile's dtype per token. A layer the spec gives no activations (the
+embedding) gets B as replicated bytes.
 """
 from __future__ import annotations
 
@@ -93,6 +96,9 @@ def load_model_profile(path: str | Path) -> ModelProfile:
         raise TesseraError(f"model profile {path} is not a model profile: {_first_error(e)}") from None
 
 
+_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
 def _scaled_layer(layer: LayerSpec, profile: ModelProfile) -> LayerSpec:
     kp = profile.for_kind(layer.kind)
     if kp is None:
@@ -101,8 +107,15 @@ def _scaled_layer(layer: LayerSpec, profile: ModelProfile) -> LayerSpec:
     measured = kp.activation_bytes_per_token
     if spec_bytes > 0:
         r = measured / spec_bytes
-        acts = dict(act_bytes_tp=layer.act_bytes_tp * r, act_bytes_replicated=layer.act_bytes_replicated * r,
-                    act_bytes_selective=layer.act_bytes_selective * r, act_bytes_input=layer.act_bytes_input * r)
+        tp = layer.act_bytes_tp * r
+        if kp.activation_bytes_tp_per_token is not None and layer.act_bytes_tp > 0:
+            tp = kp.activation_bytes_tp_per_token  # the measured split
+        acts = dict(act_bytes_tp=tp, act_bytes_replicated=measured - tp,
+                    act_bytes_selective=layer.act_bytes_selective * tp / layer.act_bytes_tp if layer.act_bytes_tp else 0.0,
+                    act_bytes_input=layer.act_bytes_input * r)
+        if layer.act_bytes_input > 0 and profile.dtype in _ELEMENT_BYTES:
+            # Full recompute keeps exactly the block input: hidden elements per token.
+            acts["act_bytes_input"] = float(layer.hidden * _ELEMENT_BYTES[profile.dtype])
     else:
         acts = dict(act_bytes_replicated=measured)
     return layer.model_copy(update=dict(linear_time_scale=kp.linear_time_scale,

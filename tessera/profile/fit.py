@@ -130,6 +130,9 @@ class LayerKindProfile(Frozen):
     fit_r2: float
     fit_max_rel_err: float
     activation_bytes_per_token: float = Field(ge=0)
+    # The part of it that tensor parallelism divides, from the block measured whole (B1) and as
+    # one rank's tp=2 shard (B2): B1 = R + T, B2 = R + T/2, so T = 2 (B1 - B2). None: not measured.
+    activation_bytes_tp_per_token: float | None = None
     activation_fit_max_rel_err: float = Field(ge=0)
     backward_over_forward: float = Field(gt=0, description="measured backward / forward time")
 
@@ -153,7 +156,7 @@ class ModelProfile(Frozen):
 
 def fit_layer_kind(kind: LayerKind, layer: str, params: int, flops_per_token: float,
                    attn_flops_coeff: float, measurements: Sequence[LayerMeasurement],
-                   reference_flops: float) -> LayerKindProfile:
+                   reference_flops: float, tp2_activation_bytes: Sequence[float] | None = None) -> LayerKindProfile:
     """Fit one layer kind's scales from its measurements (see module docstring for the formula)."""
     ms = list(measurements)
     total = [m.forward_s + m.backward_s for m in ms]
@@ -173,8 +176,13 @@ def fit_layer_kind(kind: LayerKind, layer: str, params: int, flops_per_token: fl
         s_lin = s_att = fit.a * to_scale if fit.a > 0 else 1.0
     act, act_err = fit_activation_bytes([m.tokens for m in ms], [m.activation_bytes for m in ms])
     ratio = float(np.median([m.backward_s / m.forward_s for m in ms]))
+    tp_part = None
+    if tp2_activation_bytes is not None:
+        half, _ = fit_activation_bytes([m.tokens for m in ms], tp2_activation_bytes)
+        tp_part = min(act, max(0.0, 2.0 * (act - half)))
     return LayerKindProfile(
         kind=kind, layer=layer, params=params, flops_per_token=flops_per_token,
         attn_flops_coeff=attn_flops_coeff, measurements=tuple(ms), linear_time_scale=s_lin,
         attn_time_scale=s_att, overhead_s=with_c.c, fit_r2=fit.r2, fit_max_rel_err=fit.max_rel_err,
-        activation_bytes_per_token=act, activation_fit_max_rel_err=act_err, backward_over_forward=ratio)
+        activation_bytes_per_token=act, activation_bytes_tp_per_token=tp_part,
+        activation_fit_max_rel_err=act_err, backward_over_forward=ratio)

@@ -3,7 +3,8 @@
 Run under `torchrun` (every rank takes part; rank 0 gets the result). Device and backend come from
 the environment: CUDA + NCCL when a GPU is visible, otherwise CPU + gloo.
 
-What is measured (median of `reps` timed repetitions after one warm-up, slowest rank):
+What is measured (median, or min, of `reps` timed repetitions after one warm-up, each counting
+the slowest rank):
 - collectives (all_reduce, all_gather, reduce_scatter, all_to_all, p2p) per group size 2, 4, …,
   world and per span: `intra_node` groups are consecutive ranks of one node, `inter_node` groups
   take one rank per node (multi-node only) or the whole world. All disjoint groups of a size run
@@ -13,7 +14,8 @@ What is measured (median of `reps` timed repetitions after one warm-up, slowest 
   (half a ping-pong round trip).
 - matmul FLOP/s per dtype: square matmuls of side `matmul_size`, on every rank at once.
 - overlap slowdown: matmul time while all-reduces run in the background / matmul time alone.
-- device memory, memory bandwidth (a large copy) and host bandwidth.
+- device memory; memory bandwidth as the AdamW update achieves it (the only use the cost model
+  makes of it); host bandwidth (pinned copies on CUDA, a plain copy on CPU).
 
 Links are then fitted to the curves by least squares on the alpha-beta model of
 `tessera.cost.comm` (t = f (p-1) a + f (p-1)/p n / B, with f = 2 for all-reduce, 1 otherwise),
@@ -190,7 +192,12 @@ class _CollectiveBench:
 
 def _time_reps(env: Environment, fn: Callable[[], None], reps: int, barrier_group=None,
                statistic: str = "median") -> float:
-    """Median (or min) seconds of `fn` over `reps` runs after one warm-up, each after a barrier."""
+    """Median (or min) over `reps` runs, after one warm-up, of the slowest rank's seconds of `fn`.
+
+    Each run starts after a barrier; it lasts until the last rank of the group is done, so ranks
+    that share cores are measured sharing them (a minimum over one rank's runs would pick the runs
+    in which it happened to be scheduled first).
+    """
     fn()
     _sync(env)
     times = []
@@ -201,7 +208,9 @@ def _time_reps(env: Environment, fn: Callable[[], None], reps: int, barrier_grou
         fn()
         _sync(env)
         times.append(time.perf_counter() - t0)
-    return summarize(times, statistic)
+    slowest = torch.tensor(times, dtype=torch.float64, device=env.device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=barrier_group)
+    return summarize(slowest.tolist(), statistic)
 
 
 def monotone(seconds: Sequence[float]) -> list[float]:
@@ -282,7 +291,9 @@ def measure_overlap_slowdown(env: Environment, n: int, nbytes: int, reps: int) -
 
     alone = _time_reps(env, matmuls, reps)
     t_ar = _time_reps(env, lambda: dist.all_reduce(buf), 1)
-    copies = max(1, int(np.ceil(alone / max(t_ar, 1e-6))) + 1)  # keep the link busy throughout
+    # Keep the link busy throughout (a bounded queue: gloo does not like thousands of pending ops).
+    # Every rank must issue the same number of all-reduces: agree on the largest count.
+    copies = int(_slowest(env, min(32, max(1, int(np.ceil(alone / max(t_ar, 1e-6))) + 1))))
     ratios = []
     for _ in range(reps):
         dist.barrier()
@@ -297,25 +308,53 @@ def measure_overlap_slowdown(env: Environment, n: int, nbytes: int, reps: int) -
     return max(1.0, _mean(env, statistics.median(ratios)))
 
 
-def measure_memory(env: Environment) -> tuple[float, float, float, float]:
-    """(device memory bytes, memory bandwidth B/s, host bandwidth B/s, reserved bytes) of this rank."""
+def measure_optimizer_bandwidth(env: Environment, statistic: str = "median") -> float:
+    """Bytes/s the update moves, every rank at once: 28 bytes per fp32 parameter (AdamW reads p, g,
+    m, v and writes p, m, v) over the time of the runtime's update (gradient clipping, then
+    `optimizer.step()` of the optimizer the runtime builds).
+
+    This is what `ClusterSpec.device.memory_bandwidth` is used for in the cost model (the
+    memory-bound optimizer update), so the profile stores this achieved figure there: a CPU's
+    unfused AdamW runs several passes over memory and reaches a fraction of a plain copy's rate.
+    """
+    from ..runtime.optim import OptimConfig, build_optimizer, clip_grad_norm_
+
+    numel = (64 << 20) if env.device.type == "cuda" else (4 << 20)
+    # 8 matrices of numel / 8 elements each (matrices: the runtime decays them, as a model's).
+    params = [torch.nn.Parameter(torch.randn(numel // 8 // 256, 256, device=env.device)) for _ in range(8)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    cfg = OptimConfig()
+    opt = build_optimizer(params, cfg)
+
+    def update() -> None:
+        clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+
+    t = _time_reps(env, update, 3, statistic=statistic)
+    return _mean(env, 28.0 * numel / t)
+
+
+def measure_memory(env: Environment, statistic: str = "median") -> tuple[float, float, float, float]:
+    """(device memory bytes, achieved memory bandwidth of the optimizer update B/s, host bandwidth
+    B/s, reserved bytes) of this rank."""
     nbytes = 1 << 30 if env.device.type == "cuda" else 64 << 20
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=env.device).fill_(1.0)
-    dst = torch.empty_like(src)
-    t = _time_reps(env, lambda: dst.copy_(src), 3)
-    mem_bw = _mean(env, 2.0 * nbytes / t)  # read + write
+    mem_bw = measure_optimizer_bandwidth(env, statistic)
     if env.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(env.device)
         reserved = float(total - free - torch.cuda.memory_reserved(env.device))
         host = torch.empty(nbytes // 4, dtype=torch.float32, pin_memory=True)
-        t_h2d = _time_reps(env, lambda: src.copy_(host, non_blocking=True), 3)
+        t_h2d = _time_reps(env, lambda: src.copy_(host, non_blocking=True), 3, statistic=statistic)
         host_bw = _mean(env, nbytes / t_h2d)
         del host
         memory = float(total)
     else:
         memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / env.local_world
-        host_bw, reserved = mem_bw, 0.0
-    del src, dst
+        dst = torch.empty_like(src)
+        host_bw = _mean(env, 2.0 * nbytes / _time_reps(env, lambda: dst.copy_(src), 3, statistic=statistic))
+        reserved = 0.0
+    del src
     return memory, mem_bw, host_bw, max(0.0, reserved)
 
 
@@ -398,15 +437,17 @@ def profile_hardware(options: HardwareOptions | None = None, progress: Progress 
     for d in dtypes:
         # A slow dtype (bf16 on most CPUs) gets a smaller matrix so that it stays quick.
         side = n if cuda or d == "fp32" else max(128, n // 4)
-        measured[d] = measure_matmul(env, d, side, max(2, o.reps // 2), o.statistic)
+        measured[d] = measure_matmul(env, d, side, max(3, o.reps), o.statistic)
         if progress:
             progress(f"matmul {d}", 1)
     slowdown = 1.0
     if env.world > 1:
-        slowdown = measure_overlap_slowdown(env, n if cuda else n // 2, max_bytes, max(3, o.reps // 2))
+        # Gradient-bucket-sized messages (DDP buckets are 25 MB), within what was asked for.
+        overlap_bytes = min(max_bytes, 32 << 20) if cuda else max(1 << 20, min(max_bytes, 16 << 20))
+        slowdown = measure_overlap_slowdown(env, n if cuda else n // 2, overlap_bytes, max(3, o.reps // 2))
     if progress:
         progress("overlap", 1)
-    memory, mem_bw, host_bw, reserved = measure_memory(env)
+    memory, mem_bw, host_bw, reserved = measure_memory(env, o.statistic)
     if progress:
         progress("memory", 1)
 

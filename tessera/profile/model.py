@@ -2,10 +2,10 @@
 
 For each layer kind (the embedding, the first block of each block kind — identical blocks share
 one measurement — and the head: final norm, vocabulary projection and the loss), at a few
-(batch, seq) sizes: forward and backward time (median of `reps` after a warm-up) and the bytes of
-activations autograd saves for backward (`SavedActivationMeter`). Under `torchrun` every rank
-measures at once, as ranks of a real job compute at once, and the per-measurement median over
-ranks is kept. `tessera.profile.fit` turns the measurements into `LayerSpec` time scales relative
+(batch, seq) sizes: forward and backward time (median, or min, of `reps` after a warm-up) and the
+bytes of activations autograd saves for backward (`SavedActivationMeter`). Under `torchrun` every
+rank measures at once, as ranks of a real job compute at once, and each run counts the slowest
+rank's time (ranks that share cores are thus measured sharing them). `tessera.profile.fit` turns the measurements into `LayerSpec` time scales relative
 to the achieved FLOP/s of large matmuls measured in the same processes (`reference_flops`), or
 the cluster profile's rate when one is given.
 """
@@ -43,6 +43,16 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _slowest_rank(times: list[float], device: torch.device) -> list[float]:
+    """Per run, the largest of the ranks' times: a run lasts until every rank is done, so ranks
+    sharing cores are measured sharing them."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return times
+    t = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
 def matmul_flops(device: torch.device, dtype: torch.dtype, n: int, reps: int, statistic: str = "median") -> float:
     """Achieved FLOP/s of an n x n x n matmul (median or min time of `reps`), on this rank."""
     a = torch.randn(n, n, device=device).to(dtype)
@@ -56,7 +66,7 @@ def matmul_flops(device: torch.device, dtype: torch.dtype, n: int, reps: int, st
         torch.mm(a, b)
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return 2.0 * n**3 / summarize(times, statistic)
+    return 2.0 * n**3 / summarize(_slowest_rank(times, device), statistic)
 
 
 class _LayerRunner:
@@ -125,7 +135,34 @@ def _measure(runner: _LayerRunner, device: torch.device, reps: int, meter: Saved
     runner.backward()
     if device.type == "cuda":
         peak = float(torch.cuda.max_memory_allocated(device) - base)
+    fwd, bwd = _slowest_rank(fwd, device), _slowest_rank(bwd, device)
     return summarize(fwd, statistic), summarize(bwd, statistic), float(saved), peak
+
+
+def tp2_shard(block: torch.nn.Module) -> torch.nn.Module | None:
+    """A copy of a dense block as one rank of tp=2 holds it (half the heads, half the MLP), or None.
+
+    Only its saved activations are measured, to split them into what TP divides and what not.
+    """
+    import copy
+
+    from torch import nn
+
+    attn, mlp = getattr(block, "attention", None), getattr(block, "feed_forward", None)
+    if attn is None or mlp is None or attn.wk.out_features % (2 * attn.head_dim):
+        return None
+    shard = copy.deepcopy(block)
+
+    def half(lin: nn.Linear, out: bool) -> nn.Linear:
+        i, o = (lin.in_features, lin.out_features // 2) if out else (lin.in_features // 2, lin.out_features)
+        return nn.Linear(i, o, bias=lin.bias is not None, device=lin.weight.device, dtype=lin.weight.dtype)
+
+    a, f = shard.attention, shard.feed_forward
+    a.wq, a.wk, a.wv, a.wo = half(a.wq, True), half(a.wk, True), half(a.wv, True), half(a.wo, False)
+    f.w1, f.w2 = half(f.w1, True), half(f.w2, False)
+    if hasattr(f, "w3"):
+        f.w3 = half(f.w3, True)
+    return shard
 
 
 def _layers_to_measure(spec: ModelSpec) -> list[tuple[LayerKind, int, int]]:
@@ -195,6 +232,16 @@ def profile_model(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = Non
             rows.append(list(_measure(runner, device, reps, meter, statistic)))
             if progress:
                 progress(f"{layer.name} b={batch} s={seq}", 1)
+        tp2 = None
+        shard = tp2_shard(model.layers[str(block)]) if kind not in (LayerKind.EMBEDDING, LayerKind.LM_HEAD) else None
+        if shard is not None:
+            tp2, shard_meter = [], SavedActivationMeter(shard)
+            for batch, seq in sizes:
+                runner = _LayerRunner(model, spec.config, kind, block, batch, seq, device, tdtype)
+                with shard_meter.track():
+                    out = shard(runner.x.detach().requires_grad_(), runner.freqs)
+                tp2.append(float(shard_meter.peak_bytes))
+                del out
         flat = _median_over_ranks([v if v is not None else -1.0 for r in rows for v in r])
         measurements = []
         for j, (batch, seq) in enumerate(sizes):
@@ -206,7 +253,7 @@ def profile_model(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = Non
                 activation_bytes=saved, peak_allocated_bytes=peak if peak >= 0 else None,
                 linear_flops=lin, attn_flops=att))
         kinds.append(fit_layer_kind(kind, layer.name, layer.params, layer.flops_per_token,
-                                    layer.attn_flops_coeff, measurements, reference_flops))
+                                    layer.attn_flops_coeff, measurements, reference_flops, tp2))
         log.info("%s: linear scale %.3f, attention scale %.3f, %.0f activation bytes/token",
                  layer.name, kinds[-1].linear_time_scale, kinds[-1].attn_time_scale,
                  kinds[-1].activation_bytes_per_token)
