@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--grad-clip", type=float, default=1.0)
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--compile", action="store_true", help="torch.compile each block")
+    run.add_argument("--adaptive", action="store_true",
+                     help="per-step sequence-parallel groups for each batch's documents (needs a replicated "
+                          "data-parallel plan; the default plan is one)")
     out = p.add_argument_group("outputs")
     out.add_argument("--out", default=None, help="run directory for plan.json and metrics.jsonl (default runs/<model>)")
     out.add_argument("--checkpoint-dir", default=None)
@@ -61,26 +64,28 @@ def _workload(args):
 
 
 def make_local_plan(model_name: str, nproc: int, workload):
-    """Plan for `nproc` local ranks: the search when available, else plain data parallelism."""
+    """The searched plan for `nproc` local ranks of this machine."""
+    from ..search import search
     from ..spec.hf_config import resolve_model_config
     from ..spec.model import ModelSpec
     from ..spec.presets.clusters import local_cpu_cluster
 
     model = ModelSpec.from_config(resolve_model_config(model_name))
-    cluster = local_cpu_cluster(nproc)
-    try:
-        from ..search import search
-    except ImportError:
-        search = None
-    if search is not None:
-        result = search(model, cluster, workload)
-        return getattr(result, "plan", result)
+    return search(model, local_cpu_cluster(nproc), workload)
+
+
+def make_replicated_plan(model_name: str, nproc: int, workload):
+    """Plain data parallelism over `nproc` local ranks (what `--adaptive` runs on)."""
     from ..search import manual_plan
+    from ..spec.hf_config import resolve_model_config
+    from ..spec.model import ModelSpec
+    from ..spec.presets.clusters import local_cpu_cluster
 
     if workload.global_batch % nproc:
         raise TesseraError(f"--global-batch {workload.global_batch} is not divisible by --nproc {nproc}")
-    return manual_plan(model, cluster, workload, dp=nproc, micro_batch_size=workload.global_batch // nproc,
-                       name="data-parallel")
+    model = ModelSpec.from_config(resolve_model_config(model_name))
+    return manual_plan(model, local_cpu_cluster(nproc), workload, dp=nproc,
+                       micro_batch_size=workload.global_batch // nproc, name="data-parallel")
 
 
 def _validate(plan, world: int, args) -> None:
@@ -104,7 +109,8 @@ def _child_argv(args, plan_path: Path, metrics: Path) -> list[str]:
             argv += [flag, value]
     if args.checkpoint_every:
         argv += ["--checkpoint-every", str(args.checkpoint_every)]
-    argv += [flag for flag, on in (("--compile", args.compile), ("--synthetic-data", args.synthetic_data)) if on]
+    argv += [flag for flag, on in (("--compile", args.compile), ("--synthetic-data", args.synthetic_data),
+                                   ("--adaptive", args.adaptive)) if on]
     return argv
 
 
@@ -116,8 +122,14 @@ def run(args) -> int:
     world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else (args.nproc or 1)
     if args.plan:
         plan = Plan.load(args.plan)
+    elif args.adaptive:
+        plan = make_replicated_plan(args.model or DEFAULT_MODEL, world, _workload(args))
     else:
         plan = make_local_plan(args.model or DEFAULT_MODEL, world, _workload(args))
+    if args.adaptive:
+        from ..runtime.adaptive import check_adaptive_plan
+
+        check_adaptive_plan(plan)
     _validate(plan, world, args)
     out = Path(args.out or Path("runs") / plan.model.name)
     if world > 1 and not _under_torchrun():
@@ -148,7 +160,7 @@ def _train_here(args, plan, out: Path) -> int:
         optim=OptimConfig(lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps, grad_clip=args.grad_clip),
         metrics_path=str(out / "metrics.jsonl"), tensorboard_dir=str(out / "tensorboard"),
         log_every=args.log_every, compile=args.compile, checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every, resume=args.resume)
+        checkpoint_every=args.checkpoint_every, resume=args.resume, adaptive=args.adaptive)
     progress = _Progress(args.steps) if int(os.environ.get("RANK", 0)) == 0 else None
     trainer = Trainer(config, on_step=progress.update if progress else None)
     try:

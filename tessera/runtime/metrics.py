@@ -35,6 +35,8 @@ class StepRecord:
     mfu: float | None
     peak_memory_bytes: list[float] = field(default_factory=list)  # per rank
     predicted_step_time_s: float | None = None
+    # Adaptive runs: the sequence-parallel group sizes of each micro-batch of the step plan.
+    sp_groups: list[list[int]] | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -50,6 +50,8 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     resume: str | None = None
+    adaptive: bool = False  # per-step sequence-parallel groups for the batch's documents
+    adaptive_time_budget_s: float = 0.1
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -73,7 +75,7 @@ class Trainer:
         self.build_distributed()
         check_plan_supported(self.plan, self.world_size, pipeline_available=_pipeline_available())
         self.build_model()
-        if (config.checkpoint_dir or config.resume) and self.pipeline is None and self.parallel.zero1:
+        if (config.checkpoint_dir or config.resume) and self.parallel is not None and self.parallel.zero1:
             raise TesseraError("checkpointing a ZeRO-1 data-parallel run (ZeroRedundancyOptimizer state) is not "
                                "supported; use zero=2, whose sharded state reshards on load")
         self.build_optimizer()
@@ -118,7 +120,12 @@ class Trainer:
             mp_policy = MixedPrecisionPolicy(param_dtype=getattr(torch, {"bf16": "bfloat16"}.get(self.dtype, "float16")),
                                              reduce_dtype=torch.float32)
         self.pipeline = None
+        self.adaptive = None
+        if self.config.adaptive:
+            self.build_adaptive()
+            return
         if self.plan.pipeline.degree > 1:
+            self.parallel = None
             self.build_pipeline(mp_policy)
             return
         self.parallel: Parallelized = parallelize(self.model, self.plan, self.dims, self.rank,
@@ -149,6 +156,17 @@ class Trainer:
         self.model_parts = list(self.pipeline.model_parts)
         self.autocast = nullcontext()
 
+    def build_adaptive(self) -> None:
+        """A replicated model whose steps run on per-step SP groups (`runtime/adaptive.py`)."""
+        from .adaptive import AdaptiveSteps
+
+        if self.meta_init:
+            raise TesseraError("--adaptive runs a replicated model; it cannot be built on the meta device")
+        self.parallel = None
+        self.adaptive = AdaptiveSteps(self.model, self.plan, self.config.adaptive_time_budget_s)
+        self.model_parts = [self.model]
+        self.autocast = nullcontext()
+
     def maybe_materialize(self, part) -> None:
         if self.meta_init:
             materialize(part, self.param_shapes, self.plan.model.config, self.config.seed, self.device)
@@ -158,7 +176,7 @@ class Trainer:
         cfg = self.config.optim
         if cfg.total_steps != self.config.steps and self.config.steps:
             cfg = OptimConfig(**{**cfg.__dict__, "total_steps": self.config.steps})
-        zero1 = self.pipeline is None and self.parallel.zero1
+        zero1 = self.parallel is not None and self.parallel.zero1
         self.optimizers = [build_optimizer(part.parameters(), cfg, self.parallel.ddp_group if zero1 else None)
                            for part in self.model_parts]
         self.schedulers = [build_scheduler(opt, cfg) for opt in self.optimizers]
@@ -181,7 +199,9 @@ class Trainer:
                                    self.data_rank, self.data_size, self.config.seed)
         from .data import build_dataloader
 
-        loader = build_dataloader(self.config.data, w.seq_len, w.global_batch, self.data_rank, self.data_size,
+        # An adaptive run hands every rank the whole global batch (the step plan splits it).
+        rank, size = (0, 1) if self.adaptive is not None else (self.data_rank, self.data_size)
+        loader = build_dataloader(self.config.data, w.seq_len, w.global_batch, rank, size,
                                   self.config.seed, pack=True)
         if loader.vocab_size > self.plan.model.config.vocab_size:
             raise TesseraError(f"the data's tokenizer has {loader.vocab_size} tokens, more than the model's "
@@ -214,6 +234,19 @@ class Trainer:
         else:
             loss = self.forward_backward(tokens, labels, positions, mask)
             self.parallel.rescale_grads()
+        self.optimizer_step()
+        return loss
+
+    def adaptive_step(self, batch) -> float:
+        """One optimizer step of an adaptive run; the next batch is planned while this one trains."""
+        peek = getattr(self.loader, "batch_at", None)
+        next_batch = peek(self.loader.samples_seen) if peek is not None else None
+        loss = self.adaptive.forward_backward(self.step, batch, next_batch)
+        self.optimizer_step()
+        return loss
+
+    def optimizer_step(self) -> None:
+        """Clip the global gradient norm, step every optimizer and LR schedule."""
         pp_group = self.dims.mesh.get_group("pp") if self.plan.pipeline.degree > 1 else None
         self.grad_norm = clip_grad_norm_(self.params, self.config.optim.grad_clip, pp_group,
                                          skip_in_norm=self.tied_copies)
@@ -221,7 +254,6 @@ class Trainer:
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
-        return loss
 
     def forward_backward(self, tokens, labels, positions, mask) -> float:
         n = self.plan.num_micro_batches
@@ -260,8 +292,11 @@ class Trainer:
             batch = next(self.data_iter)
             packed = getattr(batch, "packed", False)
             start = time.perf_counter()
-            loss = self.train_step(batch.tokens, batch.labels, batch.positions if packed else None,
-                                   batch.doc_mask() if packed else None)
+            if self.adaptive is not None:
+                loss = self.adaptive_step(batch)
+            else:
+                loss = self.train_step(batch.tokens, batch.labels, batch.positions if packed else None,
+                                       batch.doc_mask() if packed else None)
             self.step += 1
             if self.step % self.config.log_every == 0 or self.step == self.config.steps:
                 records.append(self.log_step(loss, time.perf_counter() - start))
@@ -277,6 +312,10 @@ class Trainer:
             mfu=model_flops_utilisation(self.plan, tokens_per_s, self.world_size, self.dtype),
             peak_memory_bytes=self.gather_peak_memory(),
             predicted_step_time_s=self.plan.prediction.step_time_s if self.plan.prediction else None)
+        if self.adaptive is not None and self.adaptive.last_plan is not None:
+            step_plan = self.adaptive.last_plan
+            record.predicted_step_time_s = step_plan.predicted_time_s
+            record.sp_groups = [[g.degree for g in mb.groups] for mb in step_plan.micro_batches]
         if self.rank == 0:
             log.info("step %d loss %.4f %.0f tok/s", record.step, record.loss, record.tokens_per_s)
             if self.metrics is not None:
@@ -329,6 +368,8 @@ class Trainer:
         log.info("resumed from %s at step %d", self.config.resume, self.step)
 
     def close(self) -> None:
+        if self.adaptive is not None:
+            self.adaptive.close()
         if self.metrics is not None:
             self.metrics.close()
 
