@@ -6,6 +6,9 @@ Per micro-batch (seconds):
     compute  f_c, b_c from FLOPs (compute.py): f_c = tokens * (linear + attn * s) / (tp * sp) / F,
              b_c = 2 f_c + recompute (one forward for full, the attention core for selective);
              wgrad = the weight-gradient half of the linear backward (zero-bubble's W).
+    fixed    measured per-call costs, per micro-batch, split as the compute (backward = 2x):
+             f_c += (call_overhead_s + [tp > 1] tp_overhead_s) / 3, b_c += 2/3 of the same
+             (+ 1/3 more under full recompute, which replays the forward).
     TP       blocks: 2 all-reduces forward and 2 backward of the t x h activation over the tp group
              (Megatron SP: an all-gather + reduce-scatter pair instead, the same volume);
              embedding 1 forward; LM head 1 forward, 1 backward.
@@ -162,6 +165,10 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
                        (att * layer.selective_attn_fraction
                         + tokens * layer.selective_flops_per_token * layer.linear_time_scale) / rate, 0.0)
     wgrad = lin / rate
+    # Fixed per-call costs (measured): 1/3 forward, 2/3 backward; full recompute replays the forward's.
+    fixed = layer.call_overhead_s + np.where(t.tp > 1, layer.tp_overhead_s, 0.0)
+    cf = cf + fixed / 3.0
+    cb = cb + 2.0 * fixed / 3.0 + np.where(t.recompute == RC_FULL, fixed / 3.0, 0.0)
 
     # Tensor parallel: activation t x h on the tp group.
     n_f, n_b = _TP_COLLECTIVES.get(layer.kind, (2, 2))

@@ -120,6 +120,14 @@ class LayerSpec(Frozen):
     # device (1.0 = the FLOPs model as is); fitted by `tessera profile model`.
     linear_time_scale: float = Field(default=1.0, gt=0)
     attn_time_scale: float = Field(default=1.0, gt=0)
+    # Measured fixed costs (0.0 = none), fitted by `tessera profile model`; the cost model adds
+    # them per micro-batch, 1/3 to the forward and 2/3 to the backward (cost/layer.py):
+    # `call_overhead_s`: seconds per forward + backward call of the layer, whatever its tokens
+    # (kernel launches, Python dispatch; the intercept of the time fit).
+    # `tp_overhead_s`: extra seconds per forward + backward when the layer runs tensor parallel
+    # (tp > 1), beyond half the compute and the TP collectives (DTensor's per-operation dispatch).
+    call_overhead_s: float = Field(default=0.0, ge=0)
+    tp_overhead_s: float = Field(default=0.0, ge=0)
 
     @property
     def dense_params(self) -> int:
