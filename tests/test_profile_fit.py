@@ -62,7 +62,7 @@ def test_fit_activation_bytes_and_bad_input():
         fit_time_model([1.0, 2.0], [0.0], [1.0])
 
 
-def _profile_for(model, linear=2.0, attn=3.0, act_per_token=None, tp_part=None):
+def _profile_for(model, linear=2.0, attn=3.0, act_per_token=None, tp_part=None, call=0.0, tp_over=None):
     kinds = []
     for kind in (LayerKind.EMBEDDING, LayerKind.DECODER, LayerKind.LM_HEAD):
         layer = next(l for l in model.layers if l.kind == kind)
@@ -71,9 +71,10 @@ def _profile_for(model, linear=2.0, attn=3.0, act_per_token=None, tp_part=None):
                              linear_flops=1.0, attn_flops=0.0)
         kinds.append(dict(kind=kind, layer=layer.name, params=layer.params, flops_per_token=layer.flops_per_token,
                           attn_flops_coeff=layer.attn_flops_coeff, measurements=(m,), linear_time_scale=linear,
-                          attn_time_scale=attn, overhead_s=0.0, fit_r2=1.0, fit_max_rel_err=0.0,
+                          attn_time_scale=attn, overhead_s=call, fit_r2=1.0, fit_max_rel_err=0.0,
                           activation_bytes_per_token=act, activation_fit_max_rel_err=0.0, backward_over_forward=2.0,
-                          activation_bytes_tp_per_token=tp_part if kind == LayerKind.DECODER else None))
+                          activation_bytes_tp_per_token=tp_part if kind == LayerKind.DECODER else None,
+                          tp_overhead_s=tp_over if kind == LayerKind.DECODER else None))
     return ModelProfile(model=model.name, device="cpu", dtype="fp32", reference_flops=1e10, layers=tuple(kinds))
 
 
@@ -160,3 +161,33 @@ def test_reading_and_applying_profiles_does_not_import_torch():
     code = ("import sys, tessera.profile, tessera.profile.apply, tessera.profile.fit\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_call_and_tp_overheads_are_fitted_and_applied():
+    layer = get_model("tiny-llama").layers[1]
+    rate, s_lin, s_att, c, extra = 50e9, 1.7, 4.0, 3e-3, 8e-3
+    ms, t2, comm = [], [], []
+    for b, s in [(1, 64), (2, 64), (1, 128), (4, 64), (2, 128), (1, 256)]:
+        lin, att = b * s * layer.flops_per_token, b * s * layer.attn_flops_coeff * s
+        total = 3 * (lin * s_lin + att * s_att) / rate + c
+        ms.append(LayerMeasurement(batch=b, seq_len=s, forward_s=total / 3, backward_s=2 * total / 3,
+                                   activation_bytes=100.0 * b * s, linear_flops=lin, attn_flops=att))
+        x = 1e-4 * b * s / 64  # the TP all-reduces, timed alone
+        comm.append(x)
+        t2.append(c + (total - c) / 2 + x + extra)
+    kp = fit_layer_kind(layer.kind, layer.name, layer.params, layer.flops_per_token, layer.attn_flops_coeff, ms,
+                        rate, tp2_seconds=t2, tp2_comm_seconds=comm)
+    assert kp.overhead_s == pytest.approx(c, rel=1e-4)
+    assert kp.linear_time_scale == pytest.approx(s_lin, rel=1e-4) and kp.attn_time_scale == pytest.approx(s_att, rel=1e-4)
+    assert kp.tp_overhead_s == pytest.approx(extra, rel=1e-3)
+    # Without tp=2 timings (one rank) there is no TP overhead; faster-than-expected TP floors at 0.
+    assert fit_layer_kind(layer.kind, layer.name, layer.params, layer.flops_per_token, layer.attn_flops_coeff,
+                          ms, rate).tp_overhead_s is None
+    fast = fit_layer_kind(layer.kind, layer.name, layer.params, layer.flops_per_token, layer.attn_flops_coeff,
+                          ms, rate, tp2_seconds=[t / 4 for t in t2], tp2_comm_seconds=comm)
+    assert fast.tp_overhead_s == 0.0
+
+    model = get_model("tiny-llama")
+    applied = apply_model_profile(model, _profile_for(model, call=c, tp_over=extra))
+    assert [(l.call_overhead_s, l.tp_overhead_s) for l in applied.layers] == (
+        [(c, 0.0)] + [(c, extra)] * (len(model.layers) - 2) + [(c, 0.0)])

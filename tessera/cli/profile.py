@@ -167,7 +167,8 @@ def _model(args) -> int:
         dtype = args.dtype or ("bf16" if torch.cuda.is_available() else "fp32")
         reference = cluster.peak(dtype) * cluster.compute_efficiency
     try:
-        with _Bar(planned_units(spec, sizes, torch.cuda.is_available()), f"model {spec.name}") as bar:
+        with _Bar(planned_units(spec, sizes, torch.cuda.is_available(),
+                                dist.get_world_size() if dist.is_initialized() else 1), f"model {spec.name}") as bar:
             profile = profile_model(spec, sizes=sizes, reps=args.reps, dtype=args.dtype,
                                     reference_flops=reference, progress=bar, statistic=args.statistic)
         if _rank() == 0:
@@ -204,11 +205,12 @@ def _print_model(profile, path) -> None:
     from rich.table import Table
 
     t = Table(title=f"{profile.model} on {profile.device} ({profile.dtype}) -> {path}")
-    for col in ("layer", "lin x", "attn x", "R²", "max err", "act B/tok", "bwd/fwd"):
+    for col in ("layer", "lin x", "attn x", "call ms", "tp ms", "R²", "max err", "act B/tok", "bwd/fwd"):
         t.add_column(col, justify="right")
     for k in profile.layers:
+        tp = "-" if k.tp_overhead_s is None else f"{k.tp_overhead_s * 1e3:.2f}"
         t.add_row(k.layer, f"{k.linear_time_scale:.2f}", f"{k.attn_time_scale:.2f}",
-                  f"{k.fit_r2:.3f}", f"{k.fit_max_rel_err:.0%}", f"{k.activation_bytes_per_token:,.0f}",
+                  f"{k.overhead_s * 1e3:.2f}", tp, f"{k.fit_r2:.3f}", f"{k.fit_max_rel_err:.0%}", f"{k.activation_bytes_per_token:,.0f}",
                   f"{k.backward_over_forward:.2f}")
     Console().print(t)
     print(f"reference matmul rate: {profile.reference_flops / 1e9:.1f} GFLOP/s per rank")

@@ -2,8 +2,9 @@
 
 - `load_cluster_profile(path, expect_gpus)`: the ClusterSpec JSON of `tessera profile hardware`,
   refused when it describes another number of devices than the one planned for.
-- `apply_model_profile(model, profile)`: the ModelSpec with each layer's measured time scales and
-  activation bytes; refused when the profile was measured on another model.
+- `apply_model_profile(model, profile)`: the ModelSpec with each layer's measured time scales,
+  fixed overheads (`call_overhead_s`, `tp_overhead_s`; 0 where not measured) and activation
+  bytes; refused when the profile was measured on another model.
 
 Activation bytes: the profile measures B bytes per token per layer (all saved tensors, one device,
 no tensor parallelism, no recompute). The spec splits a layer's bytes into `act_bytes_tp` and
@@ -119,11 +120,12 @@ def _scaled_layer(layer: LayerSpec, profile: ModelProfile) -> LayerSpec:
     else:
         acts = dict(act_bytes_replicated=measured)
     return layer.model_copy(update=dict(linear_time_scale=kp.linear_time_scale,
-                                        attn_time_scale=kp.attn_time_scale, **acts))
+                                        attn_time_scale=kp.attn_time_scale, call_overhead_s=kp.overhead_s,
+                                        tp_overhead_s=kp.tp_overhead_s or 0.0, **acts))
 
 
 def apply_model_profile(model: ModelSpec, profile: str | Path | ModelProfile) -> ModelSpec:
-    """`model` with every layer's time scales and activation bytes from the profile of its kind.
+    """`model` with every layer's time scales, overheads and activation bytes from the profile of its kind.
 
     Refuses a profile of another model, or of a model of the same name whose layers differ.
     """

@@ -10,10 +10,16 @@ achieved FLOP/s of large matmuls (backward = 2 x forward). Least squares on
 
 each row weighted by 1/t (relative error, so that small and large sizes count alike), gives
 s_lin = a F / 3 and s_att = b F / 3: how much slower than a large matmul this layer's linear and
-attention terms run. The two terms separate only if the attention share A / L (which grows with
-seq) varies by 1.5x or more across the sizes; otherwise one common scale is fitted to L + A.
-`c` (a fixed per-call overhead) is fitted and reported but not applied: the cost model has no
-per-call term, so `fit_layer_kind` fits the scales without it.
+attention terms run, and c, a fixed per-call overhead (`LayerSpec.call_overhead_s`; fitted with
+three or more sizes, else 0). The two terms separate only if the attention share A / L (which
+grows with seq) varies by 1.5x or more across the sizes; otherwise one common scale is fitted to
+L + A (with c). If the fit puts all the time of a layer with FLOPs into c (a = 0), it is redone
+without c; a layer without FLOPs (the embedding) gets c = its time, all fixed cost.
+
+Tensor-parallel overhead (`LayerSpec.tp_overhead_s`): when the block was also run at tp=2 (two
+ranks, DTensor), taking T2 fwd+bwd with X seconds of its TP all-reduces measured alone, the cost
+model expects T2 = c + (T1 - c) / 2 + X from the tp=1 time T1; the overhead is the median over
+sizes of T2 - that, floored at 0.
 
 No torch import: this module only does arithmetic on measurements.
 """
@@ -126,7 +132,7 @@ class LayerKindProfile(Frozen):
     measurements: tuple[LayerMeasurement, ...]
     linear_time_scale: float = Field(gt=0)
     attn_time_scale: float = Field(gt=0)
-    overhead_s: float = Field(ge=0, description="fitted per-call overhead (reported, not applied)")
+    overhead_s: float = Field(ge=0, description="fitted per-call overhead (LayerSpec.call_overhead_s)")
     fit_r2: float
     fit_max_rel_err: float
     activation_bytes_per_token: float = Field(ge=0)
@@ -135,6 +141,11 @@ class LayerKindProfile(Frozen):
     activation_bytes_tp_per_token: float | None = None
     activation_fit_max_rel_err: float = Field(ge=0)
     backward_over_forward: float = Field(gt=0, description="measured backward / forward time")
+    # Blocks run tensor parallel at tp=2 (DTensor, two ranks), per measurement: fwd+bwd seconds
+    # and the seconds of its TP all-reduces timed alone. None: not measured (fewer than 2 ranks).
+    tp2_seconds: tuple[float, ...] | None = None
+    tp2_comm_seconds: tuple[float, ...] | None = None
+    tp_overhead_s: float | None = Field(default=None, ge=0, description="LayerSpec.tp_overhead_s")
 
 
 class ModelProfile(Frozen):
@@ -154,35 +165,60 @@ class ModelProfile(Frozen):
         return next((p for p in self.layers if p.kind == kind), None)
 
 
+def tp_overhead(totals: Sequence[float], call_overhead_s: float, tp2_seconds: Sequence[float],
+                tp2_comm_seconds: Sequence[float]) -> float:
+    """Median over sizes of T2 - (c + (T1 - c) / 2 + X), floored at 0 (see module docstring)."""
+    if not (len(totals) == len(tp2_seconds) == len(tp2_comm_seconds)):
+        raise ValueError("tp=2 timings must be given for every measured size")
+    c = call_overhead_s
+    excess = [t2 - (c + (t1 - c) / 2.0 + x) for t1, t2, x in zip(totals, tp2_seconds, tp2_comm_seconds)]
+    return max(0.0, float(np.median(excess)))
+
+
 def fit_layer_kind(kind: LayerKind, layer: str, params: int, flops_per_token: float,
                    attn_flops_coeff: float, measurements: Sequence[LayerMeasurement],
-                   reference_flops: float, tp2_activation_bytes: Sequence[float] | None = None) -> LayerKindProfile:
-    """Fit one layer kind's scales from its measurements (see module docstring for the formula)."""
+                   reference_flops: float, tp2_activation_bytes: Sequence[float] | None = None,
+                   tp2_seconds: Sequence[float] | None = None,
+                   tp2_comm_seconds: Sequence[float] | None = None) -> LayerKindProfile:
+    """Fit one layer kind's scales, call overhead and TP overhead from its measurements (see
+    module docstring for the formulas)."""
     ms = list(measurements)
     total = [m.forward_s + m.backward_s for m in ms]
     lin = [m.linear_flops for m in ms]
     att = [m.attn_flops for m in ms]
-    fit = fit_time_model(lin, att, total)
-    with_c = fit_time_model(lin, att, total, intercept=True) if len(ms) >= 3 else fit
     to_scale = reference_flops / 3.0
     # The terms separate only if the attention share varies enough (it grows with seq).
     shares = [y / x for x, y in zip(lin, att) if x > 0]
     separable = bool(shares) and min(shares) > 0 and max(shares) / min(shares) >= 1.5
-    if separable and fit.a > 0 and fit.b > 0:
-        s_lin, s_att = fit.a * to_scale, fit.b * to_scale
-    else:
+
+    def fit_scales(intercept: bool):
+        fit = fit_time_model(lin, att, total, intercept=intercept)
+        if separable and fit.a > 0 and fit.b > 0:
+            return fit, fit.a * to_scale, fit.b * to_scale
         # The sizes do not separate the two terms (or there is no attention): one common scale.
-        fit = fit_time_model([x + y for x, y in zip(lin, att)], [0.0] * len(ms), total)
-        s_lin = s_att = fit.a * to_scale if fit.a > 0 else 1.0
+        fit = fit_time_model([x + y for x, y in zip(lin, att)], [0.0] * len(ms), total, intercept=intercept)
+        s = fit.a * to_scale if fit.a > 0 else 1.0
+        return fit, s, s
+
+    fit, s_lin, s_att = fit_scales(intercept=len(ms) >= 3)
+    if fit.a == 0 and fit.c > 0 and any(x + y > 0 for x, y in zip(lin, att)):
+        # Flat timings of a layer with FLOPs: keep the FLOPs term, not a constant. (A layer with
+        # none, the embedding, keeps its intercept: its time is all fixed cost.)
+        fit, s_lin, s_att = fit_scales(intercept=False)
     act, act_err = fit_activation_bytes([m.tokens for m in ms], [m.activation_bytes for m in ms])
     ratio = float(np.median([m.backward_s / m.forward_s for m in ms]))
     tp_part = None
     if tp2_activation_bytes is not None:
         half, _ = fit_activation_bytes([m.tokens for m in ms], tp2_activation_bytes)
         tp_part = min(act, max(0.0, 2.0 * (act - half)))
+    tp_over = None
+    if tp2_seconds is not None and tp2_comm_seconds is not None:
+        tp_over = tp_overhead(total, fit.c, tp2_seconds, tp2_comm_seconds)
     return LayerKindProfile(
         kind=kind, layer=layer, params=params, flops_per_token=flops_per_token,
         attn_flops_coeff=attn_flops_coeff, measurements=tuple(ms), linear_time_scale=s_lin,
-        attn_time_scale=s_att, overhead_s=with_c.c, fit_r2=fit.r2, fit_max_rel_err=fit.max_rel_err,
+        attn_time_scale=s_att, overhead_s=fit.c, fit_r2=fit.r2, fit_max_rel_err=fit.max_rel_err,
         activation_bytes_per_token=act, activation_bytes_tp_per_token=tp_part,
-        activation_fit_max_rel_err=act_err, backward_over_forward=ratio)
+        activation_fit_max_rel_err=act_err, backward_over_forward=ratio,
+        tp2_seconds=tuple(tp2_seconds) if tp_over is not None else None,
+        tp2_comm_seconds=tuple(tp2_comm_seconds) if tp_over is not None else None, tp_overhead_s=tp_over)

@@ -108,9 +108,24 @@ class _LayerRunner:
             p.grad = None
 
 
-def _measure(runner: _LayerRunner, device: torch.device, reps: int, meter: SavedActivationMeter,
-             statistic: str = "median") -> tuple[float, float, float, float | None]:
-    """(median forward s, median backward s, saved activation bytes, CUDA peak bytes or None)."""
+class _Tp2Runner:
+    """Forward and backward of a tensor-parallel (DTensor) copy of a block, on `base`'s inputs."""
+
+    def __init__(self, block: torch.nn.Module, base: _LayerRunner):
+        self.block, self.base, self.out = block, base, None
+
+    def forward(self) -> None:
+        self.out = self.block(self.base.x.detach().requires_grad_(), self.base.freqs)
+
+    def backward(self) -> None:
+        self.out.backward(self.base.grad_h)
+        self.out = None
+        for p in self.block.parameters():
+            p.grad = None
+
+
+def _time_runs(runner, device: torch.device, reps: int) -> tuple[list[float], list[float]]:
+    """Forward and backward seconds of `reps` runs after a warm-up, each the slowest rank's."""
     runner.forward()
     runner.backward()
     fwd, bwd = [], []
@@ -125,6 +140,13 @@ def _measure(runner: _LayerRunner, device: torch.device, reps: int, meter: Saved
         _sync(device)
         fwd.append(t1 - t0)
         bwd.append(time.perf_counter() - t1)
+    return _slowest_rank(fwd, device), _slowest_rank(bwd, device)
+
+
+def _measure(runner: _LayerRunner, device: torch.device, reps: int, meter: SavedActivationMeter,
+             statistic: str = "median") -> tuple[float, float, float, float | None]:
+    """(median forward s, median backward s, saved activation bytes, CUDA peak bytes or None)."""
+    fwd, bwd = _time_runs(runner, device, reps)
     peak = None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -135,7 +157,6 @@ def _measure(runner: _LayerRunner, device: torch.device, reps: int, meter: Saved
     runner.backward()
     if device.type == "cuda":
         peak = float(torch.cuda.max_memory_allocated(device) - base)
-    fwd, bwd = _slowest_rank(fwd, device), _slowest_rank(bwd, device)
     return summarize(fwd, statistic), summarize(bwd, statistic), float(saved), peak
 
 
@@ -163,6 +184,50 @@ def tp2_shard(block: torch.nn.Module) -> torch.nn.Module | None:
     if hasattr(f, "w3"):
         f.w3 = half(f.w3, True)
     return shard
+
+
+def tp2_mesh(device: torch.device):
+    """The tp=2 sub-mesh of this rank (ranks 2i, 2i+1), or None without an even number of ranks."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world < 2 or world % 2:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("rest", "tp"))["tp"]
+
+
+def measure_tp2(model: torch.nn.Module, config: TransformerConfig, kind: LayerKind, block: int,
+                sizes: Sequence[tuple[int, int]], device: torch.device, dtype: torch.dtype, reps: int,
+                statistic: str, mesh) -> tuple[list[float], list[float]]:
+    """Per size: fwd+bwd seconds of the block run at tp=2 (Megatron TP with DTensor, as the runtime
+    runs it) and the seconds of its 4 TP all-reduces (2 forward, 2 backward) of the b x s x h
+    activation timed alone on the same group; both the slowest rank's."""
+    import copy
+
+    from ..plan import LayerStrategy
+    from ..runtime.parallelize import _tp_block
+
+    tp_block = copy.deepcopy(model.layers[str(block)])
+    _tp_block(tp_block, LayerStrategy(tp=2), mesh)
+    group = mesh.get_group()
+    seconds, comm = [], []
+    for batch, seq in sizes:
+        base = _LayerRunner(model, config, kind, block, batch, seq, device, dtype)
+        fwd, bwd = _time_runs(_Tp2Runner(tp_block, base), device, reps)
+        seconds.append(summarize(fwd, statistic) + summarize(bwd, statistic))
+        msg = torch.empty(batch, seq, config.hidden, device=device, dtype=dtype)
+        dist.all_reduce(msg, group=group)
+        times = []
+        for _ in range(reps):
+            _barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(4):
+                dist.all_reduce(msg, group=group)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        comm.append(summarize(_slowest_rank(times, device), statistic))
+    return seconds, comm
 
 
 def _layers_to_measure(spec: ModelSpec) -> list[tuple[LayerKind, int, int]]:
@@ -223,6 +288,7 @@ def profile_model(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = Non
         n = matmul_size or (8192 if device.type == "cuda" else 1024)
         reference_flops = statistics.median(_median_over_ranks([matmul_flops(device, tdtype, n, reps, statistic)]))
 
+    tp_mesh = tp2_mesh(device)
     kinds = []
     for kind, index, block in _layers_to_measure(spec):
         layer = spec.layers[index]
@@ -242,6 +308,13 @@ def profile_model(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = Non
                     out = shard(runner.x.detach().requires_grad_(), runner.freqs)
                 tp2.append(float(shard_meter.peak_bytes))
                 del out
+        tp2_s = tp2_comm = None
+        if shard is not None and tp_mesh is not None:
+            tp2_s, tp2_comm = measure_tp2(model, spec.config, kind, block, sizes, device, tdtype, reps,
+                                          statistic, tp_mesh)
+            tp2_s, tp2_comm = _median_over_ranks(tp2_s), _median_over_ranks(tp2_comm)
+            if progress:
+                progress(f"{layer.name} tp=2", 1)
         flat = _median_over_ranks([v if v is not None else -1.0 for r in rows for v in r])
         measurements = []
         for j, (batch, seq) in enumerate(sizes):
@@ -253,9 +326,11 @@ def profile_model(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = Non
                 activation_bytes=saved, peak_allocated_bytes=peak if peak >= 0 else None,
                 linear_flops=lin, attn_flops=att))
         kinds.append(fit_layer_kind(kind, layer.name, layer.params, layer.flops_per_token,
-                                    layer.attn_flops_coeff, measurements, reference_flops, tp2))
-        log.info("%s: linear scale %.3f, attention scale %.3f, %.0f activation bytes/token",
-                 layer.name, kinds[-1].linear_time_scale, kinds[-1].attn_time_scale,
+                                    layer.attn_flops_coeff, measurements, reference_flops, tp2,
+                                    tp2_s, tp2_comm))
+        log.info("%s: linear scale %.3f, attention scale %.3f, call overhead %.2e s, tp overhead %s s, "
+                 "%.0f activation bytes/token", layer.name, kinds[-1].linear_time_scale,
+                 kinds[-1].attn_time_scale, kinds[-1].overhead_s, kinds[-1].tp_overhead_s,
                  kinds[-1].activation_bytes_per_token)
     world = dist.get_world_size() if dist.is_initialized() else 1
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -263,6 +338,17 @@ def profile_model(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = Non
                         ranks_measuring=world, statistic=statistic, layers=tuple(kinds))
 
 
-def planned_units(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = None, cuda: bool = False) -> int:
+def _measures_tp2(layer) -> bool:
+    """Whether `profile_model` also runs this layer at tp=2 (a dense block, as `tp2_shard` takes)."""
+    return (layer.kind not in (LayerKind.EMBEDDING, LayerKind.LM_HEAD) and not layer.num_experts
+            and layer.num_kv_heads > 0 and layer.num_kv_heads % 2 == 0)
+
+
+def planned_units(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = None, cuda: bool = False,
+                  world: int = 1) -> int:
+    """Progress units `profile_model` reports at `world` ranks: one per layer kind and size, plus
+    one per block kind run at tp=2 (even `world` only)."""
     n = len(sizes or (DEFAULT_SIZES_CUDA if cuda else DEFAULT_SIZES_CPU))
-    return n * len(_layers_to_measure(spec))
+    kinds = _layers_to_measure(spec)
+    tp2 = sum(_measures_tp2(spec.layers[i]) for _, i, _ in kinds) if world >= 2 and world % 2 == 0 else 0
+    return n * len(kinds) + tp2

@@ -55,7 +55,7 @@ def main():
     sizes = [(1, 32), (2, 32), (1, 64), (2, 64), (1, 128)]
     steps = []
     profile = profile_model(spec, sizes=sizes, reps=2, matmul_size=256, progress=lambda w, n: steps.append(n))
-    check("model_progress", sum(steps) == model_units(spec, sizes))
+    check("model_progress", sum(steps) == model_units(spec, sizes, world=env.world))
     check("model_kinds", [k.kind for k in profile.layers] == [LayerKind.EMBEDDING, LayerKind.DECODER, LayerKind.LM_HEAD])
     block = profile.for_kind(LayerKind.DECODER)
     check("block_measured", len(block.measurements) == len(sizes)
@@ -63,6 +63,10 @@ def main():
     # Saved activations grow linearly with tokens: bytes per token equal across sizes.
     per_token = [m.activation_bytes / m.tokens for m in block.measurements]
     check("activations_per_token", max(per_token) / min(per_token) < 1.05, str(per_token))
+    tp2 = env.world % 2 == 0
+    check("tp2_measured", (block.tp_overhead_s is not None) == tp2 and block.overhead_s >= 0
+          and (not tp2 or (len(block.tp2_seconds) == len(sizes) and all(t > 0 for t in block.tp2_seconds)
+                           and all(x > 0 for x in block.tp2_comm_seconds))), str(block.tp2_seconds))
     check("scales_positive", block.linear_time_scale > 0 and block.attn_time_scale > 0 and profile.ranks_measuring == env.world)
     if env.rank == 0:
         write_atomic(out / "cluster.json", cluster.model_dump_json(indent=1))

@@ -1,0 +1,39 @@
+"""Measured fixed costs in the cost model: `call_overhead_s` on every plan, `tp_overhead_s` on TP only."""
+import pytest
+
+from tessera.search import manual_plan
+from tessera.spec import Workload
+from tessera.spec.presets import get_model, local_cpu_cluster
+
+CALL, TP = 2e-3, 5e-3  # seconds per layer per micro-batch, forward + backward
+
+
+def _with_overheads(model, call=0.0, tp=0.0):
+    layers = tuple(l.model_copy(update=dict(call_overhead_s=call, tp_overhead_s=tp)) for l in model.layers)
+    return model.model_copy(update={"layers": layers})
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_overheads_add_exactly_to_a_one_micro_batch_step(tp):
+    # pp=1, dp=1, one micro-batch: the step is the sum of every layer's forward and backward.
+    model, cluster = get_model("tiny-llama"), local_cpu_cluster(tp)
+    work = Workload(global_batch=1, seq_len=128)
+    base = manual_plan(model, cluster, work, tp=tp, micro_batch_size=1).prediction
+    n = len(model.layers)
+    call = manual_plan(_with_overheads(model, call=CALL), cluster, work, tp=tp, micro_batch_size=1).prediction
+    assert call.step_time_s - base.step_time_s == pytest.approx(n * CALL, rel=1e-9)
+    both = manual_plan(_with_overheads(model, call=CALL, tp=TP), cluster, work, tp=tp, micro_batch_size=1).prediction
+    expected = n * (CALL + (TP if tp > 1 else 0.0))  # tp_overhead_s only where tp > 1
+    assert both.step_time_s - base.step_time_s == pytest.approx(expected, rel=1e-9)
+
+
+def test_overheads_split_one_third_forward_two_thirds_backward():
+    from tessera.cost.evaluate import _per_layer_costs, plan_context
+
+    model, cluster = get_model("tiny-llama"), local_cpu_cluster(2)
+    work = Workload(global_batch=1, seq_len=128)
+    base = manual_plan(model, cluster, work, tp=2)
+    over = manual_plan(_with_overheads(model, call=CALL, tp=TP), cluster, work, tp=2)
+    for b, o in zip(_per_layer_costs(base, plan_context(base)), _per_layer_costs(over, plan_context(over))):
+        assert float(o.fwd[0] - b.fwd[0]) == pytest.approx((CALL + TP) / 3, rel=1e-9)
+        assert float(o.bwd[0] - b.bwd[0]) == pytest.approx(2 * (CALL + TP) / 3, rel=1e-9)
