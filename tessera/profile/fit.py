@@ -33,7 +33,9 @@ from pydantic import Field
 
 from ..spec.model import Frozen, LayerKind
 
-PROFILE_VERSION = 1
+# 2: the scales are fitted jointly with the per-call intercept, which is now applied (a version-1
+# profile's scales already absorb it); tp=2 overhead fields added.
+PROFILE_VERSION = 2
 
 # How repeated timings are summarised. The median is the default; on a machine shared with other
 # jobs, whose load only ever adds time, the minimum estimates the machine's own speed better
