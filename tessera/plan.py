@@ -24,6 +24,7 @@ from typing import Literal
 from pydantic import Field, ValidationError, model_validator
 
 from .spec.cluster import ClusterSpec
+from .spec.jsonio import first_validation_error
 from .spec.model import Frozen, ModelSpec
 from .spec.workload import Workload
 
@@ -275,7 +276,7 @@ class Plan(Frozen):
         try:
             return cls.model_validate(data)
         except ValidationError as e:
-            raise PlanError(f"invalid plan: {_first_error(e)}") from None
+            raise PlanError(f"invalid plan: {first_validation_error(e)}") from None
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
@@ -292,12 +293,6 @@ class Plan(Frozen):
             raise PlanError(f"plan was made for a different '{model.name}' (layer specs differ)")
         if world_size is not None and world_size != self.world_size:
             raise PlanError(f"plan was made for {self.world_size} ranks, but {world_size} are running")
-
-
-def _first_error(e: ValidationError) -> str:
-    err = e.errors()[0]
-    where = ".".join(str(p) for p in err["loc"])
-    return f"{where}: {err['msg']}" if where else err["msg"]
 
 
 # --- per-step plans (adaptive parallelism) -----------------------------------------------------

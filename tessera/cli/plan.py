@@ -153,7 +153,7 @@ def make_plan(args, model, cluster, workload, console):
         from pydantic import ValidationError
 
         from ..search import manual_plan
-        from ..spec.loaders import first_validation_error
+        from ..spec.jsonio import first_validation_error
 
         start = time.perf_counter()
         try:

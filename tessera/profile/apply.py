@@ -18,13 +18,13 @@ embedding) gets B as replicated bytes.
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from ..errors import TesseraError
+from ..spec.jsonio import first_validation_error, read_json_object
 from ..spec.cluster import ClusterSpec
 from ..spec.model import LayerSpec, ModelSpec
 from .fit import PROFILE_VERSION, ModelProfile
@@ -47,33 +47,14 @@ def write_atomic(path: str | Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _read_json(path: str | Path, what: str) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise TesseraError(f"{what} {path} does not exist")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise TesseraError(f"{what} {path} is not valid JSON ({e}); profile again") from None
-    if not isinstance(data, dict):
-        raise TesseraError(f"{what} {path} must hold a JSON object")
-    return data
-
-
-def _first_error(e: ValidationError) -> str:
-    err = e.errors()[0]
-    where = ".".join(str(p) for p in err["loc"])
-    return f"{where}: {err['msg']}" if where else err["msg"]
-
-
 def load_cluster_profile(path: str | Path, expect_gpus: int | None = None,
                          expect_gpus_per_node: int | None = None) -> ClusterSpec:
     """The ClusterSpec in `path`; refused if it describes another number of devices (or per node)."""
-    data = _read_json(path, "cluster profile")
+    data = read_json_object(path, "cluster profile")
     try:
         cluster = ClusterSpec.model_validate(data)
     except ValidationError as e:
-        raise TesseraError(f"cluster profile {path} is not a cluster spec: {_first_error(e)}") from None
+        raise TesseraError(f"cluster profile {path} is not a cluster spec: {first_validation_error(e)}") from None
     shape = f"{cluster.num_nodes} node(s) x {cluster.gpus_per_node} device(s)"
     if expect_gpus is not None and cluster.num_gpus != expect_gpus:
         raise TesseraError(
@@ -87,14 +68,14 @@ def load_cluster_profile(path: str | Path, expect_gpus: int | None = None,
 
 
 def load_model_profile(path: str | Path) -> ModelProfile:
-    data = _read_json(path, "model profile")
+    data = read_json_object(path, "model profile")
     if data.get("version") != PROFILE_VERSION:
         raise TesseraError(f"model profile {path} has version {data.get('version')}, this Tessera reads "
                            f"version {PROFILE_VERSION}; profile again")
     try:
         return ModelProfile.model_validate(data)
     except ValidationError as e:
-        raise TesseraError(f"model profile {path} is not a model profile: {_first_error(e)}") from None
+        raise TesseraError(f"model profile {path} is not a model profile: {first_validation_error(e)}") from None
 
 
 _ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

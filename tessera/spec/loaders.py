@@ -7,12 +7,12 @@ directory holding it) reads a Hugging Face config. `load_cluster("cluster.json")
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from ..errors import TesseraError
+from .jsonio import first_validation_error, read_json_object
 from .cluster import ClusterSpec
 from .model import ModelSpec
 from .presets.models import MODEL_CONFIGS, get_model
@@ -30,27 +30,8 @@ def resolve_model(name_or_path: str) -> ModelSpec:
 
 def load_cluster(path: str | Path) -> ClusterSpec:
     """A `ClusterSpec` from its JSON file, validated; errors name the file and the field."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise TesseraError(f"cluster file {path} does not exist")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise TesseraError(f"cluster file {path} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise TesseraError(f"cluster file {path} must hold a JSON object, not {type(data).__name__}")
+    data = read_json_object(path, "cluster file")
     try:
         return ClusterSpec.model_validate(data)
     except ValidationError as e:
         raise TesseraError(f"invalid cluster file {path}: {first_validation_error(e)}") from None
-
-
-def first_validation_error(e: ValidationError) -> str:
-    """'device.memory_bytes: Input should be greater than 0' (plus how many more errors)."""
-    errors = e.errors()
-    err = errors[0]
-    where = ".".join(str(p) for p in err["loc"])
-    text = f"{where}: {err['msg']}" if where else err["msg"]
-    if len(errors) > 1:
-        text += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
-    return text
