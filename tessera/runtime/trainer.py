@@ -46,7 +46,7 @@ class TrainConfig:
     tensorboard_dir: str | None = None
     log_every: int = 1
     compile: bool = False
-    meta_init: bool | None = None  # None: for sharded plans (FSDP2 path), not for plain DDP
+    meta_init: bool = False  # experimental: build on meta, initialise shards only (FSDP2 path, no pp)
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     resume: str | None = None
@@ -107,9 +107,12 @@ class Trainer:
     def build_model(self) -> None:
         """The model, initialised as one process would from the seed, then sharded.
 
-        Plain data parallelism builds the full model on every rank. Sharded plans build it on the
-        meta device, apply the plan, and initialise each rank's shards (`materialize`)."""
-        self.meta_init = self.config.meta_init if self.config.meta_init is not None else not uses_ddp(self.plan)
+        By default every rank builds the full model. With `meta_init` (experimental, for models
+        that do not fit one rank; not for DDP plans or pipelines) it is built on the meta device,
+        the plan applied, and each rank initialises its own shards (`materialize`)."""
+        self.meta_init = bool(self.config.meta_init)
+        if self.meta_init and (uses_ddp(self.plan) or self.plan.pipeline.degree > 1):
+            raise TesseraError("meta_init needs a sharded plan without pipeline parallelism")
         cfg = self.plan.model.config
         self.model = build_model(cfg, seed=self.config.seed, device="meta" if self.meta_init else self.device)
         self.param_shapes = param_shapes(self.model)
