@@ -68,10 +68,13 @@ def test_adaptive_groups_train_like_one_process(tmp_path):
     assert all(sum(mb) == 4 for r in adaptive for mb in r["sp_groups"])
 
 
-def test_adaptive_refuses_a_sharded_plan(tmp_path):
+def test_adaptive_refuses_a_sharded_plan(tmp_path, capsys):
     from tessera.cli import main
 
     plan = manual_plan(get_model("tiny-llama"), local_cpu_cluster(2), Workload(global_batch=4, seq_len=64),
                        dp=2, zero=3, micro_batch_size=2)
     plan.save(tmp_path / "plan.json")
     assert main(["train", "--plan", str(tmp_path / "plan.json"), "--adaptive", "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tessera train: error: --adaptive needs a replicated data-parallel plan")
+    assert "zero3" in err and len(err.splitlines()) == 1
