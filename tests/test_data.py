@@ -15,14 +15,6 @@ from tessera.runtime.tokenizer import EOT_ID, decode, encode_documents, gpt2_tok
 from tessera.spec.presets import get_model_config
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine, OpenMP spinning makes 2 threads 5-30x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
