@@ -76,24 +76,12 @@ def trainer_pipeline_runs_packed_documents(name: str = "trainer_pp2_interleaved_
                                            schedule: str = "interleaved_1f1b") -> None:
     """The trainer's pipeline path with packed documents (positions restart, block-diagonal mask)
     equals one process with the trainer's optimizer, warm-up and clipping."""
-    from runtime_common import LLAMA, OPTIM, S
+    from runtime_common import LLAMA, OPTIM, S, one_process_losses
     from runtime_common import make_plan as runtime_plan
-    from tessera.runtime.optim import build_optimizer, build_scheduler, clip_grad_norm_
     from tessera.runtime.trainer import TrainConfig, Trainer
 
     batches = [(*global_batch(step), *packed_documents(step)) for step in range(3)]
-    model = build_model(LLAMA, seed=0)
-    opt = build_optimizer(model.parameters(), OPTIM)
-    sched = build_scheduler(opt, OPTIM)
-    want = []
-    for tokens, labels, positions, mask in batches:
-        loss = loss_fn(model(tokens, positions, mask), labels)
-        loss.backward()
-        clip_grad_norm_(list(model.parameters()), OPTIM.grad_clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        want.append(loss.item())
+    want = one_process_losses(LLAMA, OPTIM, batches)
     plan = runtime_plan(LLAMA, dist.get_world_size(), strategy or S(), num_micro_batches=2, schedule=schedule,
                         stages=stages)
     trainer = Trainer(TrainConfig(plan=plan, steps=3, optim=OPTIM, seed=0))

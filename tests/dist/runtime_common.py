@@ -62,22 +62,28 @@ def global_batches(config: TransformerConfig, steps: int = STEPS, seed: int = 1)
 _REFERENCE: dict = {}
 
 
+def one_process_losses(config: TransformerConfig, optim: OptimConfig, batches) -> list[float]:
+    """One process, plain model: the trainer's AdamW, LR schedule and clipping on `batches`, each
+    (tokens, labels) or (tokens, labels, positions, mask)."""
+    model = build_model(config, seed=0)
+    opt = build_optimizer(model.parameters(), optim)
+    sched = build_scheduler(opt, optim)
+    losses = []
+    for tokens, labels, *extra in batches:
+        loss = torch.nn.functional.cross_entropy(model(tokens, *extra).flatten(0, 1).float(), labels.flatten())
+        loss.backward()
+        clip_grad_norm_(list(model.parameters()), optim.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
 def reference_losses(config: TransformerConfig, batches) -> list[float]:
     """Losses of a one-process run on the same global batches (same init, optimizer, clipping)."""
     if config.name not in _REFERENCE:
-        model = build_model(config, seed=0)
-        opt = build_optimizer(model.parameters(), OPTIM)
-        sched = build_scheduler(opt, OPTIM)
-        losses = []
-        for tokens, labels in batches:
-            loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), labels.flatten())
-            loss.backward()
-            clip_grad_norm_(list(model.parameters()), OPTIM.grad_clip)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        _REFERENCE[config.name] = losses
+        _REFERENCE[config.name] = one_process_losses(config, OPTIM, batches)
     return _REFERENCE[config.name]
 
 
@@ -107,20 +113,9 @@ def reference_trained_losses(config: TransformerConfig) -> list[float]:
     from tessera.runtime.trainer import SyntheticLoader
 
     optim = OptimConfig(**{**OPTIM.__dict__, "total_steps": TRAIN_STEPS})
-    model = build_model(config, seed=0)
-    opt = build_optimizer(model.parameters(), optim)
-    sched = build_scheduler(opt, optim)
-    losses = []
-    for step in range(TRAIN_STEPS):
-        tokens, labels = SyntheticLoader.global_batch_at(config.vocab_size, SEQ, GLOBAL_BATCH, 0, step)
-        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), labels.flatten())
-        loss.backward()
-        clip_grad_norm_(list(model.parameters()), optim.grad_clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
+    batches = (SyntheticLoader.global_batch_at(config.vocab_size, SEQ, GLOBAL_BATCH, 0, step)
+               for step in range(TRAIN_STEPS))
+    return one_process_losses(config, optim, batches)
 
 
 def check_trained(name: str, plan: Plan, config: TransformerConfig, checkpoint_dir: str | None = None,
