@@ -22,7 +22,13 @@ def size_multisets(num_devices: int, largest: int | None = None) -> list[tuple[i
 
 
 def best_micro_batch(cost, lens, seqs) -> float:
-    """Optimal max group time (with the micro-batch floor) for the sequences `seqs`."""
+    """Optimal micro-batch time (with its ZeRO traffic) for the sequences `seqs`."""
+    slowest = best_slowest_group(cost, lens, seqs)
+    return cost.micro_batch_time(slowest) if slowest < math.inf else math.inf
+
+
+def best_slowest_group(cost, lens, seqs) -> float:
+    """Optimal slowest-group time for the sequences `seqs` (micro-batch time grows with it)."""
     lens = np.asarray(lens, dtype=np.float64)
     C = cost.seq_time(lens)
     best = math.inf
@@ -39,7 +45,7 @@ def best_micro_batch(cost, lens, seqs) -> float:
                     break
                 worst = max(worst, cost.a2a_alpha_s[j] + C[members, j].sum())
             best = min(best, worst)
-    return max(best, cost.micro_batch_floor_s) if best < math.inf else math.inf
+    return best
 
 
 def set_partitions(items):
@@ -54,17 +60,17 @@ def set_partitions(items):
 
 
 def best_step(cost, lens) -> float:
-    """Optimal step time over every split into micro-batches."""
+    """Optimal step time over every split into micro-batches (run slowest last, which exposes the
+    least of the gradient sync)."""
     cache: dict[tuple[int, ...], float] = {}
     best = math.inf
     for partition in set_partitions(list(range(len(lens)))):
-        total = cost.step_overhead_s
+        slowest = []
         for block in partition:
             key = tuple(sorted(block))
             if key not in cache:
-                cache[key] = best_micro_batch(cost, lens, list(key))
-            total += cache[key]
-            if total >= best:
-                break
-        best = min(best, total)
+                cache[key] = best_slowest_group(cost, lens, list(key))
+            slowest.append(cache[key])
+        if math.inf not in slowest:
+            best = min(best, cost.step_time(sorted(slowest)))
     return best

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from tessera.adapt import cost_model, plan_step, solve_step
 from tessera.adapt.seqcost import SeqCostModel, activation_bytes_per_token, cost_model_from_budget
 from tessera.adapt.seqmilp import milp_micro_batch
-from tessera.adapt.seqpar import Items, best_static, solve_micro_batch_heuristic, solve_static
+from tessera.adapt.seqpar import Items, best_static, solve_micro_batch_heuristic, solve_static, step_lower_bound
 from tessera.cost.compute import layer_compute_time
 from tessera.errors import TesseraError
 from tessera.spec.presets import get_model, make_cluster
@@ -17,12 +17,15 @@ from tessera.spec.presets import get_model, make_cluster
 from tests.adapt_bruteforce import best_micro_batch, best_step, size_multisets
 
 
-def toy_cost(budget: float, floor: float = 0.0, num_devices: int = 4) -> SeqCostModel:
-    """4 devices; all-to-all cost grows with the degree; quadratic attention; 1 byte per token."""
+def toy_cost(budget: float, zero_s: float = 0.0, num_devices: int = 4) -> SeqCostModel:
+    """4 devices; all-to-all cost grows with the degree; quadratic attention; 1 byte per token;
+    with zero_s > 0, ZeRO-3-like traffic (a third under forward) and a gradient sync per step."""
     degrees = np.array([1, 2, 4])
     return SeqCostModel(num_devices=num_devices, degrees=degrees, lin_s_per_token=1e-3, attn_s_per_token2=2e-7,
                         a2a_alpha_s=np.array([0.0, 0.05, 0.12]), a2a_beta_s_per_token=np.array([0.0, 1e-4, 1.5e-4]),
-                        act_bytes_per_token=1.0, budget_bytes=budget, micro_batch_floor_s=floor)
+                        act_bytes_per_token=1.0, budget_bytes=budget, zero_fwd_s=zero_s / 3,
+                        zero_bwd_s=2 * zero_s / 3, step_sync_s=zero_s / 2,
+                        overlap_slowdown=1.1 if zero_s else 1.0)
 
 
 def random_cases(count: int, seed: int):
@@ -62,6 +65,7 @@ def test_whole_step_against_brute_force_over_micro_batch_splits():
         optimum = best_step(cost, lens)
         sol = solve_step(lens, cost, time_budget_s=30.0)  # the MILP refines every micro-batch, whatever the load
         assert sol.time_s >= optimum * (1 - 1e-9)
+        assert step_lower_bound(Items.of_sequences(lens, cost)) <= optimum * (1 + 1e-9)
         ratios.append(sol.time_s / optimum)
     assert max(ratios) < 1.10, ratios
     assert np.mean(np.isclose(ratios, 1.0, rtol=1e-6)) >= 0.7, ratios
@@ -145,7 +149,8 @@ def test_cost_model_from_a_static_plan():
     peak = max(plan.prediction.stage_memory, key=lambda m: m.total)
     states = peak.params + peak.grads + peak.optimizer + peak.buffers
     assert cost.budget_bytes == pytest.approx(cluster.device.memory_bytes - cluster.device.reserved_bytes - states)
-    assert cost.micro_batch_floor_s > 0  # ZeRO-3 gathers under every micro-batch
+    assert 0 < cost.zero_fwd_s < cost.zero_bwd_s  # ZeRO-3 gathers under every micro-batch, + reduce-scatter
+    assert cost.step_sync_s == 0  # one shard group over all 64 ranks: no replicas to all-reduce
     assert cost.act_bytes_per_token == pytest.approx(
         activation_bytes_per_token(model.layers, tuple(s.recompute.value for s in plan.layers)))
     step_plan = plan_step(3, [500, 40_000, 1200], model, cluster, plan)

@@ -18,9 +18,14 @@ per-document causal mask). With L a sequence's length and Tk the group's total t
 - `budget`: device memory - framework reserve - model states (parameters, gradients, optimizer)
   of the static plan, which are the same whatever the per-step groups are.
 
-Per micro-batch, the ZeRO-3 parameter gathers and gradient reduce-scatter overlap the compute, so
-a micro-batch takes max(slowest group, `micro_batch_floor_s`); without ZeRO-3, the gradient
-reduction runs once per step (`step_overhead_s`, the same for every per-step decision).
+Data-parallel traffic overlaps compute as in the planner's cost model (`cost.layer`), with
+overlapped(c, x) = c + (slowdown - 1) min(c, x) + max(0, x - c):
+- per micro-batch, ZeRO-3's parameter all-gather under the forward (`zero_fwd_s`) and all-gather +
+  gradient reduce-scatter under the backward (`zero_bwd_s`; ZeRO-2: the reduce-scatter), so a
+  micro-batch whose slowest group computes t seconds (a `backward_share` of it in backward) takes
+  `micro_batch_time(t)`;
+- once per step, the gradient sync (`step_sync_s`: the HSDP replica all-reduce, or ZeRO-0/1's
+  reduction) queued after the last micro-batch's backward traffic (`step_time`).
 
 No torch import.
 """
@@ -70,6 +75,14 @@ def power_of_two_degrees(num_devices: int) -> np.ndarray:
     return 2 ** np.arange(int(math.log2(num_devices)) + 1)
 
 
+def ulysses_degrees(model: ModelSpec, num_devices: int) -> np.ndarray:
+    """The power-of-two degrees <= num_devices that split every attention layer's heads evenly:
+    Ulysses gives each rank whole heads, so a degree above the head count cannot run."""
+    degrees = power_of_two_degrees(num_devices)
+    heads = [layer.num_heads for layer in model.layers if layer.kind in BLOCK_KINDS and layer.num_heads]
+    return np.array([d for d in degrees if all(h % d == 0 for h in heads)], dtype=degrees.dtype)
+
+
 def kv_head_repeats(num_heads: int, num_kv_heads: int, degree: int) -> int:
     """Ulysses repeats kv heads the fewest times that lets them split over `degree` ranks."""
     if num_kv_heads == 0 or degree <= 1:
@@ -93,15 +106,17 @@ class SeqCostModel:
     a2a_beta_s_per_token: np.ndarray  # (D,) seconds per token of the group
     act_bytes_per_token: float
     budget_bytes: float
-    micro_batch_floor_s: float = 0.0
-    step_overhead_s: float = 0.0
+    zero_fwd_s: float = 0.0  # ZeRO traffic under each micro-batch's forward
+    zero_bwd_s: float = 0.0  # ... and under its backward
+    step_sync_s: float = 0.0  # gradient sync once per step, after the last backward's traffic
+    overlap_slowdown: float = 1.0
+    backward_share: float = 2.0 / 3.0  # of a group's time spent in backward
 
     # --- construction ------------------------------------------------------------------------
     @classmethod
     def build(cls, model: ModelSpec, cluster: ClusterSpec, budget_bytes: float,
               recompute: str | tuple[str, ...] = "selective", dtype: str = "bf16",
-              num_devices: int | None = None, micro_batch_floor_s: float = 0.0,
-              step_overhead_s: float = 0.0) -> "SeqCostModel":
+              num_devices: int | None = None, zero_traffic: "ZeroTraffic | None" = None) -> "SeqCostModel":
         n = num_devices or cluster.num_gpus
         rc = (recompute,) * len(model.layers) if isinstance(recompute, str) else tuple(recompute)
         if len(rc) != len(model.layers):
@@ -110,20 +125,23 @@ class SeqCostModel:
             raise TesseraError(
                 f"no device memory is left for activations (budget {budget_bytes / 2**30:.1f} GiB): "
                 "shard the model states further (ZeRO-3) or use more devices")
-        lin = attn = 0.0
+        lin = attn = lin_bwd = 0.0
         for layer, r in zip(model.layers, rc):
             r = r if layer.kind in BLOCK_KINDS else "none"
             f0, b0 = layer_compute_time(layer, 0, 1.0, 1, cluster, dtype, r)
             f1, b1 = layer_compute_time(layer, 1, 1.0, 1, cluster, dtype, r)
             lin += f0 + b0
+            lin_bwd += b0
             attn += (f1 + b1) - (f0 + b0)
-        degrees = power_of_two_degrees(n)
+        zt = zero_traffic or ZeroTraffic()
+        degrees = ulysses_degrees(model, n)
         alpha, beta = cls._all_to_all_coefficients(model, cluster, rc, dtype, degrees)
         return cls(num_devices=n, degrees=degrees, lin_s_per_token=lin, attn_s_per_token2=attn,
                    a2a_alpha_s=alpha, a2a_beta_s_per_token=beta,
                    act_bytes_per_token=activation_bytes_per_token(model.layers, rc, dtype),
-                   budget_bytes=float(budget_bytes), micro_batch_floor_s=micro_batch_floor_s,
-                   step_overhead_s=step_overhead_s)
+                   budget_bytes=float(budget_bytes), zero_fwd_s=zt.forward_s, zero_bwd_s=zt.backward_s,
+                   step_sync_s=zt.step_s, overlap_slowdown=cluster.overlap_slowdown,
+                   backward_share=lin_bwd / lin if lin > 0 else 2.0 / 3.0)
 
     @staticmethod
     def _all_to_all_coefficients(model, cluster, recompute, dtype, degrees):
@@ -149,6 +167,30 @@ class SeqCostModel:
         return alpha, beta
 
     # --- evaluation --------------------------------------------------------------------------
+    def micro_batch_time(self, slowest_s: float) -> float:
+        """A micro-batch whose slowest group computes `slowest_s`, with its ZeRO traffic overlapped."""
+        bwd = self.backward_share * slowest_s
+        return (slowest_s + overlap_extra(slowest_s - bwd, self.zero_fwd_s, self.overlap_slowdown)
+                + overlap_extra(bwd, self.zero_bwd_s, self.overlap_slowdown))
+
+    def step_time(self, slowest_s) -> float:
+        """Micro-batches run in this order (slowest group times); the gradient sync follows the last
+        one's backward traffic, and only what outlasts that backward is exposed."""
+        if len(slowest_s) == 0:
+            return 0.0
+        bwd, s = self.backward_share * slowest_s[-1], self.overlap_slowdown
+        sync = (overlap_extra(bwd, self.zero_bwd_s + self.step_sync_s, s)
+                - overlap_extra(bwd, self.zero_bwd_s, s))
+        return sum(self.micro_batch_time(t) for t in slowest_s) + sync
+
+    @property
+    def busy_floor_s(self) -> float:
+        """Group time below which a micro-batch waits on its ZeRO traffic: shortening its groups
+        further gains only the overlap slowdown."""
+        fwd_share = 1.0 - self.backward_share
+        return max(self.zero_fwd_s / fwd_share if fwd_share > 0 else 0.0,
+                   self.zero_bwd_s / self.backward_share if self.backward_share > 0 else 0.0)
+
     def degree_index(self, degree: int) -> int:
         return int(np.searchsorted(self.degrees, degree))
 
@@ -202,29 +244,44 @@ class SeqCostModel:
 # --- from a static plan, or from a memory budget -------------------------------------------------
 
 
-def zero_overheads(params: float, cluster: ClusterSpec, zero: int, num_devices: int,
-                   param_bytes: int = 2, shard: int | None = None) -> tuple[float, float]:
-    """(micro-batch floor, per-step overhead) in seconds of the data-parallel traffic.
+@dataclass(frozen=True)
+class ZeroTraffic:
+    """Seconds of data-parallel traffic: under each micro-batch's forward and backward, and once
+    per step (see `zero_traffic`)."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    step_s: float = 0.0
+
+
+def overlap_extra(compute_s: float, comm_s: float, slowdown: float) -> float:
+    """Extra seconds when comm_s of communication overlaps compute_s of compute (as `cost.layer`)."""
+    return (slowdown - 1.0) * min(compute_s, comm_s) + max(0.0, comm_s - compute_s)
+
+
+def zero_traffic(params: float, cluster: ClusterSpec, zero: int, num_devices: int,
+                 param_bytes: int = 2, shard: int | None = None) -> ZeroTraffic:
+    """The data-parallel traffic of ZeRO-`zero` as the planner's cost model (`cost.layer`) has it.
 
     ZeRO shards the model states over groups of `shard` consecutive ranks (all of them by default;
     fewer is hybrid sharding, HSDP) and replicates them across the num_devices / shard groups.
-    ZeRO-3 gathers the parameters in forward and again in backward and reduce-scatters the
-    gradients within the shard group every micro-batch, overlapped with compute: a floor under
-    each micro-batch. Once per step, the gradients are reduced: all-reduce across the replicas of
-    each shard (HSDP), or for ZeRO-0 over all ranks, or for ZeRO-1/2 reduce-scatter + all-gather
-    of the updated parameters: a per-step overhead, the same for every per-step decision."""
+    Per micro-batch: ZeRO-3 gathers the parameters in forward, and again in backward with the
+    gradient reduce-scatter; ZeRO-2 reduce-scatters the gradients in backward. Once per step: the
+    all-reduce across the replicas of each shard (HSDP); ZeRO-0's all-reduce over all ranks;
+    ZeRO-1's reduce-scatter + all-gather; ZeRO-2's all-gather of the updated parameters."""
     nbytes = params * param_bytes
     shard = shard or num_devices
     replicas = num_devices // shard
+    ag = collective_time(cluster, "all_gather", nbytes, shard)
+    rs = collective_time(cluster, "reduce_scatter", nbytes, shard)
     across = collective_time(cluster, "all_reduce", nbytes / shard, replicas, stride=shard)
     if zero >= 3:
-        floor = (2 * collective_time(cluster, "all_gather", nbytes, shard)
-                 + collective_time(cluster, "reduce_scatter", nbytes, shard))
-        return floor, across
-    if zero == 0:
-        return 0.0, collective_time(cluster, "all_reduce", nbytes, num_devices)
-    return 0.0, (collective_time(cluster, "reduce_scatter", nbytes, shard)
-                 + collective_time(cluster, "all_gather", nbytes, shard) + across)
+        return ZeroTraffic(ag, ag + rs, across)
+    if zero == 2:
+        return ZeroTraffic(0.0, rs, ag + across)
+    if zero == 1:
+        return ZeroTraffic(0.0, 0.0, rs + ag + across)
+    return ZeroTraffic(0.0, 0.0, collective_time(cluster, "all_reduce", nbytes, num_devices))
 
 
 def model_state_bytes_per_device(params: float, num_devices: int, zero: int, param_bytes: int = 2,
@@ -250,8 +307,8 @@ def cost_model_from_budget(model: ModelSpec, cluster: ClusterSpec, budget_bytes:
         if zero >= 3:
             states += gathered_weight_bytes(model, pbytes)
         budget_bytes = cluster.device.memory_bytes - cluster.device.reserved_bytes - states
-    floor, overhead = zero_overheads(model.num_params, cluster, zero, n, pbytes, shard)
-    return SeqCostModel.build(model, cluster, budget_bytes, recompute, dtype, n, floor, overhead)
+    traffic = zero_traffic(model.num_params, cluster, zero, n, pbytes, shard)
+    return SeqCostModel.build(model, cluster, budget_bytes, recompute, dtype, n, traffic)
 
 
 def cost_model_from_plan(plan) -> SeqCostModel:
@@ -279,7 +336,7 @@ def cost_model_from_plan(plan) -> SeqCostModel:
     budget = plan.cluster.device.memory_bytes - plan.cluster.device.reserved_bytes - states
     zero = min(s.zero for s in plan.layers)
     shard = min(s.shard_degree * s.sp_degree for s in plan.layers) if zero else n
-    floor, overhead = zero_overheads(plan.model.num_params, plan.cluster, zero, n, w.param_bytes,
+    traffic = zero_traffic(plan.model.num_params, plan.cluster, zero, n, w.param_bytes,
                                      shard if n % shard == 0 else n)
     return SeqCostModel.build(plan.model, plan.cluster, budget, tuple(s.recompute.value for s in plan.layers),
-                              w.dtype, n, floor, overhead)
+                              w.dtype, n, traffic)

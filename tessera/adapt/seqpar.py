@@ -2,12 +2,14 @@
 
 Problem. A step's n sequences (lengths L_s) run on N devices in M micro-batches. In micro-batch m
 the devices form sequence-parallel groups: power-of-two sizes d_g, aligned blocks of consecutive
-ranks (so every group is one of the 2N-1 cached process groups), sizes summing to N. Each sequence
+ranks (so every group is one of the 2N-1 cached process groups), sizes summing to at most N. Each sequence
 runs in exactly one (micro-batch, group). With `SeqCostModel` (seqcost.py):
 
-    minimise   sum_m max( max_g [alpha_{d_g} + sum_{s in g} c(L_s, d_g)],  floor )  (+ step overhead)
+    minimise   sum_m mb( max_g [alpha_{d_g} + sum_{s in g} c(L_s, d_g)] )  (+ the exposed gradient sync)
     subject to sum_{s in g} L_s * act / d_g <= budget          (memory of every device)
-               sum_g d_g = N in every micro-batch
+               sum_g d_g <= N in every micro-batch (spare ranks idle)
+
+where mb(t) adds the ZeRO traffic that t seconds of compute do not hide (`SeqCostModel.micro_batch_time`).
 
 Any multiset of power-of-two sizes summing to N can be laid out aligned (largest first), so the
 solvers choose sizes and contents and `_layout` places them.
@@ -54,6 +56,7 @@ _BUILD_STEPS = 6
 _BUILD_WINDOW = 0.85  # packings search down to this share of the counted target
 _MILP_MAX_BINARIES = 2500
 _STATIC_EXTRA_MICRO_BATCHES = 1
+_PEEL_FROM = 0.6  # try the long sequences' own micro-batch when one takes this share of the slowest
 _TRY_ONE_MORE_MICRO_BATCH = True
 
 
@@ -67,7 +70,8 @@ class GroupSolution:
 @dataclass
 class MicroBatchSolution:
     groups: list[GroupSolution]
-    time_s: float  # max(slowest group, the micro-batch floor)
+    time_s: float  # with its ZeRO traffic: SeqCostModel.micro_batch_time(slowest_s)
+    slowest_s: float = 0.0  # the slowest group's time
 
 
 @dataclass
@@ -87,7 +91,7 @@ class Items:
         self.degrees = cost.degrees
         self.alpha = cost.a2a_alpha_s
         self.cap = cost.token_capacity(self.degrees)  # (D,)
-        self.floor = cost.micro_batch_floor_s
+        self.floor = cost.busy_floor_s
         self.lens = lens  # (m,) tokens
         self.C = C  # (m, D) seconds at each degree, without alpha
         self.members = members  # sequences of each item
@@ -142,19 +146,44 @@ class Items:
 
     def micro_batch(self, groups: list[GroupSolution]) -> MicroBatchSolution:
         slowest = max((g.time_s for g in groups), default=0.0)
-        return MicroBatchSolution(groups=groups, time_s=max(slowest, self.floor))
+        return MicroBatchSolution(groups=groups, time_s=self.cost.micro_batch_time(slowest), slowest_s=slowest)
 
     def step(self, mbs: list[MicroBatchSolution], method: str) -> StepSolution:
+        """The micro-batches slowest last: the gradient sync then hides behind the longest backward."""
+        mbs = sorted(mbs, key=lambda m: m.slowest_s)
         return StepSolution(micro_batches=mbs, method=method,
-                            time_s=sum(m.time_s for m in mbs) + self.cost.step_overhead_s)
+                            time_s=self.cost.step_time([m.slowest_s for m in mbs]))
 
     def lower_bound(self, idx: np.ndarray) -> float:
-        """max(fastest time of the slowest item, device-seconds at the smallest degrees / N)."""
+        """Of the slowest group's time: max(fastest time of the slowest item, device-seconds at the
+        smallest degrees / N), and no less than the busy floor (below it nothing gains)."""
         valid = np.arange(len(self.degrees))[None, :] >= self.jmin[idx][:, None]
         best_single = np.where(valid, self.alpha[None, :] + self.C[idx], np.inf).min(axis=1)
         jm = self.jmin[idx]
         device_seconds = (self.degrees[jm] * self.C[idx, jm]).sum()
         return max(float(best_single.max()), float(device_seconds) / self.N, self.floor)
+
+
+def step_lower_bound(b: Items) -> float:
+    """No step plan is faster: the relaxation where every sequence runs at a degree that finishes
+    it within T, the devices are shared fluidly (device-seconds <= N * T), and memory binds only
+    each sequence alone (so a batch that memory cuts into micro-batches is bounded loosely). The
+    smallest such T, as one micro-batch (splitting only adds ZeRO traffic), plus the gradient sync."""
+    valid = np.arange(len(b.degrees))[None, :] >= b.jmin[:, None]
+    t = np.where(valid, b.alpha[None, :] + b.C, np.inf)
+    area = np.where(valid, b.degrees[None, :] * b.C, np.inf)
+
+    def fits(target: float) -> bool:
+        return float(np.where(t <= target, area, np.inf).min(axis=1).sum()) <= b.N * target
+
+    lo = float(t.min(axis=1).max())
+    hi = max(lo, float(area.min(axis=1).sum()) / b.N)
+    while not fits(hi):
+        lo, hi = hi, 2 * hi
+    for _ in range(40):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return b.cost.step_time([hi])
 
 
 # --- helpers ------------------------------------------------------------------------------------
@@ -269,14 +298,15 @@ def _degree_choice(b: Items, idx: np.ndarray, target: float) -> np.ndarray | Non
     return np.argmax(ok, axis=1)
 
 
-def _pack(b: Items, idx: np.ndarray, target: float, build: bool):
+def _pack(b: Items, idx: np.ndarray, target: float, build: bool, max_devices: int | None = None):
     """Pack items into groups of time <= target (first-fit decreasing by device-seconds): an item
     goes into the lowest-degree open group of at least its degree that has time and memory left,
     else opens a group of its degree.
 
     build=True returns [(degree index, items)] per group. build=False returns the devices needed,
     with the items under _SMALL of a degree-1 group filling the gaps fluidly (less one such item
-    of slack per group) instead of being placed."""
+    of slack per group) instead of being placed. With max_devices, build=True opens no group
+    past that many devices and returns (groups, the items left out)."""
     j = _degree_choice(b, idx, target)
     if j is None:
         return None if build else math.inf
@@ -292,6 +322,7 @@ def _pack(b: Items, idx: np.ndarray, target: float, build: bool):
     rem_k: list[float] = []
     members: list[list[int]] = []
     by_class: list[list[int]] = [[] for _ in range(D)]
+    used, left_out = 0, []
     for s, c in zip(idx[big].tolist(), j[big].tolist()):
         row, length, chosen = rows[s], lens[s], -1
         for cc in range(c, D):
@@ -303,6 +334,10 @@ def _pack(b: Items, idx: np.ndarray, target: float, build: bool):
             if chosen >= 0:
                 break
         if chosen < 0:
+            if max_devices is not None and used + int(b.degrees[c]) > max_devices:
+                left_out.append(s)
+                continue
+            used += int(b.degrees[c])
             chosen = len(gcls)
             gcls.append(c)
             rem_t.append(room[c])
@@ -313,7 +348,8 @@ def _pack(b: Items, idx: np.ndarray, target: float, build: bool):
         rem_k[chosen] -= length
         members[chosen].append(s)
     if build:
-        return list(zip(gcls, members))
+        groups = list(zip(gcls, members))
+        return groups if max_devices is None else (groups, np.array(left_out, dtype=np.int64))
     devices = int(b.degrees[gcls].sum()) if gcls else 0
     rest = idx[small]
     if rest.size == 0:
@@ -358,7 +394,7 @@ def _search(b: Items, idx: np.ndarray) -> MicroBatchSolution | None:
             lo = mid
     best = _build(b, idx, hi)
     if best is not None:
-        lo, hi = max(floor, hi * _BUILD_WINDOW), best.time_s
+        lo, hi = max(floor, hi * _BUILD_WINDOW), best.slowest_s
     else:
         step = 1 + 4 * _COUNT_TOLERANCE
         for _ in range(200):
@@ -377,7 +413,7 @@ def _search(b: Items, idx: np.ndarray) -> MicroBatchSolution | None:
         if sol is None:
             lo = mid
         else:
-            hi = min(mid, sol.time_s)
+            hi = min(mid, sol.slowest_s)
             best = sol if sol.time_s < best.time_s else best
     return best
 
@@ -388,12 +424,11 @@ def solve_micro_batch_heuristic(b: Items, idx: np.ndarray) -> tuple[MicroBatchSo
     return _search(bundled, np.arange(bundled.n)), bundled
 
 
-def solve_adaptive(b: Items) -> tuple[StepSolution | None, list[Items]]:
-    """The heuristic for the whole step: the fewest micro-batches memory allows (one more when
-    memory binds, as smaller micro-batches pack more freely)."""
-    idx = np.arange(b.n)
-    weight = b.degrees[b.jmin] * b.C[idx, b.jmin]  # device-seconds at the smallest degree
-    first = max(1, math.ceil(b.lens.sum() / (b.N * b.cap[0]) - 1e-9))
+def _solve_split(b: Items, idx: np.ndarray) -> tuple[StepSolution | None, list[Items]]:
+    """The items `idx` cut into the fewest micro-batches memory allows, of equal device-seconds (one
+    more when memory binds, as smaller micro-batches pack more freely), each solved alone."""
+    weight = b.degrees[b.jmin] * b.C[np.arange(b.n), b.jmin]  # device-seconds at the smallest degree
+    first = max(1, math.ceil(b.lens[idx].sum() / (b.N * b.cap[0]) - 1e-9))
     best = None
     for parts in range(first, first + 8):
         split = _split_micro_batches(b, idx, parts, weight, b.N * b.cap[0])
@@ -402,13 +437,50 @@ def solve_adaptive(b: Items) -> tuple[StepSolution | None, list[Items]]:
         solved = [solve_micro_batch_heuristic(b, part) for part in split]
         if any(m is None for m, _ in solved):
             continue
-        sol = (b.step([m for m, _ in solved], "adaptive"), [items for _, items in solved])
+        sol = _step_of(b, solved)
         if best is not None:
             return min(best, sol, key=lambda x: x[0].time_s)
         best = sol
         if parts == 1 or not _TRY_ONE_MORE_MICRO_BATCH:
             return best
     return best if best is not None else (None, [])
+
+
+def _step_of(b: Items, solved: list) -> tuple[StepSolution, list[Items]]:
+    solved = sorted(solved, key=lambda x: x[0].slowest_s)  # the order `step` runs them in, with their items
+    return b.step([m for m, _ in solved], "adaptive"), [items for _, items in solved]
+
+
+def _solve_peeled(b: Items, idx: np.ndarray) -> tuple[StepSolution | None, list[Items]]:
+    """When a few long sequences set the time: a micro-batch that runs them, with every other
+    sequence that fits within their time on the devices they leave, then the rest after. (Equal
+    micro-batches would make the long sequences' micro-batch wait on memory-bound short groups.
+    Stretching that micro-batch past the longest sequence's time measured no better.)"""
+    valid = np.arange(len(b.degrees))[None, :] >= b.jmin[idx][:, None]
+    longest = float(np.where(valid, b.alpha[None, :] + b.C[idx], np.inf).min(axis=1).max())
+    out = _pack(b, idx, longest, build=True, max_devices=b.N)
+    if out is None or out[1].size == 0 or out[1].size == idx.size:
+        return None, []
+    groups, rest = out
+    then, then_items = _solve_split(b, rest)
+    if then is None:
+        return None, []
+    first = b.micro_batch([b.group(c, m) for c, m in groups])
+    placed = np.array([i for _, m in groups for i in m], dtype=np.int64)
+    return _step_of(b, [(first, b.bundled(placed, 0.0))] + list(zip(then.micro_batches, then_items)))
+
+
+def solve_adaptive(b: Items) -> tuple[StepSolution | None, list[Items]]:
+    """The heuristic for the whole step: the better of equal micro-batches (`_solve_split`) and the
+    long sequences' micro-batch first (`_solve_peeled`)."""
+    idx = np.arange(b.n)
+    split = _solve_split(b, idx)
+    valid = np.arange(len(b.degrees))[None, :] >= b.jmin[:, None]
+    longest = float(np.where(valid, b.alpha[None, :] + b.C, np.inf).min(axis=1).max())
+    if split[0] is not None and longest < _PEEL_FROM * max(m.slowest_s for m in split[0].micro_batches):
+        return split  # no sequence long enough to set a micro-batch's time: peeling cannot pay
+    sols = [s for s in (split, _solve_peeled(b, idx)) if s[0] is not None]
+    return min(sols, key=lambda s: s[0].time_s) if sols else (None, [])
 
 
 def milp_slots(b: Items, n: int) -> list[tuple[int, int]]:
@@ -458,7 +530,7 @@ def solve_step(seq_lens, cost: SeqCostModel, time_budget_s: float = 0.1, use_mil
             idx = np.arange(items.n)
             left = time_budget_s - (time.perf_counter() - start)
             exact = None
-            if (mb.time_s > items.lower_bound(idx) * (1 + 1e-3) and left > 0.005
+            if (mb.slowest_s > items.lower_bound(idx) * (1 + 1e-3) and left > 0.005
                     and milp_binaries(items.n, items) <= _MILP_MAX_BINARIES):
                 from .seqmilp import milp_micro_batch  # scipy.optimize: imported only when it runs
 

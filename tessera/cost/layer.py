@@ -19,9 +19,10 @@ Per micro-batch (seconds):
              (`ClusterSpec.overlap_slowdown`: compute runs slower while NCCL kernels share the SMs).
     ZeRO-2   reduce-scatter grads each backward (overlapped).
 Per step (seconds, once): ZeRO-0/1 gradient all-reduce (ZeRO-1: reduce-scatter + all-gather, the
-    same volume) overlapped with the last micro-batch's backward of the layer; ZeRO-2 parameter
-    all-gather after the update overlapped with the first forward; HSDP / Ulysses replica
-    all-reduce of the 1/S shard, exposed; the optimizer update, memory-bound:
+    same volume) and the HSDP / Ulysses replica all-reduce of the 1/S shard, overlapped with the
+    last micro-batch's backward of the layer after its ZeRO-2/3 traffic (DDP buckets and FSDP2's
+    post-backward issue them per layer on their own stream); ZeRO-2 parameter all-gather after the
+    update overlapped with the first forward; the optimizer update, memory-bound:
     (3 pb + 2 ob) * local params / HBM bandwidth. With offload: gradients down and parameters up
     (2 pb) plus the host update's own traffic (2 ob + 2 pb), all at `host_bandwidth`, not
     overlapped — a GPU's share of its node's DRAM bandwidth is of the order of its PCIe link, so
@@ -212,9 +213,13 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
     fwd = cf + comm_f + np.where(z == 3, _overlap_extra(cf, ag, slow), 0.0)
     bwd = cb + comm_b + np.where(z == 3, _overlap_extra(cb, ag + rs, slow),
                                  np.where(z == 2, _overlap_extra(cb, rs, slow), 0.0))
-    sync = np.where(z == 0, _overlap_extra(cb, ar_step, slow),
-                    np.where(z == 1, _overlap_extra(cb, ag + rs, slow),
-                             np.where(z == 2, _overlap_extra(cf, ag, slow), 0.0)) + rep)
+    # Once per step, the last micro-batch's backward also carries the gradient sync (ZeRO-0
+    # all-reduce, ZeRO-1 reduce-scatter + all-gather) and the HSDP replica all-reduce, queued after
+    # that backward's own ZeRO-2/3 traffic: charge the extra exposure they add.
+    per_mb = np.where(z == 3, ag + rs, np.where(z == 2, rs, 0.0))
+    once = np.where(z == 0, ar_step, np.where(z == 1, ag + rs, 0.0) + rep)  # ZeRO-0: ar_step is the whole sync
+    sync = (_overlap_extra(cb, per_mb + once, slow) - _overlap_extra(cb, per_mb, slow)
+            + np.where(z == 2, _overlap_extra(cf, ag, slow), 0.0))
 
     params, grads, optimizer = model_state_bytes(layer, wl, t.tp, t.ep, z, shard, es, t.offload)
     local = pd / np.where(z >= 1, shard, 1) + pe / np.where(z >= 1, es, 1)
