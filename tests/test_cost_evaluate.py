@@ -97,3 +97,22 @@ def test_ulysses_and_expert_all_to_alls_are_charged():
     costs = layer_costs(moe, t, ctx)
     msg = 4096 * moe.top_k * moe.capacity_factor * moe.hidden * 2  # one sequence per device
     assert costs.fwd[1] - costs.fwd[0] == pytest.approx(2 * collective_time(c, "all_to_all", msg, 8, 1))
+
+
+def test_time_shared_cores_fill_pipeline_bubbles(setup):
+    """With more ranks than cores (a CPU profile), an idle pipeline rank lends its cores: the step
+    is no faster than all the work spread over the cores nor than the critical path alone."""
+    m, c, w = setup
+    shared = c.model_copy(update={"oversubscription": 2.0})
+    for kwargs in (dict(pp=4, tp=2, sp="megatron", micro_batch_size=8), dict(tp=2, zero=1)):
+        own = manual_plan(m, c, w, **kwargs)
+        plan = manual_plan(m, shared, w, **kwargs)
+        sim, tails = simulate_plan(plan)
+        mean_busy = float(np.mean([b + t for b, t in zip(sim.busy, tails)]))
+        expected = max((sim.step_time + max(tails)) / 2.0, mean_busy)
+        assert plan.prediction.step_time_s == pytest.approx(expected)
+        if own.pipeline.degree > 1:
+            assert plan.prediction.step_time_s < own.prediction.step_time_s  # bubbles filled
+            assert plan.prediction.bubble_s < own.prediction.bubble_s
+        else:
+            assert plan.prediction.step_time_s == pytest.approx(own.prediction.step_time_s)

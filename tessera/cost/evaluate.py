@@ -6,7 +6,10 @@ Step time:
 with F_c = sum of the chunk's layer forwards + re-sharding transitions between adjacent layers of
 different layouts, B_c likewise (layer.py gives every per-layer term), W_c the weight-gradient
 compute (zero-bubble), and step_l the once-per-step exposed gradient sync and optimizer update.
-Breakdown: bubble = makespan - busy time of the busiest rank; compute = that rank's pure compute
+On time-shared cores (`ClusterSpec.oversubscription` r > 1, a CPU running more ranks than it
+has cores; the profiled rates are those with every rank busy): step = max(step / r, the mean over
+pipeline ranks of their busy time + tail), since an idle rank's cores speed up the busy ones.
+Breakdown: bubble = step - busy time and tail of the busiest rank; compute = that rank's pure compute
 (m micro-batches) plus its optimizer update; exposed communication = the rest.
 
 MFU = 3 * model forward FLOPs of the step (attention included, recompute excluded)
@@ -120,12 +123,15 @@ def evaluate(plan: Plan) -> Prediction:
     costs = _per_layer_costs(plan, ctx)
     sim, tails = _simulate(plan, ctx, costs)
     step = sim.step_time + max(tails)
+    r = plan.cluster.oversubscription
+    if r > 1:  # time-shared cores: no faster than the critical path alone, nor than all the work
+        step = max(step / r, float(np.mean([b + t for b, t in zip(sim.busy, tails)])))
     pipe, m = plan.pipeline, plan.num_micro_batches
     crit = int(np.argmax(sim.busy))
     crit_layers = [i for c, (s, e) in enumerate(pipe.stages) if pipe.rank_of_chunk(c) == crit for i in range(s, e)]
     compute = sum(m * (_scalar(costs[i], "compute_fwd") + _scalar(costs[i], "compute_bwd"))
                   + _scalar(costs[i], "optimizer_time") for i in crit_layers)
-    bubble = sim.step_time - sim.busy[crit]
+    bubble = max(0.0, step - tails[crit] - sim.busy[crit])
     memory = stage_memory(plan, costs)
     flops = plan.cluster.device.peak_flops
     peak = plan.workload.dtype if plan.workload.dtype in flops else "bf16"

@@ -13,7 +13,9 @@ the slowest rank):
   all_gather / reduce_scatter, the bytes each rank sends for all_to_all, one message for p2p
   (half a ping-pong round trip).
 - matmul FLOP/s per dtype: square matmuls of side `matmul_size`, on every rank at once.
-- overlap slowdown: matmul time while all-reduces run in the background / matmul time alone.
+- overlap slowdown: how much slower compute and all-reduces finish together than the cost model's
+  perfect overlap (see `measure_overlap_slowdown`).
+- oversubscription: ranks x threads per core on this node (CPU; see `ClusterSpec.oversubscription`).
 - device memory; memory bandwidth as the AdamW update achieves it (the only use the cost model
   makes of it); host bandwidth (pinned copies on CUDA, a plain copy on CPU).
 
@@ -280,7 +282,15 @@ def measure_matmul(env: Environment, dtype: str, n: int, reps: int, statistic: s
 
 
 def measure_overlap_slowdown(env: Environment, n: int, nbytes: int, reps: int) -> float:
-    """(matmul time while all-reduces of `nbytes` run in the background) / (matmul time alone), >= 1."""
+    """The cost model's `overlap_slowdown` s, fitted to compute and communication run together.
+
+    With c the seconds of some matmuls alone, x those of some all-reduces alone and T the seconds
+    until both are done when launched together, the cost model has
+    T = c + (s - 1) min(c, x) + max(0, x - c), so s = 1 + (T - c - max(0, x - c)) / min(c, x):
+    about 1.1 on a GPU (NCCL kernels take some SMs), near 2 where the same cores must do both (a
+    CPU: gloo's threads share the cores of the compute, so overlapping saves nothing). Measuring
+    only the matmuls' slowdown would miss the second case: the matmuls keep their speed while the
+    collectives wait for them."""
     a, b = _matmul_operands(env, "fp32", n)
     buf = torch.ones(max(env.world, nbytes // 4), dtype=torch.float32, device=env.device)
     k = 3  # matmuls per timing
@@ -291,21 +301,29 @@ def measure_overlap_slowdown(env: Environment, n: int, nbytes: int, reps: int) -
 
     alone = _time_reps(env, matmuls, reps)
     t_ar = _time_reps(env, lambda: dist.all_reduce(buf), 1)
-    # Keep the link busy throughout (a bounded queue: gloo does not like thousands of pending ops).
-    # Every rank must issue the same number of all-reduces: agree on the largest count.
-    copies = int(_slowest(env, min(32, max(1, int(np.ceil(alone / max(t_ar, 1e-6))) + 1))))
-    ratios = []
+    # About as much communication as compute (a bounded queue: gloo does not like thousands of
+    # pending ops). Every rank must issue the same number of all-reduces: agree on the largest count.
+    copies = int(_slowest(env, min(32, max(1, round(alone / max(t_ar, 1e-6))))))
+
+    def all_reduces() -> None:
+        for w in [dist.all_reduce(buf, async_op=True) for _ in range(copies)]:
+            w.wait()
+
+    comm = _time_reps(env, all_reduces, reps)
+    both = []
     for _ in range(reps):
         dist.barrier()
-        works = [dist.all_reduce(buf, async_op=True) for _ in range(copies)]
         _sync(env)
         t0 = time.perf_counter()
+        works = [dist.all_reduce(buf, async_op=True) for _ in range(copies)]
         matmuls()
-        _sync(env)
-        ratios.append((time.perf_counter() - t0) / alone)
         for w in works:
             w.wait()
-    return max(1.0, _mean(env, statistics.median(ratios)))
+        _sync(env)
+        both.append(_slowest(env, time.perf_counter() - t0))
+    together = statistics.median(both)
+    s = 1.0 + (together - alone - max(0.0, comm - alone)) / min(alone, comm)
+    return float(min(max(s, 1.0), 3.0))
 
 
 def measure_optimizer_bandwidth(env: Environment, statistic: str = "median") -> float:
@@ -459,8 +477,18 @@ def profile_hardware(options: HardwareOptions | None = None, progress: Progress 
     name = o.name or f"profiled {env.num_nodes}x{env.local_world} {device.name} ({env.backend})"
     cluster = ClusterSpec(name=name, num_nodes=env.num_nodes, gpus_per_node=env.local_world, device=device,
                           intra_node=intra, inter_node=inter, compute_efficiency=efficiency,
-                          overlap_slowdown=slowdown, host_bandwidth=host_bw, collectives=tuple(curves))
+                          overlap_slowdown=slowdown, host_bandwidth=host_bw, collectives=tuple(curves),
+                          oversubscription=oversubscription(env, cuda))
     return cluster
+
+
+def oversubscription(env: Environment, cuda: bool) -> float:
+    """Ranks per set of cores they need: this node's ranks x threads each over its usable cores
+    (>= 1; 1 on GPUs, whose ranks each own a device)."""
+    if cuda:
+        return 1.0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1.0, env.local_world * torch.get_num_threads() / cores)
 
 
 def planned_units(env: Environment, options: HardwareOptions | None = None) -> int:

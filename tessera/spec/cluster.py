@@ -58,10 +58,15 @@ class ClusterSpec(Frozen):
     inter_node: LinkSpec
     # Achievable fraction of peak FLOP/s for large matmuls (measured profiles replace this).
     compute_efficiency: float = Field(default=0.6, gt=0, le=1)
-    # Slow-down of compute while communication runs on the same device (1.0 = none).
+    # Overlap of compute and communication: overlapped(c, x) = c + (s - 1) min(c, x) + max(0, x - c)
+    # (1.0 = perfect overlap; ~1.1 on GPUs, where NCCL takes some SMs; 2.0 = none, as on CPUs).
     overlap_slowdown: float = Field(default=1.1, ge=1)
     # Host link used to offload optimizer state (PCIe gen5 x16 ~ 50 GB/s unidirectional).
     host_bandwidth: float = Field(default=50e9, gt=0)
+    # Ranks per set of cores their compute needs, when a node runs more ranks x threads than it
+    # has cores (a CPU profile; 1 on GPUs). Measured rates are those with every rank busy, so a
+    # rank waiting in a pipeline bubble lends its cores to the others (see `cost.evaluate`).
+    oversubscription: float = Field(default=1.0, ge=1)
     collectives: tuple[CollectiveCurve, ...] = ()
 
     @property

@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from tessera.profile.apply import write_atomic
@@ -51,7 +52,10 @@ def main():
               and c.seconds[-1] > 1.5 * c.seconds[0], str(c.seconds))
     check("cpu_peak_is_measured", cluster.compute_efficiency == 1.0 and cluster.device.peak_flops["fp32"] > 1e8)
     check("link_fitted", cluster.intra_node.bandwidth > 1e6 and cluster.intra_node.latency >= 0)
-    check("overlap", cluster.overlap_slowdown >= 1.0)
+    check("overlap", 1.0 <= cluster.overlap_slowdown <= 3.0)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    check("oversubscription", cluster.oversubscription == max(1.0, env.world * torch.get_num_threads() / cores),
+          str(cluster.oversubscription))
 
     spec = ModelSpec.from_config(SMALL)
     sizes = [(1, 32), (2, 32), (1, 64), (2, 64), (1, 128)]
