@@ -38,6 +38,7 @@ import numpy as np
 
 from ..cost.comm import collective_time
 from ..cost.compute import layer_compute_time
+from ..cost.layer import overlap_extra
 from ..cost.memory import RC_FULL, RC_NONE, RC_SELECTIVE, activation_bytes
 from ..errors import TesseraError
 from ..spec.cluster import ClusterSpec
@@ -252,11 +253,6 @@ class ZeroTraffic:
     forward_s: float = 0.0
     backward_s: float = 0.0
     step_s: float = 0.0
-
-
-def overlap_extra(compute_s: float, comm_s: float, slowdown: float) -> float:
-    """Extra seconds when comm_s of communication overlaps compute_s of compute (as `cost.layer`)."""
-    return (slowdown - 1.0) * min(compute_s, comm_s) + max(0.0, comm_s - compute_s)
 
 
 def zero_traffic(params: float, cluster: ClusterSpec, zero: int, num_devices: int,

@@ -157,11 +157,15 @@ class Items:
     def lower_bound(self, idx: np.ndarray) -> float:
         """Of the slowest group's time: max(fastest time of the slowest item, device-seconds at the
         smallest degrees / N), and no less than the busy floor (below it nothing gains)."""
-        valid = np.arange(len(self.degrees))[None, :] >= self.jmin[idx][:, None]
-        best_single = np.where(valid, self.alpha[None, :] + self.C[idx], np.inf).min(axis=1)
         jm = self.jmin[idx]
         device_seconds = (self.degrees[jm] * self.C[idx, jm]).sum()
-        return max(float(best_single.max()), float(device_seconds) / self.N, self.floor)
+        return max(self.slowest_item_s(idx), float(device_seconds) / self.N, self.floor)
+
+    def slowest_item_s(self, idx: np.ndarray) -> float:
+        """The time of the slowest item alone at its fastest degree that holds it: no group that
+        runs it is quicker."""
+        valid = np.arange(len(self.degrees))[None, :] >= self.jmin[idx][:, None]
+        return float(np.where(valid, self.alpha[None, :] + self.C[idx], np.inf).min(axis=1).max())
 
 
 def step_lower_bound(b: Items) -> float:
@@ -451,13 +455,11 @@ def _step_of(b: Items, solved: list) -> tuple[StepSolution, list[Items]]:
     return b.step([m for m, _ in solved], "adaptive"), [items for _, items in solved]
 
 
-def _solve_peeled(b: Items, idx: np.ndarray) -> tuple[StepSolution | None, list[Items]]:
+def _solve_peeled(b: Items, idx: np.ndarray, longest: float) -> tuple[StepSolution | None, list[Items]]:
     """When a few long sequences set the time: a micro-batch that runs them, with every other
     sequence that fits within their time on the devices they leave, then the rest after. (Equal
     micro-batches would make the long sequences' micro-batch wait on memory-bound short groups.
-    Stretching that micro-batch past the longest sequence's time measured no better.)"""
-    valid = np.arange(len(b.degrees))[None, :] >= b.jmin[idx][:, None]
-    longest = float(np.where(valid, b.alpha[None, :] + b.C[idx], np.inf).min(axis=1).max())
+    Stretching that micro-batch past the longest sequence's time, `longest`, measured no better.)"""
     out = _pack(b, idx, longest, build=True, max_devices=b.N)
     if out is None or out[1].size == 0 or out[1].size == idx.size:
         return None, []
@@ -475,11 +477,10 @@ def solve_adaptive(b: Items) -> tuple[StepSolution | None, list[Items]]:
     long sequences' micro-batch first (`_solve_peeled`)."""
     idx = np.arange(b.n)
     split = _solve_split(b, idx)
-    valid = np.arange(len(b.degrees))[None, :] >= b.jmin[:, None]
-    longest = float(np.where(valid, b.alpha[None, :] + b.C, np.inf).min(axis=1).max())
+    longest = b.slowest_item_s(idx)
     if split[0] is not None and longest < _PEEL_FROM * max(m.slowest_s for m in split[0].micro_batches):
         return split  # no sequence long enough to set a micro-batch's time: peeling cannot pay
-    sols = [s for s in (split, _solve_peeled(b, idx)) if s[0] is not None]
+    sols = [s for s in (split, _solve_peeled(b, idx, longest)) if s[0] is not None]
     return min(sols, key=lambda s: s[0].time_s) if sols else (None, [])
 
 

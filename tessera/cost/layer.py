@@ -146,8 +146,8 @@ def cost_key(layer: LayerSpec) -> tuple:
     return tuple(v for k, v in layer.__dict__.items() if k != "name")
 
 
-def _overlap_extra(c, x, slowdown):
-    """Extra seconds when x seconds of communication overlap c seconds of compute."""
+def overlap_extra(c, x, slowdown):
+    """Extra seconds when x seconds of communication overlap c seconds of compute (arrays or scalars)."""
     return (slowdown - 1.0) * np.minimum(c, x) + np.maximum(0.0, x - c)
 
 
@@ -210,16 +210,16 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
         rep_stride = np.where(t.sp > 1, t.tp, t.tp * t.sp * s)
         rep = rep + collective_times(cl, "all_reduce", pb * p / s, replicas, rep_stride)
     z = t.zero
-    fwd = cf + comm_f + np.where(z == 3, _overlap_extra(cf, ag, slow), 0.0)
-    bwd = cb + comm_b + np.where(z == 3, _overlap_extra(cb, ag + rs, slow),
-                                 np.where(z == 2, _overlap_extra(cb, rs, slow), 0.0))
+    fwd = cf + comm_f + np.where(z == 3, overlap_extra(cf, ag, slow), 0.0)
+    bwd = cb + comm_b + np.where(z == 3, overlap_extra(cb, ag + rs, slow),
+                                 np.where(z == 2, overlap_extra(cb, rs, slow), 0.0))
     # Once per step, the last micro-batch's backward also carries the gradient sync (ZeRO-0
     # all-reduce, ZeRO-1 reduce-scatter + all-gather) and the HSDP replica all-reduce, queued after
     # that backward's own ZeRO-2/3 traffic: charge the extra exposure they add.
     per_mb = np.where(z == 3, ag + rs, np.where(z == 2, rs, 0.0))
     once = np.where(z == 0, ar_step, np.where(z == 1, ag + rs, 0.0) + rep)  # ZeRO-0: ar_step is the whole sync
-    sync = (_overlap_extra(cb, per_mb + once, slow) - _overlap_extra(cb, per_mb, slow)
-            + np.where(z == 2, _overlap_extra(cf, ag, slow), 0.0))
+    sync = (overlap_extra(cb, per_mb + once, slow) - overlap_extra(cb, per_mb, slow)
+            + np.where(z == 2, overlap_extra(cf, ag, slow), 0.0))
 
     params, grads, optimizer = model_state_bytes(layer, wl, t.tp, t.ep, z, shard, es, t.offload)
     local = pd / np.where(z >= 1, shard, 1) + pe / np.where(z >= 1, es, 1)
