@@ -27,8 +27,8 @@ Solvers:
   (costs are additive within a group, so a bundle costs exactly its members).
 - `milp_micro_batch` (seqmilp.py): the exact mixed-integer form (HiGHS), on the bundled items, used
   when it is small enough to pay within the time budget, and in tests against brute force.
-- `solve_step`: the best of the adaptive plan and every single static degree (so never predicted
-  slower than the best static degree); `plan_sequence_parallel` returns it as a `StepPlan`.
+- `solve_step`: the best of the adaptive plan and every single static degree under either balance
+  (so never predicted slower than the best static degree); `plan_sequence_parallel` returns it as a `StepPlan`.
 
 No torch import.
 """
@@ -518,12 +518,15 @@ def to_step_plan(step: int, seq_lens, sol: StepSolution, num_devices: int) -> St
 
 def solve_step(seq_lens, cost: SeqCostModel, time_budget_s: float = 0.1, use_milp: bool = True) -> StepSolution:
     """The best of: the adaptive heuristic (each micro-batch refined by the exact MILP when it is
-    small enough for the time budget and not already at its lower bound) and every static degree."""
+    small enough for the time budget and not already at its lower bound) and every static degree
+    under either balance."""
     start = time.perf_counter()
     if len(seq_lens) == 0:
         raise TesseraError("a step needs at least one sequence")
     b = Items.of_sequences(seq_lens, cost)
-    static = best_static(b)
+    # Both static baselines: the token split can edge out LPT when memory cuts micro-batches differently.
+    statics = [s for s in (best_static(b, "cost"), best_static(b, "tokens")) if s is not None]
+    static = min(statics, key=lambda s: s.time_s, default=None)
     adaptive, bundles = solve_adaptive(b)
     if adaptive is not None and use_milp:
         refined = []
