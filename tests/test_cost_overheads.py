@@ -37,3 +37,33 @@ def test_overheads_split_one_third_forward_two_thirds_backward():
     for b, o in zip(_per_layer_costs(base, plan_context(base)), _per_layer_costs(over, plan_context(over))):
         assert float(o.fwd[0] - b.fwd[0]) == pytest.approx((CALL + TP) / 3, rel=1e-9)
         assert float(o.bwd[0] - b.bwd[0]) == pytest.approx(2 * (CALL + TP) / 3, rel=1e-9)
+
+
+SP, Z3 = 7e-3, 3e-3
+
+
+@pytest.mark.parametrize("kwargs, charged", [
+    (dict(), CALL),
+    (dict(tp=2), CALL + TP),
+    (dict(sp="ulysses", sp_degree=2), CALL + SP),
+    (dict(zero=3), CALL + Z3),
+    (dict(zero=2), CALL),  # the ZeRO-3 overhead is FSDP2 resharding's: not charged to ZeRO-2
+])
+def test_each_parallel_overhead_is_charged_only_where_its_strategy_runs(kwargs, charged):
+    from tessera.cost.evaluate import _per_layer_costs, plan_context
+
+    model, cluster = get_model("tiny-llama"), local_cpu_cluster(2)
+    work = Workload(global_batch=2, seq_len=128)
+    blocks = {l.name for l in model.layers[1:-1]}
+    layers = tuple(l.model_copy(update=dict(call_overhead_s=CALL, tp_overhead_s=TP, sp_overhead_s=SP,
+                                            zero3_overhead_s=Z3)) if l.name in blocks else l
+                   for l in model.layers)
+    over = model.model_copy(update={"layers": layers})
+    base_plan = manual_plan(model, cluster, work, micro_batch_size=1, **kwargs)
+    over_plan = manual_plan(over, cluster, work, micro_batch_size=1, **kwargs)
+    pairs = zip(model.layers, _per_layer_costs(base_plan, plan_context(base_plan)),
+                _per_layer_costs(over_plan, plan_context(over_plan)))
+    for layer, b, o in pairs:
+        expected = charged if layer.name in blocks else 0.0
+        assert float(o.compute_fwd[0] - b.compute_fwd[0]) == pytest.approx(expected / 3, rel=1e-9, abs=1e-15)
+        assert float(o.compute_bwd[0] - b.compute_bwd[0]) == pytest.approx(2 * expected / 3, rel=1e-9, abs=1e-15)

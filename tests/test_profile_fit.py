@@ -62,7 +62,8 @@ def test_fit_activation_bytes_and_bad_input():
         fit_time_model([1.0, 2.0], [0.0], [1.0])
 
 
-def _profile_for(model, linear=2.0, attn=3.0, act_per_token=None, tp_part=None, call=0.0, tp_over=None):
+def _profile_for(model, linear=2.0, attn=3.0, act_per_token=None, tp_part=None, call=0.0, tp_over=None,
+                 sp_over=None, zero3_over=None):
     kinds = []
     for kind in (LayerKind.EMBEDDING, LayerKind.DECODER, LayerKind.LM_HEAD):
         layer = next(l for l in model.layers if l.kind == kind)
@@ -74,7 +75,9 @@ def _profile_for(model, linear=2.0, attn=3.0, act_per_token=None, tp_part=None, 
                           attn_time_scale=attn, overhead_s=call, fit_r2=1.0, fit_max_rel_err=0.0,
                           activation_bytes_per_token=act, activation_fit_max_rel_err=0.0, backward_over_forward=2.0,
                           activation_bytes_tp_per_token=tp_part if kind == LayerKind.DECODER else None,
-                          tp_overhead_s=tp_over if kind == LayerKind.DECODER else None))
+                          tp_overhead_s=tp_over if kind == LayerKind.DECODER else None,
+                          sp_overhead_s=sp_over if kind == LayerKind.DECODER else None,
+                          zero3_overhead_s=zero3_over if kind == LayerKind.DECODER else None))
     return ModelProfile(model=model.name, device="cpu", dtype="fp32", reference_flops=1e10, layers=tuple(kinds))
 
 
@@ -163,31 +166,43 @@ def test_reading_and_applying_profiles_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_call_and_tp_overheads_are_fitted_and_applied():
+def test_call_and_parallel_overheads_are_fitted_and_applied():
     layer = get_model("tiny-llama").layers[1]
-    rate, s_lin, s_att, c, extra = 50e9, 1.7, 4.0, 3e-3, 8e-3
-    ms, t2, comm = [], [], []
+    rate, s_lin, s_att, c = 50e9, 1.7, 4.0, 3e-3
+    extra = {"tp2": 8e-3, "sp2": 5e-3, "zero3": 2e-3}
+    ms, variants = [], {v: ([], []) for v in extra}
     for b, s in [(1, 64), (2, 64), (1, 128), (4, 64), (2, 128), (1, 256)]:
         lin, att = b * s * layer.flops_per_token, b * s * layer.attn_flops_coeff * s
         total = 3 * (lin * s_lin + att * s_att) / rate + c
         ms.append(LayerMeasurement(batch=b, seq_len=s, forward_s=total / 3, backward_s=2 * total / 3,
                                    activation_bytes=100.0 * b * s, linear_flops=lin, attn_flops=att))
-        x = 1e-4 * b * s / 64  # the TP all-reduces, timed alone
-        comm.append(x)
-        t2.append(c + (total - c) / 2 + x + extra)
+        x = 1e-4 * b * s / 64  # the variant's collectives, timed alone
+        for v, (seconds, comm) in variants.items():
+            comm.append(x)
+            # tp2 / sp2 halve the compute with the collectives exposed; zero3 keeps it all plus the gathers.
+            seconds.append((total + x if v == "zero3" else c + (total - c) / 2 + x) + extra[v])
     kp = fit_layer_kind(layer.kind, layer.name, layer.params, layer.flops_per_token, layer.attn_flops_coeff, ms,
-                        rate, tp2_seconds=t2, tp2_comm_seconds=comm)
+                        rate, variants=variants)
     assert kp.overhead_s == pytest.approx(c, rel=1e-4)
     assert kp.linear_time_scale == pytest.approx(s_lin, rel=1e-4) and kp.attn_time_scale == pytest.approx(s_att, rel=1e-4)
-    assert kp.tp_overhead_s == pytest.approx(extra, rel=1e-3)
-    # Without tp=2 timings (one rank) there is no TP overhead; faster-than-expected TP floors at 0.
-    assert fit_layer_kind(layer.kind, layer.name, layer.params, layer.flops_per_token, layer.attn_flops_coeff,
-                          ms, rate).tp_overhead_s is None
+    assert kp.tp_overhead_s == pytest.approx(extra["tp2"], rel=1e-3)
+    assert kp.sp_overhead_s == pytest.approx(extra["sp2"], rel=1e-3)
+    assert kp.zero3_overhead_s == pytest.approx(extra["zero3"], rel=1e-3)
+    assert kp.zero3_seconds == tuple(variants["zero3"][0])
+    # Without variant timings (one rank) there are no overheads; faster than expected floors at 0.
+    alone = fit_layer_kind(layer.kind, layer.name, layer.params, layer.flops_per_token, layer.attn_flops_coeff,
+                           ms, rate)
+    assert (alone.tp_overhead_s, alone.sp_overhead_s, alone.zero3_overhead_s) == (None, None, None)
     fast = fit_layer_kind(layer.kind, layer.name, layer.params, layer.flops_per_token, layer.attn_flops_coeff,
-                          ms, rate, tp2_seconds=[t / 4 for t in t2], tp2_comm_seconds=comm)
-    assert fast.tp_overhead_s == 0.0
+                          ms, rate, variants={"tp2": ([t / 4 for t in variants["tp2"][0]], variants["tp2"][1])})
+    assert fast.tp_overhead_s == 0.0 and fast.sp_overhead_s is None
+    with pytest.raises(ValueError, match="sp2 timings must be given for every measured size"):
+        fit_layer_kind(layer.kind, layer.name, layer.params, layer.flops_per_token, layer.attn_flops_coeff,
+                       ms, rate, variants={"sp2": ([1.0], [0.1])})
 
     model = get_model("tiny-llama")
-    applied = apply_model_profile(model, _profile_for(model, call=c, tp_over=extra))
-    assert [(l.call_overhead_s, l.tp_overhead_s) for l in applied.layers] == (
-        [(c, 0.0)] + [(c, extra)] * (len(model.layers) - 2) + [(c, 0.0)])
+    applied = apply_model_profile(model, _profile_for(model, call=c, tp_over=extra["tp2"], sp_over=extra["sp2"],
+                                                      zero3_over=extra["zero3"]))
+    inner = (c, extra["tp2"], extra["sp2"], extra["zero3"])
+    assert [(l.call_overhead_s, l.tp_overhead_s, l.sp_overhead_s, l.zero3_overhead_s) for l in applied.layers] == (
+        [(c, 0.0, 0.0, 0.0)] + [inner] * (len(model.layers) - 2) + [(c, 0.0, 0.0, 0.0)])

@@ -204,13 +204,15 @@ def _print_model(profile, path) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"{profile.model} on {profile.device} ({profile.dtype}) -> {path}")
-    for col in ("layer", "lin x", "attn x", "call ms", "tp ms", "R²", "max err", "act B/tok", "bwd/fwd"):
-        t.add_column(col, justify="right")
+    t = Table(title=f"{profile.model} on {profile.device} ({profile.dtype}) -> {path}",
+              caption="call, tp, sp, z3: ms per forward + backward; call always, the others when run tensor parallel, Ulysses, ZeRO-3")
+    for col in ("layer", "lin x", "attn x", "call", "tp", "sp", "z3", "R²", "max err", "act B/tok", "bwd/fwd"):
+        t.add_column(col, justify="right", no_wrap=col == "layer")
+    ms = lambda x: "-" if x is None else f"{x * 1e3:.2f}"  # noqa: E731
     for k in profile.layers:
-        tp = "-" if k.tp_overhead_s is None else f"{k.tp_overhead_s * 1e3:.2f}"
         t.add_row(k.layer, f"{k.linear_time_scale:.2f}", f"{k.attn_time_scale:.2f}",
-                  f"{k.overhead_s * 1e3:.2f}", tp, f"{k.fit_r2:.3f}", f"{k.fit_max_rel_err:.0%}", f"{k.activation_bytes_per_token:,.0f}",
+                  f"{k.overhead_s * 1e3:.2f}", ms(k.tp_overhead_s), ms(k.sp_overhead_s), ms(k.zero3_overhead_s),
+                  f"{k.fit_r2:.3f}", f"{k.fit_max_rel_err:.0%}", f"{k.activation_bytes_per_token:,.0f}",
                   f"{k.backward_over_forward:.2f}")
     Console().print(t)
     print(f"reference matmul rate: {profile.reference_flops / 1e9:.1f} GFLOP/s per rank")

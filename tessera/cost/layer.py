@@ -7,7 +7,8 @@ Per micro-batch (seconds):
              b_c = 2 f_c + recompute (one forward for full, the attention core for selective);
              wgrad = the weight-gradient half of the linear backward (zero-bubble's W).
     fixed    measured per-call costs, per micro-batch, split as the compute (backward = 2x):
-             f_c += (call_overhead_s + [tp > 1] tp_overhead_s) / 3, b_c += 2/3 of the same
+             f_c += (call_overhead_s + [tp > 1] tp_overhead_s + [Ulysses] sp_overhead_s
+             + [ZeRO-3 over > 1 rank] zero3_overhead_s) / 3, b_c += 2/3 of the same
              (+ 1/3 more under full recompute, which replays the forward).
     TP       blocks: 2 all-reduces forward and 2 backward of the t x h activation over the tp group
              (Megatron SP: an all-gather + reduce-scatter pair instead, the same volume);
@@ -167,7 +168,9 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
                         + tokens * layer.selective_flops_per_token * layer.linear_time_scale) / rate, 0.0)
     wgrad = lin / rate
     # Fixed per-call costs (measured): 1/3 forward, 2/3 backward; full recompute replays the forward's.
-    fixed = layer.call_overhead_s + np.where(t.tp > 1, layer.tp_overhead_s, 0.0)
+    fixed = (layer.call_overhead_s + np.where(t.tp > 1, layer.tp_overhead_s, 0.0)
+             + np.where(t.sp > 1, layer.sp_overhead_s, 0.0)
+             + np.where((t.zero >= 3) & (t.shard > 1), layer.zero3_overhead_s, 0.0))
     cf = cf + fixed / 3.0
     cb = cb + 2.0 * fixed / 3.0 + np.where(t.recompute == RC_FULL, fixed / 3.0, 0.0)
 

@@ -3,7 +3,8 @@
 - `load_cluster_profile(path, expect_gpus)`: the ClusterSpec JSON of `tessera profile hardware`,
   refused when it describes another number of devices than the one planned for.
 - `apply_model_profile(model, profile)`: the ModelSpec with each layer's measured time scales,
-  fixed overheads (`call_overhead_s`, `tp_overhead_s`; 0 where not measured) and activation
+  fixed overheads (`call_overhead_s`, `tp_overhead_s`, `sp_overhead_s`, `zero3_overhead_s`; 0 where
+  not measured) and activation
   bytes; refused when the profile was measured on another model.
 
 Activation bytes: the profile measures B bytes per token per layer (all saved tensors, one device,
@@ -102,7 +103,9 @@ def _scaled_layer(layer: LayerSpec, profile: ModelProfile) -> LayerSpec:
         acts = dict(act_bytes_replicated=measured)
     return layer.model_copy(update=dict(linear_time_scale=kp.linear_time_scale,
                                         attn_time_scale=kp.attn_time_scale, call_overhead_s=kp.overhead_s,
-                                        tp_overhead_s=kp.tp_overhead_s or 0.0, **acts))
+                                        tp_overhead_s=kp.tp_overhead_s or 0.0,
+                                        sp_overhead_s=kp.sp_overhead_s or 0.0,
+                                        zero3_overhead_s=kp.zero3_overhead_s or 0.0, **acts))
 
 
 def apply_model_profile(model: ModelSpec, profile: str | Path | ModelProfile) -> ModelSpec:

@@ -16,10 +16,13 @@ grows with seq) varies by 1.5x or more across the sizes; otherwise one common sc
 L + A (with c). If the fit puts all the time of a layer with FLOPs into c (a = 0), it is redone
 without c; a layer without FLOPs (the embedding) gets c = its time, all fixed cost.
 
-Tensor-parallel overhead (`LayerSpec.tp_overhead_s`): when the block was also run at tp=2 (two
-ranks, DTensor), taking T2 fwd+bwd with X seconds of its TP all-reduces measured alone, the cost
-model expects T2 = c + (T1 - c) / 2 + X from the tp=1 time T1; the overhead is the median over
-sizes of T2 - that, floored at 0.
+Parallel overheads (`LayerSpec.tp_overhead_s`, `sp_overhead_s`, `zero3_overhead_s`): with two
+ranks or more, the block is also run as the runtime runs it over a pair of ranks: tensor
+parallel (tp2, DTensor), Ulysses (sp2, half the sequence per rank), ZeRO-3 (zero3, FSDP2).
+Taking T2 fwd+bwd with X seconds of that variant's collectives measured alone, from the one-rank
+time T1 the cost model expects T2 = c + (T1 - c) / 2 + X for tp2 and sp2 (half the compute, the
+collectives on the critical path) and T2 = T1 + X for zero3 (one block alone has no neighbour to
+hide its gathers behind); the overhead is the median over sizes of T2 - that, floored at 0.
 
 No torch import: this module only does arithmetic on measurements.
 """
@@ -148,6 +151,13 @@ class LayerKindProfile(Frozen):
     tp2_seconds: tuple[float, ...] | None = None
     tp2_comm_seconds: tuple[float, ...] | None = None
     tp_overhead_s: float | None = Field(default=None, ge=0, description="LayerSpec.tp_overhead_s")
+    # The same for Ulysses over two ranks (half the sequence each) and for ZeRO-3 (FSDP2) over two.
+    sp2_seconds: tuple[float, ...] | None = None
+    sp2_comm_seconds: tuple[float, ...] | None = None
+    sp_overhead_s: float | None = Field(default=None, ge=0, description="LayerSpec.sp_overhead_s")
+    zero3_seconds: tuple[float, ...] | None = None
+    zero3_comm_seconds: tuple[float, ...] | None = None
+    zero3_overhead_s: float | None = Field(default=None, ge=0, description="LayerSpec.zero3_overhead_s")
 
 
 class ModelProfile(Frozen):
@@ -167,23 +177,38 @@ class ModelProfile(Frozen):
         return next((p for p in self.layers if p.kind == kind), None)
 
 
+def variant_overhead(variant: str, totals: Sequence[float], call_overhead_s: float, seconds: Sequence[float],
+                     comm_seconds: Sequence[float]) -> float:
+    """Median over sizes of what a block run as `variant` over two ranks takes beyond the cost
+    model's expectation, floored at 0 (see module docstring). `totals`: the block's fwd+bwd
+    seconds on one rank; `seconds`: as the variant; `comm_seconds`: its collectives timed alone."""
+    if not (len(totals) == len(seconds) == len(comm_seconds)):
+        raise ValueError(f"{variant} timings must be given for every measured size")
+    c = call_overhead_s
+    if variant in ("tp2", "sp2"):  # half the compute per rank, the collectives on the critical path
+        expected = [c + (t1 - c) / 2.0 + x for t1, x in zip(totals, comm_seconds)]
+    elif variant == "zero3":  # all the compute; one block alone cannot hide its gathers
+        expected = [t1 + x for t1, x in zip(totals, comm_seconds)]
+    else:
+        raise ValueError(f"unknown variant '{variant}'")
+    return max(0.0, float(np.median([t - e for t, e in zip(seconds, expected)])))
+
+
 def tp_overhead(totals: Sequence[float], call_overhead_s: float, tp2_seconds: Sequence[float],
                 tp2_comm_seconds: Sequence[float]) -> float:
-    """Median over sizes of T2 - (c + (T1 - c) / 2 + X), floored at 0 (see module docstring)."""
-    if not (len(totals) == len(tp2_seconds) == len(tp2_comm_seconds)):
-        raise ValueError("tp=2 timings must be given for every measured size")
-    c = call_overhead_s
-    excess = [t2 - (c + (t1 - c) / 2.0 + x) for t1, t2, x in zip(totals, tp2_seconds, tp2_comm_seconds)]
-    return max(0.0, float(np.median(excess)))
+    """`variant_overhead` of tp2."""
+    return variant_overhead("tp2", totals, call_overhead_s, tp2_seconds, tp2_comm_seconds)
 
 
 def fit_layer_kind(kind: LayerKind, layer: str, params: int, flops_per_token: float,
                    attn_flops_coeff: float, measurements: Sequence[LayerMeasurement],
                    reference_flops: float, tp2_activation_bytes: Sequence[float] | None = None,
-                   tp2_seconds: Sequence[float] | None = None,
-                   tp2_comm_seconds: Sequence[float] | None = None) -> LayerKindProfile:
-    """Fit one layer kind's scales, call overhead and TP overhead from its measurements (see
-    module docstring for the formulas)."""
+                   variants: dict[str, tuple[Sequence[float], Sequence[float]]] | None = None
+                   ) -> LayerKindProfile:
+    """Fit one layer kind's scales, call overhead and parallel-variant overheads from its
+    measurements (see module docstring for the formulas). `variants`: per variant ("tp2", "sp2",
+    "zero3"), the block's fwd+bwd seconds run that way over two ranks and its collectives' seconds
+    timed alone, per measurement."""
     ms = list(measurements)
     total = [m.forward_s + m.backward_s for m in ms]
     lin = [m.linear_flops for m in ms]
@@ -213,14 +238,14 @@ def fit_layer_kind(kind: LayerKind, layer: str, params: int, flops_per_token: fl
     if tp2_activation_bytes is not None:
         half, _ = fit_activation_bytes([m.tokens for m in ms], tp2_activation_bytes)
         tp_part = min(act, max(0.0, 2.0 * (act - half)))
-    tp_over = None
-    if tp2_seconds is not None and tp2_comm_seconds is not None:
-        tp_over = tp_overhead(total, fit.c, tp2_seconds, tp2_comm_seconds)
+    measured = {}
+    for variant, (seconds, comm) in (variants or {}).items():
+        prefix = {"tp2": "tp", "sp2": "sp", "zero3": "zero3"}[variant]
+        measured.update({f"{variant}_seconds": tuple(seconds), f"{variant}_comm_seconds": tuple(comm),
+                         f"{prefix}_overhead_s": variant_overhead(variant, total, fit.c, seconds, comm)})
     return LayerKindProfile(
         kind=kind, layer=layer, params=params, flops_per_token=flops_per_token,
         attn_flops_coeff=attn_flops_coeff, measurements=tuple(ms), linear_time_scale=s_lin,
         attn_time_scale=s_att, overhead_s=fit.c, fit_r2=fit.r2, fit_max_rel_err=fit.max_rel_err,
         activation_bytes_per_token=act, activation_bytes_tp_per_token=tp_part,
-        activation_fit_max_rel_err=act_err, backward_over_forward=ratio,
-        tp2_seconds=tuple(tp2_seconds) if tp_over is not None else None,
-        tp2_comm_seconds=tuple(tp2_comm_seconds) if tp_over is not None else None, tp_overhead_s=tp_over)
+        activation_fit_max_rel_err=act_err, backward_over_forward=ratio, **measured)

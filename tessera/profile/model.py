@@ -108,17 +108,23 @@ class _LayerRunner:
             p.grad = None
 
 
-class _Tp2Runner:
-    """Forward and backward of a tensor-parallel (DTensor) copy of a block, on `base`'s inputs."""
+class _VariantRunner:
+    """Forward and backward of a parallelised copy of a block, on `base`'s inputs or, with
+    `seq_part=(i, n)`, on slice i of n of their sequence (a sequence-parallel rank's share)."""
 
-    def __init__(self, block: torch.nn.Module, base: _LayerRunner):
-        self.block, self.base, self.out = block, base, None
+    def __init__(self, block: torch.nn.Module, base: _LayerRunner, seq_part: tuple[int, int] = (0, 1)):
+        i, n = seq_part
+        s = base.x.shape[1] // n
+        part = slice(i * s, (i + 1) * s)
+        self.block, self.out = block, None
+        self.x, self.grad_h = base.x[:, part], base.grad_h[:, part]
+        self.freqs = base.freqs[part] if base.freqs is not None else None
 
     def forward(self) -> None:
-        self.out = self.block(self.base.x.detach().requires_grad_(), self.base.freqs)
+        self.out = self.block(self.x.detach().requires_grad_(), self.freqs)
 
     def backward(self) -> None:
-        self.out.backward(self.base.grad_h)
+        self.out.backward(self.grad_h)
         self.out = None
         for p in self.block.parameters():
             p.grad = None
@@ -186,48 +192,124 @@ def tp2_shard(block: torch.nn.Module) -> torch.nn.Module | None:
     return shard
 
 
-def tp2_mesh(device: torch.device):
-    """The tp=2 sub-mesh of this rank (ranks 2i, 2i+1), or None without an even number of ranks."""
+def pair_mesh(device: torch.device):
+    """The 2-rank sub-mesh of this rank (ranks 2i, 2i+1), or None without an even number of ranks."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world < 2 or world % 2:
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("rest", "tp"))["tp"]
+    return init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("rest", "pair"))["pair"]
 
 
-def measure_tp2(model: torch.nn.Module, config: TransformerConfig, kind: LayerKind, block: int,
-                sizes: Sequence[tuple[int, int]], device: torch.device, dtype: torch.dtype, reps: int,
-                statistic: str, mesh) -> tuple[list[float], list[float]]:
-    """Per size: fwd+bwd seconds of the block run at tp=2 (Megatron TP with DTensor, as the runtime
-    runs it) and the seconds of its 4 TP all-reduces (2 forward, 2 backward) of the b x s x h
-    activation timed alone on the same group; both the slowest rank's."""
+# Variants of a block run over a pair of ranks, as the runtime runs them (see `measure_variants`).
+VARIANTS = ("tp2", "sp2", "zero3")
+
+
+def _variant_block(block: torch.nn.Module, variant: str, mesh) -> torch.nn.Module:
     import copy
 
     from ..plan import LayerStrategy
+    from ..runtime.attention import UlyssesAttention
     from ..runtime.parallelize import _tp_block
 
-    tp_block = copy.deepcopy(model.layers[str(block)])
-    _tp_block(tp_block, LayerStrategy(tp=2), mesh)
+    out = copy.deepcopy(block)
+    if variant == "tp2":
+        _tp_block(out, LayerStrategy(tp=2), mesh)
+    elif variant == "sp2":
+        out.attention.core = UlyssesAttention(mesh.get_group())
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(out, mesh=mesh, reshard_after_forward=True)
+    return out
+
+
+def _variant_messages(variant: str, block: torch.nn.Module, batch: int, seq: int, config: TransformerConfig,
+                      device: torch.device, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+    """The collectives a variant's forward + backward issue, as (name, buffer) to time alone:
+    tp2 the 4 all-reduces of the b x s x h activation; sp2 the 8 all-to-alls of q, k, v and the
+    output (a rank's half sequence); zero3 the parameters' all-gather forward, all-gather and
+    reduce-scatter backward."""
+    h = config.hidden
+    if variant == "tp2":
+        return [("all_reduce", torch.empty(batch, seq, h, device=device, dtype=dtype))] * 4
+    if variant == "sp2":
+        kv = config.num_kv_heads * config.head_dim
+        q = torch.empty(batch * seq // 2 * h, device=device, dtype=dtype)
+        k = torch.empty(batch * seq // 2 * kv, device=device, dtype=dtype)
+        return [("all_to_all", q), ("all_to_all", k), ("all_to_all", k), ("all_to_all", q)] * 2
+    n = sum(p.numel() for p in block.parameters())
+    full = torch.empty(n + n % 2, device=device, dtype=dtype)
+    return [("all_gather", full), ("all_gather", full), ("reduce_scatter", full)]
+
+
+def _time_collectives(messages: list[tuple[str, torch.Tensor]], group, device: torch.device, reps: int,
+                      statistic: str) -> float:
+    """Seconds of `messages` issued back to back on `group`, alone (the slowest rank's)."""
+    def issue() -> None:
+        for name, buf in messages:
+            if name == "all_reduce":
+                dist.all_reduce(buf, group=group)
+            elif name == "all_to_all":
+                dist.all_to_all_single(torch.empty_like(buf), buf, group=group)
+            else:
+                half = buf.numel() // 2
+                if name == "all_gather":
+                    dist.all_gather_into_tensor(buf, buf[:half].clone(), group=group)
+                else:
+                    dist.reduce_scatter_tensor(torch.empty(half, device=buf.device, dtype=buf.dtype), buf,
+                                               group=group)
+
+    issue()
+    times = []
+    for _ in range(reps):
+        _barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        issue()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return summarize(_slowest_rank(times, device), statistic)
+
+
+def measure_variants(model: torch.nn.Module, config: TransformerConfig, kind: LayerKind, block: int,
+                     sizes: Sequence[tuple[int, int]], device: torch.device, dtype: torch.dtype, reps: int,
+                     statistic: str, mesh, progress: Progress | None = None) -> dict[str, tuple[list[float], list[float]]]:
+    """Per variant (`VARIANTS`) and size: fwd+bwd seconds of the block run over the pair of ranks
+    of `mesh` as the runtime runs it — Megatron TP with DTensor (tp2), Ulysses attention over a
+    half sequence per rank (sp2), FSDP2 `fully_shard` resharding after forward (zero3) — and the
+    seconds of that variant's collectives timed alone on the same group; both the slowest rank's."""
     group = mesh.get_group()
-    seconds, comm = [], []
-    for batch, seq in sizes:
-        base = _LayerRunner(model, config, kind, block, batch, seq, device, dtype)
-        fwd, bwd = _time_runs(_Tp2Runner(tp_block, base), device, reps)
-        seconds.append(summarize(fwd, statistic) + summarize(bwd, statistic))
-        msg = torch.empty(batch, seq, config.hidden, device=device, dtype=dtype)
-        dist.all_reduce(msg, group=group)
-        times = []
-        for _ in range(reps):
-            _barrier()
-            _sync(device)
-            t0 = time.perf_counter()
-            for _ in range(4):
-                dist.all_reduce(msg, group=group)
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-        comm.append(summarize(_slowest_rank(times, device), statistic))
-    return seconds, comm
+    pair_rank = dist.get_rank(group)
+    out = {}
+    for variant in VARIANTS:
+        vblock = _variant_block(model.layers[str(block)], variant, mesh)
+        seconds, comm = [], []
+        for batch, seq in sizes:
+            base = _LayerRunner(model, config, kind, block, batch, seq, device, dtype)
+            runner = _VariantRunner(vblock, base, (pair_rank, 2) if variant == "sp2" else (0, 1))
+            fwd, bwd = _time_runs(runner, device, reps)
+            seconds.append(summarize(fwd, statistic) + summarize(bwd, statistic))
+            messages = _variant_messages(variant, model.layers[str(block)], batch, seq, config, device, dtype)
+            comm.append(_time_collectives(messages, group, device, reps, statistic))
+        out[variant] = (_median_over_ranks(seconds), _median_over_ranks(comm))
+        if progress:
+            progress(f"block{block} {variant}", 1)
+    return out
+
+
+def build_in_dtype(config: TransformerConfig, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The model of `config` with its weights in `dtype` (rope rotations stay complex float)."""
+    from ..models import build_model
+    from ..models.transformer import rope_frequencies
+
+    model = build_model(config, device=device)
+    if dtype != torch.float32:
+        model.to(dtype)
+        if config.position != "learned":  # Module.to(dtype) casts the complex rope rotations too
+            model.freqs = rope_frequencies(config.head_dim, config.max_seq_len, config.rope_theta).to(device)
+    return model
 
 
 def _layers_to_measure(spec: ModelSpec) -> list[tuple[LayerKind, int, int]]:
@@ -262,9 +344,6 @@ def profile_model(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = Non
     `reference_flops`: the achieved FLOP/s the scales are relative to (a cluster profile's
     peak x efficiency); measured here on `matmul_size` square matmuls when not given.
     """
-    from ..models import build_model
-    from ..models.transformer import rope_frequencies
-
     if spec.config is None:
         raise ValueError(f"model '{spec.name}' has no architecture config to build, so it cannot be profiled")
     device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
@@ -277,18 +356,13 @@ def profile_model(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = Non
     too_long = [s for _, s in sizes if s > spec.config.max_seq_len]
     if too_long:
         raise ValueError(f"sequence length {too_long[0]} exceeds the model's max_seq_len {spec.config.max_seq_len}")
-    model = build_model(spec.config, device=device)
-    if tdtype != torch.float32:
-        model.to(tdtype)
-        if spec.config.position != "learned":  # Module.to(dtype) casts the complex rope rotations too
-            c = spec.config
-            model.freqs = rope_frequencies(c.head_dim, c.max_seq_len, c.rope_theta).to(device)
+    model = build_in_dtype(spec.config, device, tdtype)
     meter = SavedActivationMeter(model)
     if reference_flops is None:
         n = matmul_size or (8192 if device.type == "cuda" else 1024)
         reference_flops = statistics.median(_median_over_ranks([matmul_flops(device, tdtype, n, reps, statistic)]))
 
-    tp_mesh = tp2_mesh(device)
+    mesh = pair_mesh(device)
     kinds = []
     for kind, index, block in _layers_to_measure(spec):
         layer = spec.layers[index]
@@ -308,13 +382,10 @@ def profile_model(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = Non
                     out = shard(runner.x.detach().requires_grad_(), runner.freqs)
                 tp2.append(float(shard_meter.peak_bytes))
                 del out
-        tp2_s = tp2_comm = None
-        if shard is not None and tp_mesh is not None:
-            tp2_s, tp2_comm = measure_tp2(model, spec.config, kind, block, sizes, device, tdtype, reps,
-                                          statistic, tp_mesh)
-            tp2_s, tp2_comm = _median_over_ranks(tp2_s), _median_over_ranks(tp2_comm)
-            if progress:
-                progress(f"{layer.name} tp=2", 1)
+        variants = {}
+        if shard is not None and mesh is not None:
+            variants = measure_variants(model, spec.config, kind, block, sizes, device, tdtype, reps,
+                                        statistic, mesh, progress)
         flat = _median_over_ranks([v if v is not None else -1.0 for r in rows for v in r])
         measurements = []
         for j, (batch, seq) in enumerate(sizes):
@@ -326,20 +397,20 @@ def profile_model(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = Non
                 activation_bytes=saved, peak_allocated_bytes=peak if peak >= 0 else None,
                 linear_flops=lin, attn_flops=att))
         kinds.append(fit_layer_kind(kind, layer.name, layer.params, layer.flops_per_token,
-                                    layer.attn_flops_coeff, measurements, reference_flops, tp2,
-                                    tp2_s, tp2_comm))
-        log.info("%s: linear scale %.3f, attention scale %.3f, call overhead %.2e s, tp overhead %s s, "
-                 "%.0f activation bytes/token", layer.name, kinds[-1].linear_time_scale,
-                 kinds[-1].attn_time_scale, kinds[-1].overhead_s, kinds[-1].tp_overhead_s,
-                 kinds[-1].activation_bytes_per_token)
+                                    layer.attn_flops_coeff, measurements, reference_flops, tp2, variants))
+        k = kinds[-1]
+        log.info("%s: linear scale %.3f, attention scale %.3f, call overhead %.2e s, overheads tp %s s, "
+                 "ulysses %s s, zero-3 %s s, %.0f activation bytes/token", layer.name, k.linear_time_scale,
+                 k.attn_time_scale, k.overhead_s, k.tp_overhead_s, k.sp_overhead_s, k.zero3_overhead_s,
+                 k.activation_bytes_per_token)
     world = dist.get_world_size() if dist.is_initialized() else 1
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return ModelProfile(model=spec.name, device=name, dtype=dtype, reference_flops=reference_flops,
                         ranks_measuring=world, statistic=statistic, layers=tuple(kinds))
 
 
-def _measures_tp2(layer) -> bool:
-    """Whether `profile_model` also runs this layer at tp=2 (a dense block, as `tp2_shard` takes)."""
+def _measures_variants(layer) -> bool:
+    """Whether `profile_model` also runs this layer's `VARIANTS` (a dense block, as `tp2_shard` takes)."""
     return (layer.kind not in (LayerKind.EMBEDDING, LayerKind.LM_HEAD) and not layer.num_experts
             and layer.num_kv_heads > 0 and layer.num_kv_heads % 2 == 0)
 
@@ -347,8 +418,8 @@ def _measures_tp2(layer) -> bool:
 def planned_units(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = None, cuda: bool = False,
                   world: int = 1) -> int:
     """Progress units `profile_model` reports at `world` ranks: one per layer kind and size, plus
-    one per block kind run at tp=2 (even `world` only)."""
+    one per variant of each block kind run over a pair of ranks (even `world` only)."""
     n = len(sizes or (DEFAULT_SIZES_CUDA if cuda else DEFAULT_SIZES_CPU))
     kinds = _layers_to_measure(spec)
-    tp2 = sum(_measures_tp2(spec.layers[i]) for _, i, _ in kinds) if world >= 2 and world % 2 == 0 else 0
-    return n * len(kinds) + tp2
+    pairs = sum(_measures_variants(spec.layers[i]) for _, i, _ in kinds) if world >= 2 and world % 2 == 0 else 0
+    return n * len(kinds) + len(VARIANTS) * pairs

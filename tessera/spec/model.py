@@ -126,8 +126,14 @@ class LayerSpec(Frozen):
     # (kernel launches, Python dispatch; the intercept of the time fit).
     # `tp_overhead_s`: extra seconds per forward + backward when the layer runs tensor parallel
     # (tp > 1), beyond half the compute and the TP collectives (DTensor's per-operation dispatch).
+    # `sp_overhead_s`: the same for Ulysses (sp > 1), beyond half the compute and the all-to-alls
+    # (the head/sequence permutes around them).
+    # `zero3_overhead_s`: extra seconds per forward + backward when ZeRO-3 shards the layer, beyond
+    # its compute and its all-gathers and reduce-scatter (FSDP2's copy-in/out and hooks).
     call_overhead_s: float = Field(default=0.0, ge=0)
     tp_overhead_s: float = Field(default=0.0, ge=0)
+    sp_overhead_s: float = Field(default=0.0, ge=0)
+    zero3_overhead_s: float = Field(default=0.0, ge=0)
 
     @property
     def dense_params(self) -> int:

@@ -69,10 +69,12 @@ def main():
     # Saved activations grow linearly with tokens: bytes per token equal across sizes.
     per_token = [m.activation_bytes / m.tokens for m in block.measurements]
     check("activations_per_token", max(per_token) / min(per_token) < 1.05, str(per_token))
-    tp2 = env.world % 2 == 0
-    check("tp2_measured", (block.tp_overhead_s is not None) == tp2 and block.overhead_s >= 0
-          and (not tp2 or (len(block.tp2_seconds) == len(sizes) and all(t > 0 for t in block.tp2_seconds)
-                           and all(x > 0 for x in block.tp2_comm_seconds))), str(block.tp2_seconds))
+    pair = env.world % 2 == 0
+    for variant, over in (("tp2", "tp"), ("sp2", "sp"), ("zero3", "zero3")):
+        seconds, comm = getattr(block, f"{variant}_seconds"), getattr(block, f"{variant}_comm_seconds")
+        check(f"{variant}_measured", (getattr(block, f"{over}_overhead_s") is not None) == pair and block.overhead_s >= 0
+              and (not pair or (len(seconds) == len(sizes) and all(t > 0 for t in seconds)
+                                and all(x > 0 for x in comm))), str(seconds))
     check("scales_positive", block.linear_time_scale > 0 and block.attn_time_scale > 0 and profile.ranks_measuring == env.world)
     if env.rank == 0:
         write_atomic(out / "cluster.json", cluster.model_dump_json(indent=1))
