@@ -10,6 +10,11 @@
 3. `tessera validate` runs each plan for a few steps: the slowest rank's median step time, and
    peak memory = model states of the local shards + peak saved activations (by instrumentation;
    see tessera/profile/validate.py), against the prediction without its transient buffers.
+4. Right after the runs, `tessera profile model` again; the predictions use the mean of the two
+   profiles' fitted coefficients (`--no-bracket`: the first profile only). The machine's speed
+   drifts over minutes (other tenants); bracketing the runs gives the profile the speed they saw
+   on average instead of the speed of the minute before them. `drift` prints how much the
+   reference block's time moved between the two profiles.
 
 Ends with `summary: median_time_err_pct=<x> median_mem_err_pct=<y> spearman=<z>` (Spearman of
 predicted vs measured step time over all runs; the errors are medians of absolute errors).
@@ -35,8 +40,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tessera.profile.apply import apply_model_profile, load_cluster_profile  # noqa: E402
-from tessera.spec.model import ModelSpec, TransformerConfig  # noqa: E402
+from tessera.plan import Plan  # noqa: E402
+from tessera.profile.apply import apply_model_profile, load_cluster_profile, load_model_profile  # noqa: E402
+from tessera.profile.fit import ModelProfile  # noqa: E402
+from tessera.spec.model import LayerKind, ModelSpec, TransformerConfig  # noqa: E402
 from tessera.spec.workload import Workload  # noqa: E402
 
 # A LLaMA small enough for 2 CPU cores, with a vocabulary that does not drown the blocks.
@@ -87,17 +94,38 @@ def spearman(x: list[float], y: list[float]) -> float:
     return float(spearmanr(x, y).statistic) if len(x) > 2 else float("nan")
 
 
-def build_plans(out: Path, world: int, model: ModelSpec) -> list[Path]:
+def build_plans(out: Path, world: int, model: ModelSpec, suffix: str = "") -> list[Path]:
     from tessera.search.baselines import manual_plan
 
     cluster = load_cluster_profile(out / f"cluster{world}.json", expect_gpus=world)
     paths = []
     for name, kwargs in PLANS[world].items():
         plan = manual_plan(model, cluster, WORKLOAD, name=name, **kwargs)
-        path = out / f"plan-{name}.json"
+        path = out / f"plan-{name}{suffix}.json"
         plan.save(path)
         paths.append(path)
     return paths
+
+
+def mean_profile(a: ModelProfile, b: ModelProfile) -> ModelProfile:
+    """`a` with every fitted time coefficient the mean of `a`'s and `b`'s (profiles of one model on
+    one cluster profile, taken before and after the runs: the machine's speed midway)."""
+    fields = ("linear_time_scale", "attn_time_scale", "overhead_s", "tp_overhead_s", "sp_overhead_s",
+              "zero3_overhead_s")
+    layers = []
+    for ka in a.layers:
+        kb = b.for_kind(ka.kind)
+        mean = {f: (getattr(ka, f) + getattr(kb, f)) / 2 for f in fields
+                if getattr(ka, f) is not None and getattr(kb, f) is not None}
+        layers.append(ka.model_copy(update=mean))
+    return a.model_copy(update={"layers": tuple(layers)})
+
+
+def block_time(profile: ModelProfile) -> float:
+    """Forward + backward seconds of the profile's first block at its largest measured size."""
+    block = next(k for k in profile.layers if k.kind not in (LayerKind.EMBEDDING, LayerKind.LM_HEAD))
+    m = max(block.measurements, key=lambda m: (m.tokens, m.seq_len))
+    return m.forward_s + m.backward_s
 
 
 def main() -> int:
@@ -108,6 +136,8 @@ def main() -> int:
                         help="summary of repeated timings, in the profiles and the runs alike")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--reuse-profiles", action="store_true", help="keep profiles already in --out")
+    parser.add_argument("--no-bracket", action="store_true",
+                        help="predict from the profile taken before the runs only (no second profile after them)")
     args = parser.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="fidelity-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -115,7 +145,7 @@ def main() -> int:
 
     model_json = out / "model.json"
     model_json.write_text(MODEL.model_dump_json(indent=1))
-    rows, skipped = [], []
+    rows, skipped, drift = [], [], {}
     for world in args.worlds:
         cluster, profile = out / f"cluster{world}.json", out / f"model-profile{world}.json"
         if not (args.reuse_profiles and cluster.exists()):
@@ -130,11 +160,23 @@ def main() -> int:
                  "--statistic", args.statistic)
         data = json.loads(result_path.read_text())
         skipped += data["skipped"]
+        predicted = {}
+        if not args.no_bracket:
+            after = out / f"model-profile{world}-after.json"
+            if not (args.reuse_profiles and after.exists()):
+                torchrun(world, "profile", "model", "--model", str(model_json), "-o", str(after),
+                         "--sizes", PROFILE_SIZES, "--reps", "10", "--cluster", str(cluster), "--statistic", args.statistic)
+            both = mean_profile(load_model_profile(profile), load_model_profile(after))
+            drift[world] = block_time(load_model_profile(after)) / block_time(load_model_profile(profile))
+            model = apply_model_profile(ModelSpec.from_config(MODEL), both)
+            predicted = {p.stem.removeprefix("plan-"): Plan.load(p) for p in build_plans(out, world, model, "-bracketed")}
+            predicted = {name: plan.prediction.step_time_s for name, plan in predicted.items()}
         for r in data["results"]:
             pred_mem = max(r["predicted_memory"])
             meas_mem = max(sum(x[k] for k in ("params", "grads", "optimizer", "activations")) for x in r["ranks"])
             speed = r["probe_flops"] / r["profiled_flops"]
-            rows.append(dict(plan=r["plan"], world=world, pred_t=r["predicted_step_s"], meas_t=r["measured_step_s"],
+            rows.append(dict(plan=r["plan"], world=world, pred_t=predicted.get(r["plan"], r["predicted_step_s"]),
+                             meas_t=r["measured_step_s"],
                              pred_m=pred_mem, meas_m=meas_mem, speed=speed))
 
     # speed: one matmul's rate during the runs over the profiled rate, a gauge of how much the load
@@ -151,6 +193,8 @@ def main() -> int:
     if not rows:
         print("summary: no plan ran")
         return 1
+    for world, d in drift.items():
+        print(f"drift at {world} ranks: the reference block took {d:.2f}x as long after the runs as before them")
     for world in args.worlds:
         sub = [r for r in rows if r["world"] == world]
         print(f"spearman at {world} ranks: {spearman([r['pred_t'] for r in sub], [r['meas_t'] for r in sub]):.2f}")
