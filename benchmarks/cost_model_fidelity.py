@@ -135,7 +135,8 @@ def main() -> int:
     parser.add_argument("--statistic", choices=("min", "median"), default="min",
                         help="summary of repeated timings, in the profiles and the runs alike")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--reuse-profiles", action="store_true", help="keep profiles already in --out")
+    parser.add_argument("--reuse-profiles", action="store_true",
+                        help="keep profiles and run results already in --out (re-cost the plans only)")
     parser.add_argument("--no-bracket", action="store_true",
                         help="predict from the profile taken before the runs only (no second profile after them)")
     args = parser.parse_args()
@@ -156,8 +157,9 @@ def main() -> int:
         model = apply_model_profile(ModelSpec.from_config(MODEL), profile)
         plans = build_plans(out, world, model)
         result_path = out / f"results{world}.json"
-        torchrun(world, "validate", "--plan", *map(str, plans), "--steps", str(args.steps), "--json", str(result_path),
-                 "--statistic", args.statistic)
+        if not (args.reuse_profiles and result_path.exists()):
+            torchrun(world, "validate", "--plan", *map(str, plans), "--steps", str(args.steps), "--json",
+                     str(result_path), "--statistic", args.statistic)
         data = json.loads(result_path.read_text())
         skipped += data["skipped"]
         predicted = {}
@@ -169,8 +171,8 @@ def main() -> int:
             both = mean_profile(load_model_profile(profile), load_model_profile(after))
             drift[world] = block_time(load_model_profile(after)) / block_time(load_model_profile(profile))
             model = apply_model_profile(ModelSpec.from_config(MODEL), both)
-            predicted = {p.stem.removeprefix("plan-"): Plan.load(p) for p in build_plans(out, world, model, "-bracketed")}
-            predicted = {name: plan.prediction.step_time_s for name, plan in predicted.items()}
+            bracketed = [Plan.load(p) for p in build_plans(out, world, model, "-bracketed")]
+            predicted = {plan.name: plan.prediction.step_time_s for plan in bracketed}
         for r in data["results"]:
             pred_mem = max(r["predicted_memory"])
             meas_mem = max(sum(x[k] for k in ("params", "grads", "optimizer", "activations")) for x in r["ranks"])
