@@ -67,3 +67,25 @@ def test_each_parallel_overhead_is_charged_only_where_its_strategy_runs(kwargs, 
         expected = charged if layer.name in blocks else 0.0
         assert float(o.compute_fwd[0] - b.compute_fwd[0]) == pytest.approx(expected / 3, rel=1e-9, abs=1e-15)
         assert float(o.compute_bwd[0] - b.compute_bwd[0]) == pytest.approx(2 * expected / 3, rel=1e-9, abs=1e-15)
+
+
+@pytest.mark.parametrize("kwargs, factor", [
+    (dict(), 1.0),
+    (dict(tp=2), 1.25),
+    (dict(sp="ulysses", sp_degree=2), 1.5),
+    (dict(tp=2, sp="ulysses", sp_degree=2), 1.75),
+    (dict(zero=3), 1.0),
+])
+def test_tp_and_ulysses_slowdowns_scale_the_compute_where_they_run(kwargs, factor):
+    from tessera.cost.evaluate import _per_layer_costs, plan_context
+
+    model, cluster = get_model("tiny-llama"), local_cpu_cluster(4)
+    work = Workload(global_batch=4, seq_len=128)
+    layers = tuple(l.model_copy(update=dict(tp_slowdown=0.25, sp_slowdown=0.5)) for l in model.layers)
+    slow = model.model_copy(update={"layers": layers})
+    base_plan = manual_plan(model, cluster, work, micro_batch_size=1, recompute="full", **kwargs)
+    slow_plan = manual_plan(slow, cluster, work, micro_batch_size=1, recompute="full", **kwargs)
+    for b, o in zip(_per_layer_costs(base_plan, plan_context(base_plan)),
+                    _per_layer_costs(slow_plan, plan_context(slow_plan))):
+        for field in ("compute_fwd", "compute_bwd", "wgrad"):  # full recompute replays the slower forward too
+            assert float(getattr(o, field)[0]) == pytest.approx(factor * float(getattr(b, field)[0]), rel=1e-9)

@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT / "tests" / "dist"))
 def profiles(tmp_path_factory):
     out = tmp_path_factory.mktemp("profiles")
     log = run_torchrun(ROOT / "tests" / "dist" / "profile_check.py", 2, str(out), timeout=240)
-    assert {"progress_units", "curve_all_reduce_2", "activations_per_token", "tp2_measured", "sp2_measured", "zero3_measured",
-            "written_without_leftovers"} <= passed_checks(log)
+    assert {"progress_units", "curve_all_reduce_2", "activations_per_token", "tp2_measured", "sp2_measured",
+            "zero3_measured", "chain_reference", "written_without_leftovers"} <= passed_checks(log)
     return out
 
 

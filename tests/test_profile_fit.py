@@ -63,7 +63,7 @@ def test_fit_activation_bytes_and_bad_input():
 
 
 def _profile_for(model, linear=2.0, attn=3.0, act_per_token=None, tp_part=None, call=0.0, tp_over=None,
-                 sp_over=None, zero3_over=None):
+                 sp_over=None, zero3_over=None, tp_slow=None, sp_slow=None):
     kinds = []
     for kind in (LayerKind.EMBEDDING, LayerKind.DECODER, LayerKind.LM_HEAD):
         layer = next(l for l in model.layers if l.kind == kind)
@@ -77,7 +77,9 @@ def _profile_for(model, linear=2.0, attn=3.0, act_per_token=None, tp_part=None, 
                           activation_bytes_tp_per_token=tp_part if kind == LayerKind.DECODER else None,
                           tp_overhead_s=tp_over if kind == LayerKind.DECODER else None,
                           sp_overhead_s=sp_over if kind == LayerKind.DECODER else None,
-                          zero3_overhead_s=zero3_over if kind == LayerKind.DECODER else None))
+                          zero3_overhead_s=zero3_over if kind == LayerKind.DECODER else None,
+                          tp_slowdown=tp_slow if kind == LayerKind.DECODER else None,
+                          sp_slowdown=sp_slow if kind == LayerKind.DECODER else None))
     return ModelProfile(model=model.name, device="cpu", dtype="fp32", reference_flops=1e10, layers=tuple(kinds))
 
 
@@ -170,6 +172,7 @@ def test_call_and_parallel_overheads_are_fitted_and_applied():
     layer = get_model("tiny-llama").layers[1]
     rate, s_lin, s_att, c = 50e9, 1.7, 4.0, 3e-3
     extra = {"tp2": 8e-3, "sp2": 5e-3, "zero3": 2e-3}
+    slow = {"tp2": 0.3, "sp2": 0.0, "zero3": 0.0}
     ms, variants = [], {v: ([], []) for v in extra}
     for b, s in [(1, 64), (2, 64), (1, 128), (4, 64), (2, 128), (1, 256)]:
         lin, att = b * s * layer.flops_per_token, b * s * layer.attn_flops_coeff * s
@@ -180,13 +183,15 @@ def test_call_and_parallel_overheads_are_fitted_and_applied():
         for v, (seconds, comm) in variants.items():
             comm.append(x)
             # tp2 / sp2 halve the compute with the collectives exposed; zero3 keeps it all plus the gathers.
-            seconds.append((total + x if v == "zero3" else c + (total - c) / 2 + x) + extra[v])
+            # tp2's share of the compute also runs `slow` slower than half.
+            seconds.append((total + x if v == "zero3" else c + (1 + slow[v]) * (total - c) / 2 + x) + extra[v])
     kp = fit_layer_kind(layer.kind, layer.name, layer.params, layer.flops_per_token, layer.attn_flops_coeff, ms,
                         rate, variants=variants)
     assert kp.overhead_s == pytest.approx(c, rel=1e-4)
     assert kp.linear_time_scale == pytest.approx(s_lin, rel=1e-4) and kp.attn_time_scale == pytest.approx(s_att, rel=1e-4)
     assert kp.tp_overhead_s == pytest.approx(extra["tp2"], rel=1e-3)
     assert kp.sp_overhead_s == pytest.approx(extra["sp2"], rel=1e-3)
+    assert (kp.tp_slowdown, kp.sp_slowdown) == pytest.approx((0.3, 0.0), abs=1e-6)
     assert kp.zero3_overhead_s == pytest.approx(extra["zero3"], rel=1e-3)
     assert kp.zero3_seconds == tuple(variants["zero3"][0])
     # Without variant timings (one rank) there are no overheads; faster than expected floors at 0.
@@ -196,13 +201,39 @@ def test_call_and_parallel_overheads_are_fitted_and_applied():
     fast = fit_layer_kind(layer.kind, layer.name, layer.params, layer.flops_per_token, layer.attn_flops_coeff,
                           ms, rate, variants={"tp2": ([t / 4 for t in variants["tp2"][0]], variants["tp2"][1])})
     assert fast.tp_overhead_s == 0.0 and fast.sp_overhead_s is None
+    # tp2 and sp2 timed in a chain are set against the chain's one-rank time, zero3 against the
+    # single block's: a chain 20% slower per block than measured alone leaves their overheads as
+    # they were once the variants' times carry the same slowdown.
+    chain = [1.2 * (m.forward_s + m.backward_s) for m in ms]
+    chained = {v: ([t + (0.0 if v == "zero3" else (1 + slow[v]) * (r - m.forward_s - m.backward_s) / 2)
+                    for t, r, m in zip(seconds, chain, ms)], comm) for v, (seconds, comm) in variants.items()}
+    kc = fit_layer_kind(layer.kind, layer.name, layer.params, layer.flops_per_token, layer.attn_flops_coeff, ms,
+                        rate, variants=chained, chain_reference=chain)
+    assert (kc.tp_overhead_s, kc.sp_overhead_s, kc.zero3_overhead_s, kc.tp_slowdown) == pytest.approx(
+        (extra["tp2"], extra["sp2"], extra["zero3"], slow["tp2"]), rel=1e-3)
+    assert kc.chain_reference_seconds == tuple(chain)
+    with pytest.raises(ValueError, match="chained reference timings must be given for every measured size"):
+        fit_layer_kind(layer.kind, layer.name, layer.params, layer.flops_per_token, layer.attn_flops_coeff,
+                       ms, rate, variants=variants, chain_reference=chain[:2])
+    # One timing 50 ms off moves the robust fit little; an excess that shrinks with size is all fixed.
+    odd = list(variants["tp2"][0])
+    odd[2] += 0.05
+    ko = fit_layer_kind(layer.kind, layer.name, layer.params, layer.flops_per_token, layer.attn_flops_coeff, ms,
+                        rate, variants={"tp2": (odd, variants["tp2"][1])})
+    assert ko.tp_slowdown == pytest.approx(slow["tp2"], rel=0.05) and ko.tp_overhead_s == pytest.approx(extra["tp2"], abs=2e-3)
+    shrinking = [c + (m.forward_s + m.backward_s - c) / 2 + x + 0.02 / (i + 1)
+                 for i, (m, x) in enumerate(zip(ms, variants["sp2"][1]))]
+    ks = fit_layer_kind(layer.kind, layer.name, layer.params, layer.flops_per_token, layer.attn_flops_coeff, ms,
+                        rate, variants={"sp2": (shrinking, variants["sp2"][1])})
+    assert ks.sp_slowdown == 0.0 and ks.sp_overhead_s == pytest.approx(float(np.median([0.02 / (i + 1) for i in range(len(ms))])))
     with pytest.raises(ValueError, match="sp2 timings must be given for every measured size"):
         fit_layer_kind(layer.kind, layer.name, layer.params, layer.flops_per_token, layer.attn_flops_coeff,
                        ms, rate, variants={"sp2": ([1.0], [0.1])})
 
     model = get_model("tiny-llama")
     applied = apply_model_profile(model, _profile_for(model, call=c, tp_over=extra["tp2"], sp_over=extra["sp2"],
-                                                      zero3_over=extra["zero3"]))
-    inner = (c, extra["tp2"], extra["sp2"], extra["zero3"])
-    assert [(l.call_overhead_s, l.tp_overhead_s, l.sp_overhead_s, l.zero3_overhead_s) for l in applied.layers] == (
-        [(c, 0.0, 0.0, 0.0)] + [inner] * (len(model.layers) - 2) + [(c, 0.0, 0.0, 0.0)])
+                                                      zero3_over=extra["zero3"], tp_slow=0.3, sp_slow=0.1))
+    inner = (c, extra["tp2"], extra["sp2"], extra["zero3"], 0.3, 0.1)
+    assert [(l.call_overhead_s, l.tp_overhead_s, l.sp_overhead_s, l.zero3_overhead_s, l.tp_slowdown, l.sp_slowdown)
+            for l in applied.layers] == ([(c, 0.0, 0.0, 0.0, 0.0, 0.0)] + [inner] * (len(model.layers) - 2)
+                                         + [(c, 0.0, 0.0, 0.0, 0.0, 0.0)])

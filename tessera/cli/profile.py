@@ -167,8 +167,8 @@ def _model(args) -> int:
         dtype = args.dtype or ("bf16" if torch.cuda.is_available() else "fp32")
         reference = cluster.peak(dtype) * cluster.compute_efficiency
     try:
-        with _Bar(planned_units(spec, sizes, torch.cuda.is_available(),
-                                dist.get_world_size() if dist.is_initialized() else 1), f"model {spec.name}") as bar:
+        with _Bar(planned_units(spec, dist.get_world_size() if dist.is_initialized() else 1, args.reps),
+                  f"model {spec.name}") as bar:
             profile = profile_model(spec, sizes=sizes, reps=args.reps, dtype=args.dtype,
                                     reference_flops=reference, progress=bar, statistic=args.statistic)
         if _rank() == 0:
@@ -205,13 +205,16 @@ def _print_model(profile, path) -> None:
     from rich.table import Table
 
     t = Table(title=f"{profile.model} on {profile.device} ({profile.dtype}) -> {path}",
-              caption="call, tp, sp, z3: ms per forward + backward; call always, the others when run tensor parallel, Ulysses, ZeRO-3")
+              caption="call, tp, sp, z3: ms per forward + backward; call always, the others when run tensor parallel, "
+                      "Ulysses, ZeRO-3; tp, sp +x%: their compute runs x% slower than its share")
     for col in ("layer", "lin x", "attn x", "call", "tp", "sp", "z3", "R²", "max err", "act B/tok", "bwd/fwd"):
         t.add_column(col, justify="right", no_wrap=col == "layer")
     ms = lambda x: "-" if x is None else f"{x * 1e3:.2f}"  # noqa: E731
+    slow = lambda x, f: ms(x) if not f else f"{ms(x)} +{f:.0%}"  # noqa: E731
     for k in profile.layers:
         t.add_row(k.layer, f"{k.linear_time_scale:.2f}", f"{k.attn_time_scale:.2f}",
-                  f"{k.overhead_s * 1e3:.2f}", ms(k.tp_overhead_s), ms(k.sp_overhead_s), ms(k.zero3_overhead_s),
+                  f"{k.overhead_s * 1e3:.2f}", slow(k.tp_overhead_s, k.tp_slowdown),
+                  slow(k.sp_overhead_s, k.sp_slowdown), ms(k.zero3_overhead_s),
                   f"{k.fit_r2:.3f}", f"{k.fit_max_rel_err:.0%}", f"{k.activation_bytes_per_token:,.0f}",
                   f"{k.backward_over_forward:.2f}")
     Console().print(t)

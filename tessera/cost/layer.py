@@ -3,7 +3,8 @@
 `layer_costs(layer, table, ctx)` returns, per candidate strategy, per device:
 
 Per micro-batch (seconds):
-    compute  f_c, b_c from FLOPs (compute.py): f_c = tokens * (linear + attn * s) / (tp * sp) / F,
+    compute  f_c, b_c from FLOPs (compute.py): f_c = tokens * (linear + attn * s) / (tp * sp) / F
+             x (1 + [tp > 1] tp_slowdown + [Ulysses] sp_slowdown) (measured),
              b_c = 2 f_c + recompute (one forward for full, the attention core for selective);
              wgrad = the weight-gradient half of the linear backward (zero-bubble's W).
     fixed    measured per-call costs, per micro-batch, split as the compute (backward = 2x):
@@ -157,7 +158,8 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
     seq, ab, pb, ob = wl.seq_len, ctx.act_elt, wl.param_bytes, wl.optimizer_bytes
     tokens = ctx.micro_batch_seqs / t.dp * seq  # per data-parallel replica
     tokens_dev = tokens / t.sp  # Ulysses shards the sequence
-    rate = achieved_flops(cl, wl.dtype) * t.tp * t.sp
+    rate = (achieved_flops(cl, wl.dtype) * t.tp * t.sp
+            / (1.0 + np.where(t.tp > 1, layer.tp_slowdown, 0.0) + np.where(t.sp > 1, layer.sp_slowdown, 0.0)))
     lin = tokens * layer.flops_per_token * layer.linear_time_scale
     att = tokens * layer.attn_flops_coeff * seq * layer.attn_time_scale
     cf = (lin + att) / rate

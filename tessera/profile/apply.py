@@ -3,9 +3,9 @@
 - `load_cluster_profile(path, expect_gpus)`: the ClusterSpec JSON of `tessera profile hardware`,
   refused when it describes another number of devices than the one planned for.
 - `apply_model_profile(model, profile)`: the ModelSpec with each layer's measured time scales,
-  fixed overheads (`call_overhead_s`, `tp_overhead_s`, `sp_overhead_s`, `zero3_overhead_s`; 0 where
-  not measured) and activation
-  bytes; refused when the profile was measured on another model.
+  fixed overheads (`call_overhead_s`, `tp_overhead_s`, `sp_overhead_s`, `zero3_overhead_s`),
+  TP / Ulysses compute slowdowns (`tp_slowdown`, `sp_slowdown`; all 0 where not measured) and
+  activation bytes; refused when the profile was measured on another model.
 
 Activation bytes: the profile measures B bytes per token per layer (all saved tensors, one device,
 no tensor parallelism, no recompute). The spec splits a layer's bytes into `act_bytes_tp` and
@@ -105,6 +105,7 @@ def _scaled_layer(layer: LayerSpec, profile: ModelProfile) -> LayerSpec:
                                         attn_time_scale=kp.attn_time_scale, call_overhead_s=kp.overhead_s,
                                         tp_overhead_s=kp.tp_overhead_s or 0.0,
                                         sp_overhead_s=kp.sp_overhead_s or 0.0,
+                                        tp_slowdown=kp.tp_slowdown or 0.0, sp_slowdown=kp.sp_slowdown or 0.0,
                                         zero3_overhead_s=kp.zero3_overhead_s or 0.0, **acts))
 
 

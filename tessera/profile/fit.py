@@ -16,13 +16,17 @@ grows with seq) varies by 1.5x or more across the sizes; otherwise one common sc
 L + A (with c). If the fit puts all the time of a layer with FLOPs into c (a = 0), it is redone
 without c; a layer without FLOPs (the embedding) gets c = its time, all fixed cost.
 
-Parallel overheads (`LayerSpec.tp_overhead_s`, `sp_overhead_s`, `zero3_overhead_s`): with two
-ranks or more, the block is also run as the runtime runs it over a pair of ranks: tensor
-parallel (tp2, DTensor), Ulysses (sp2, half the sequence per rank), ZeRO-3 (zero3, FSDP2).
-Taking T2 fwd+bwd with X seconds of that variant's collectives measured alone, from the one-rank
-time T1 the cost model expects T2 = c + (T1 - c) / 2 + X for tp2 and sp2 (half the compute, the
-collectives on the critical path) and T2 = T1 + X for zero3 (one block alone has no neighbour to
-hide its gathers behind); the overhead is the median over sizes of T2 - that, floored at 0.
+Parallel overheads (`LayerSpec.tp_overhead_s` and `tp_slowdown`, `sp_overhead_s` and
+`sp_slowdown`, `zero3_overhead_s`): with two ranks or more, the block is also run as the runtime
+runs it over a pair of ranks: tensor parallel (tp2, DTensor), Ulysses (sp2, half the sequence per
+rank), ZeRO-3 (zero3, FSDP2). Taking T2 fwd+bwd with X seconds of that variant's collectives
+measured alone, from the one-rank time T1 the cost model expects T2 = c + (T1 - c) / 2 + X for
+tp2 and sp2 (half the compute, the collectives on the critical path) and T2 = T1 + X for zero3
+(one block alone has no neighbour to hide its gathers behind). The excess over that is, for tp2
+and sp2, fitted over sizes as overhead + slowdown x (T1 - c) / 2 (`variant_overhead`); for zero3
+its median, floored at 0. tp2 and sp2 are timed per block in a chain of blocks (see
+`tessera.profile.model.CHAIN`), and their T1 is then the same chain's on one rank
+(`chain_reference_seconds`), timed alongside.
 
 No torch import: this module only does arithmetic on measurements.
 """
@@ -151,13 +155,18 @@ class LayerKindProfile(Frozen):
     tp2_seconds: tuple[float, ...] | None = None
     tp2_comm_seconds: tuple[float, ...] | None = None
     tp_overhead_s: float | None = Field(default=None, ge=0, description="LayerSpec.tp_overhead_s")
+    tp_slowdown: float | None = Field(default=None, ge=0, description="LayerSpec.tp_slowdown")
     # The same for Ulysses over two ranks (half the sequence each) and for ZeRO-3 (FSDP2) over two.
     sp2_seconds: tuple[float, ...] | None = None
     sp2_comm_seconds: tuple[float, ...] | None = None
     sp_overhead_s: float | None = Field(default=None, ge=0, description="LayerSpec.sp_overhead_s")
+    sp_slowdown: float | None = Field(default=None, ge=0, description="LayerSpec.sp_slowdown")
     zero3_seconds: tuple[float, ...] | None = None
     zero3_comm_seconds: tuple[float, ...] | None = None
     zero3_overhead_s: float | None = Field(default=None, ge=0, description="LayerSpec.zero3_overhead_s")
+    # fwd+bwd seconds per block of the unparallelised block chained as tp2 and sp2 were, timed with
+    # them: their T1. None: the single-block measurements are their T1 (older profiles, tests).
+    chain_reference_seconds: tuple[float, ...] | None = None
 
 
 class ModelProfile(Frozen):
@@ -178,37 +187,52 @@ class ModelProfile(Frozen):
 
 
 def variant_overhead(variant: str, totals: Sequence[float], call_overhead_s: float, seconds: Sequence[float],
-                     comm_seconds: Sequence[float]) -> float:
-    """Median over sizes of what a block run as `variant` over two ranks takes beyond the cost
-    model's expectation, floored at 0 (see module docstring). `totals`: the block's fwd+bwd
-    seconds on one rank; `seconds`: as the variant; `comm_seconds`: its collectives timed alone."""
+                     comm_seconds: Sequence[float]) -> tuple[float, float]:
+    """(fixed seconds, slowdown): what a block run as `variant` over two ranks takes beyond the cost
+    model's expectation (see module docstring). `totals`: the block's fwd+bwd seconds on one rank;
+    `seconds`: as the variant; `comm_seconds`: its collectives timed alone.
+
+    tp2 and sp2: the excess is fitted as fixed + slowdown x (T1 - c) / 2, the per-rank share of the
+    compute (waits on the slower rank grow with the work between collectives; smaller matmuls run
+    less efficiently), by a Theil-Sen line (robust to an odd timing) with both terms >= 0.
+    zero3: a fixed excess only, the median over sizes, floored at 0."""
     if not (len(totals) == len(seconds) == len(comm_seconds)):
         raise ValueError(f"{variant} timings must be given for every measured size")
     c = call_overhead_s
     if variant in ("tp2", "sp2"):  # half the compute per rank, the collectives on the critical path
-        expected = [c + (t1 - c) / 2.0 + x for t1, x in zip(totals, comm_seconds)]
-    elif variant == "zero3":  # all the compute; one block alone cannot hide its gathers
-        expected = [t1 + x for t1, x in zip(totals, comm_seconds)]
-    else:
-        raise ValueError(f"unknown variant '{variant}'")
-    return max(0.0, float(np.median([t - e for t, e in zip(seconds, expected)])))
+        share = np.array([(t1 - c) / 2.0 for t1 in totals])
+        excess = np.array([t - c - h - x for t, h, x in zip(seconds, share, comm_seconds)])
+        return _robust_line(share, excess)
+    if variant == "zero3":  # all the compute; one block alone cannot hide its gathers
+        return max(0.0, float(np.median([t - t1 - x for t, t1, x in zip(seconds, totals, comm_seconds)]))), 0.0
+    raise ValueError(f"unknown variant '{variant}'")
 
 
-def tp_overhead(totals: Sequence[float], call_overhead_s: float, tp2_seconds: Sequence[float],
-                tp2_comm_seconds: Sequence[float]) -> float:
-    """`variant_overhead` of tp2."""
-    return variant_overhead("tp2", totals, call_overhead_s, tp2_seconds, tp2_comm_seconds)
+def _robust_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """(intercept, slope) >= 0 of y over x: Theil-Sen; where a term comes out negative it is 0 and
+    the other is refitted alone (a median). Fewer than 3 points or one x: the median of y alone."""
+    from scipy.stats import theilslopes
+
+    if len(x) < 3 or np.ptp(x) <= 1e-6 * max(float(np.max(np.abs(x))), 1e-12):
+        return max(0.0, float(np.median(y))), 0.0
+    slope, intercept, _, _ = theilslopes(y, x)
+    if slope <= 0:
+        return max(0.0, float(np.median(y))), 0.0
+    if intercept < 0:
+        return 0.0, max(0.0, float(np.median(y / np.maximum(x, 1e-12))))
+    return float(intercept), float(slope)
 
 
 def fit_layer_kind(kind: LayerKind, layer: str, params: int, flops_per_token: float,
                    attn_flops_coeff: float, measurements: Sequence[LayerMeasurement],
                    reference_flops: float, tp2_activation_bytes: Sequence[float] | None = None,
-                   variants: dict[str, tuple[Sequence[float], Sequence[float]]] | None = None
-                   ) -> LayerKindProfile:
+                   variants: dict[str, tuple[Sequence[float], Sequence[float]]] | None = None,
+                   chain_reference: Sequence[float] | None = None) -> LayerKindProfile:
     """Fit one layer kind's scales, call overhead and parallel-variant overheads from its
     measurements (see module docstring for the formulas). `variants`: per variant ("tp2", "sp2",
     "zero3"), the block's fwd+bwd seconds run that way over two ranks and its collectives' seconds
-    timed alone, per measurement."""
+    timed alone, per measurement; `chain_reference`: the one-rank fwd+bwd per block that tp2 and
+    sp2 are set against (default: the measurements')."""
     ms = list(measurements)
     total = [m.forward_s + m.backward_s for m in ms]
     lin = [m.linear_flops for m in ms]
@@ -239,10 +263,18 @@ def fit_layer_kind(kind: LayerKind, layer: str, params: int, flops_per_token: fl
         half, _ = fit_activation_bytes([m.tokens for m in ms], tp2_activation_bytes)
         tp_part = min(act, max(0.0, 2.0 * (act - half)))
     measured = {}
+    if chain_reference is not None:
+        if len(chain_reference) != len(ms):
+            raise ValueError("the chained reference timings must be given for every measured size")
+        measured["chain_reference_seconds"] = tuple(chain_reference)
     for variant, (seconds, comm) in (variants or {}).items():
         prefix = {"tp2": "tp", "sp2": "sp", "zero3": "zero3"}[variant]
+        t1 = total if variant == "zero3" or chain_reference is None else chain_reference
+        fixed, slowdown = variant_overhead(variant, t1, fit.c, seconds, comm)
         measured.update({f"{variant}_seconds": tuple(seconds), f"{variant}_comm_seconds": tuple(comm),
-                         f"{prefix}_overhead_s": variant_overhead(variant, total, fit.c, seconds, comm)})
+                         f"{prefix}_overhead_s": fixed})
+        if variant != "zero3":
+            measured[f"{prefix}_slowdown"] = slowdown
     return LayerKindProfile(
         kind=kind, layer=layer, params=params, flops_per_token=flops_per_token,
         attn_flops_coeff=attn_flops_coeff, measurements=tuple(ms), linear_time_scale=s_lin,

@@ -2,12 +2,14 @@
 
 For each layer kind (the embedding, the first block of each block kind — identical blocks share
 one measurement — and the head: final norm, vocabulary projection and the loss), at a few
-(batch, seq) sizes: forward and backward time (median, or min, of `reps` after a warm-up) and the
-bytes of activations autograd saves for backward (`SavedActivationMeter`). Under `torchrun` every
-rank measures at once, as ranks of a real job compute at once, and each run counts the slowest
-rank's time (ranks that share cores are thus measured sharing them). `tessera.profile.fit` turns the measurements into `LayerSpec` time scales relative
-to the achieved FLOP/s of large matmuls measured in the same processes (`reference_flops`), or
-the cluster profile's rate when one is given.
+(batch, seq) sizes: forward and backward time (median, or min, of `reps` after a warm-up; the
+sizes take turns, one run each per round, so that drift in the machine's speed bends no curve)
+and the bytes of activations autograd saves for backward (`SavedActivationMeter`). Under
+`torchrun` every rank measures at once, as ranks of a real job compute at once, and each run
+counts the slowest rank's time (ranks that share cores are thus measured sharing them).
+`tessera.profile.fit` turns the measurements into `LayerSpec` time scales relative to the
+achieved FLOP/s of large matmuls measured in the same processes (`reference_flops`), or the
+cluster profile's rate when one is given.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -109,19 +112,23 @@ class _LayerRunner:
 
 
 class _VariantRunner:
-    """Forward and backward of a parallelised copy of a block, on `base`'s inputs or, with
+    """Forward and backward of `block` applied `repeat` times in a row, on `base`'s inputs or, with
     `seq_part=(i, n)`, on slice i of n of their sequence (a sequence-parallel rank's share)."""
 
-    def __init__(self, block: torch.nn.Module, base: _LayerRunner, seq_part: tuple[int, int] = (0, 1)):
+    def __init__(self, block: torch.nn.Module, base: _LayerRunner, seq_part: tuple[int, int] = (0, 1),
+                 repeat: int = 1):
         i, n = seq_part
         s = base.x.shape[1] // n
         part = slice(i * s, (i + 1) * s)
-        self.block, self.out = block, None
+        self.block, self.repeat, self.out = block, repeat, None
         self.x, self.grad_h = base.x[:, part], base.grad_h[:, part]
         self.freqs = base.freqs[part] if base.freqs is not None else None
 
     def forward(self) -> None:
-        self.out = self.block(self.x.detach().requires_grad_(), self.freqs)
+        x = self.x.detach().requires_grad_()
+        for _ in range(self.repeat):
+            x = self.block(x, self.freqs)
+        self.out = x
 
     def backward(self) -> None:
         self.out.backward(self.grad_h)
@@ -130,29 +137,35 @@ class _VariantRunner:
             p.grad = None
 
 
-def _time_runs(runner, device: torch.device, reps: int) -> tuple[list[float], list[float]]:
-    """Forward and backward seconds of `reps` runs after a warm-up, each the slowest rank's."""
-    runner.forward()
-    runner.backward()
-    fwd, bwd = [], []
-    for _ in range(reps):
-        _barrier()
-        _sync(device)
-        t0 = time.perf_counter()
+def _time_interleaved(runners: Sequence, device: torch.device, reps: int,
+                      each_round: Callable[[int], None] | None = None) -> list[tuple[list[float], list[float]]]:
+    """Per runner, forward and backward seconds of `reps` runs (each the slowest rank's), after one
+    warm-up run each. The runners take turns, one run each per round: a change in the machine's
+    speed while they are timed (other jobs on a shared machine) then falls on all of them alike
+    instead of bending the curve their fit sees. `each_round(i)` is called after round i."""
+    for runner in runners:
         runner.forward()
-        _sync(device)
-        t1 = time.perf_counter()
         runner.backward()
-        _sync(device)
-        fwd.append(t1 - t0)
-        bwd.append(time.perf_counter() - t1)
-    return _slowest_rank(fwd, device), _slowest_rank(bwd, device)
+    times = [([], []) for _ in runners]
+    for i in range(reps):
+        for runner, (fwd, bwd) in zip(runners, times):
+            _barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            runner.forward()
+            _sync(device)
+            t1 = time.perf_counter()
+            runner.backward()
+            _sync(device)
+            fwd.append(t1 - t0)
+            bwd.append(time.perf_counter() - t1)
+        if each_round:
+            each_round(i)
+    return [(_slowest_rank(fwd, device), _slowest_rank(bwd, device)) for fwd, bwd in times]
 
 
-def _measure(runner: _LayerRunner, device: torch.device, reps: int, meter: SavedActivationMeter,
-             statistic: str = "median") -> tuple[float, float, float, float | None]:
-    """(median forward s, median backward s, saved activation bytes, CUDA peak bytes or None)."""
-    fwd, bwd = _time_runs(runner, device, reps)
+def _saved_and_peak(runner: _LayerRunner, device: torch.device, meter: SavedActivationMeter) -> tuple[float, float | None]:
+    """(bytes autograd saves in one forward, CUDA peak bytes of forward + backward or None)."""
     peak = None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -163,7 +176,7 @@ def _measure(runner: _LayerRunner, device: torch.device, reps: int, meter: Saved
     runner.backward()
     if device.type == "cuda":
         peak = float(torch.cuda.max_memory_allocated(device) - base)
-    return summarize(fwd, statistic), summarize(bwd, statistic), float(saved), peak
+    return float(saved), peak
 
 
 def tp2_shard(block: torch.nn.Module) -> torch.nn.Module | None:
@@ -246,20 +259,24 @@ def _variant_messages(variant: str, block: torch.nn.Module, batch: int, seq: int
 
 def _time_collectives(messages: list[tuple[str, torch.Tensor]], group, device: torch.device, reps: int,
                       statistic: str) -> float:
-    """Seconds of `messages` issued back to back on `group`, alone (the slowest rank's)."""
+    """Seconds of `messages` issued back to back on `group`, alone (the slowest rank's). Output
+    buffers are allocated once, outside the timed runs."""
+    calls = []
+    for name, buf in messages:
+        if name == "all_reduce":
+            calls.append(lambda b=buf: dist.all_reduce(b, group=group))
+        elif name == "all_to_all":
+            calls.append(lambda b=buf, o=torch.empty_like(buf): dist.all_to_all_single(o, b, group=group))
+        elif name == "all_gather":
+            calls.append(lambda b=buf, i=buf[: buf.numel() // 2].clone():
+                         dist.all_gather_into_tensor(b, i, group=group))
+        else:
+            calls.append(lambda b=buf, o=buf.new_empty(buf.numel() // 2):
+                         dist.reduce_scatter_tensor(o, b, group=group))
+
     def issue() -> None:
-        for name, buf in messages:
-            if name == "all_reduce":
-                dist.all_reduce(buf, group=group)
-            elif name == "all_to_all":
-                dist.all_to_all_single(torch.empty_like(buf), buf, group=group)
-            else:
-                half = buf.numel() // 2
-                if name == "all_gather":
-                    dist.all_gather_into_tensor(buf, buf[:half].clone(), group=group)
-                else:
-                    dist.reduce_scatter_tensor(torch.empty(half, device=buf.device, dtype=buf.dtype), buf,
-                                               group=group)
+        for call in calls:
+            call()
 
     issue()
     times = []
@@ -273,29 +290,61 @@ def _time_collectives(messages: list[tuple[str, torch.Tensor]], group, device: t
     return summarize(_slowest_rank(times, device), statistic)
 
 
+# Blocks in a row per timed run of the tp2 and sp2 variants and of their one-rank reference. Their
+# collectives wait for the slower rank; one block timed alone after a barrier starts the ranks in
+# step and misses much of that wait, which a model's chain of blocks pays (measured on 2 CPU ranks:
+# tp2 per block 6-9% slower in a chain of 4 than alone, as in a training step).
+CHAIN = 4
+
+
+def chain_rounds(reps: int) -> int:
+    """Timed rounds of the chained runs for `reps` repetitions asked: a chained run does CHAIN
+    blocks' work, so fewer suffice."""
+    return max(3, (reps + 1) // 2)
+
+
+@dataclass
+class VariantTimings:
+    """What `measure_variants` returns, per measured size: `variants` maps each of `VARIANTS` to
+    (fwd+bwd seconds per block, seconds of its collectives alone); `chain_reference` is the
+    unparallelised block's fwd+bwd seconds per block, chained as tp2 and sp2 are."""
+
+    variants: dict[str, tuple[list[float], list[float]]]
+    chain_reference: list[float]
+
+
 def measure_variants(model: torch.nn.Module, config: TransformerConfig, kind: LayerKind, block: int,
                      sizes: Sequence[tuple[int, int]], device: torch.device, dtype: torch.dtype, reps: int,
-                     statistic: str, mesh, progress: Progress | None = None) -> dict[str, tuple[list[float], list[float]]]:
-    """Per variant (`VARIANTS`) and size: fwd+bwd seconds of the block run over the pair of ranks
-    of `mesh` as the runtime runs it — Megatron TP with DTensor (tp2), Ulysses attention over a
-    half sequence per rank (sp2), FSDP2 `fully_shard` resharding after forward (zero3) — and the
-    seconds of that variant's collectives timed alone on the same group; both the slowest rank's."""
+                     statistic: str, mesh, progress: Progress | None = None) -> VariantTimings:
+    """Per size: fwd+bwd seconds of the block run over the pair of ranks of `mesh` as the runtime
+    runs it — Megatron TP with DTensor (tp2), Ulysses attention over a half sequence per rank (sp2),
+    FSDP2 `fully_shard` resharding after forward (zero3) — and the seconds of that variant's
+    collectives timed alone on the same group; all the slowest rank's. tp2 and sp2 run `CHAIN`
+    blocks in a row, next to the same chain unparallelised on every rank (the reference their
+    overheads are taken against); zero3 runs one block (a chain would hide its gathers behind the
+    neighbours' compute, which the cost model charges separately). All sizes and variants take
+    turns (`_time_interleaved`), so that a change in the machine's load falls on them alike."""
     group = mesh.get_group()
     pair_rank = dist.get_rank(group)
-    out = {}
-    for variant in VARIANTS:
-        vblock = _variant_block(model.layers[str(block)], variant, mesh)
-        seconds, comm = [], []
-        for batch, seq in sizes:
-            base = _LayerRunner(model, config, kind, block, batch, seq, device, dtype)
-            runner = _VariantRunner(vblock, base, (pair_rank, 2) if variant == "sp2" else (0, 1))
-            fwd, bwd = _time_runs(runner, device, reps)
-            seconds.append(summarize(fwd, statistic) + summarize(bwd, statistic))
+    blocks = {v: _variant_block(model.layers[str(block)], v, mesh) for v in VARIANTS}
+    runners, comm = [], {v: [] for v in VARIANTS}
+    for batch, seq in sizes:
+        base = _LayerRunner(model, config, kind, block, batch, seq, device, dtype)
+        runners.append(_VariantRunner(model.layers[str(block)], base, repeat=CHAIN))
+        for variant, vblock in blocks.items():
+            runners.append(_VariantRunner(vblock, base, (pair_rank, 2) if variant == "sp2" else (0, 1),
+                                          1 if variant == "zero3" else CHAIN))
             messages = _variant_messages(variant, model.layers[str(block)], batch, seq, config, device, dtype)
-            comm.append(_time_collectives(messages, group, device, reps, statistic))
-        out[variant] = (_median_over_ranks(seconds), _median_over_ranks(comm))
-        if progress:
-            progress(f"block{block} {variant}", 1)
+            comm[variant].append(_time_collectives(messages, group, device, reps, statistic))
+    rounds = chain_rounds(reps)
+    tick = (lambda i: progress(f"block{block} over 2 ranks, round {i + 1}/{rounds}", 1)) if progress else None
+    per_block = [(summarize(f, statistic) + summarize(b, statistic)) / r.repeat
+                 for r, (f, b) in zip(runners, _time_interleaved(runners, device, rounds, tick))]
+    k = 1 + len(VARIANTS)
+    out = VariantTimings(variants={v: (per_block[1 + j::k], comm[v]) for j, v in enumerate(VARIANTS)},
+                         chain_reference=per_block[0::k])
+    out.chain_reference = _median_over_ranks(out.chain_reference)
+    out.variants = {v: (_median_over_ranks(t), _median_over_ranks(x)) for v, (t, x) in out.variants.items()}
     return out
 
 
@@ -366,12 +415,10 @@ def profile_model(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = Non
     kinds = []
     for kind, index, block in _layers_to_measure(spec):
         layer = spec.layers[index]
-        rows = []
-        for batch, seq in sizes:
-            runner = _LayerRunner(model, spec.config, kind, block, batch, seq, device, tdtype)
-            rows.append(list(_measure(runner, device, reps, meter, statistic)))
-            if progress:
-                progress(f"{layer.name} b={batch} s={seq}", 1)
+        runners = [_LayerRunner(model, spec.config, kind, block, batch, seq, device, tdtype) for batch, seq in sizes]
+        tick = (lambda i, name=layer.name: progress(f"{name} round {i + 1}/{reps}", 1)) if progress else None
+        rows = [[summarize(fwd, statistic), summarize(bwd, statistic), *_saved_and_peak(runner, device, meter)]
+                for runner, (fwd, bwd) in zip(runners, _time_interleaved(runners, device, reps, tick))]
         tp2 = None
         shard = tp2_shard(model.layers[str(block)]) if kind not in (LayerKind.EMBEDDING, LayerKind.LM_HEAD) else None
         if shard is not None:
@@ -382,10 +429,10 @@ def profile_model(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = Non
                     out = shard(runner.x.detach().requires_grad_(), runner.freqs)
                 tp2.append(float(shard_meter.peak_bytes))
                 del out
-        variants = {}
+        pairs = None
         if shard is not None and mesh is not None:
-            variants = measure_variants(model, spec.config, kind, block, sizes, device, tdtype, reps,
-                                        statistic, mesh, progress)
+            pairs = measure_variants(model, spec.config, kind, block, sizes, device, tdtype, reps,
+                                     statistic, mesh, progress)
         flat = _median_over_ranks([v if v is not None else -1.0 for r in rows for v in r])
         measurements = []
         for j, (batch, seq) in enumerate(sizes):
@@ -397,7 +444,8 @@ def profile_model(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = Non
                 activation_bytes=saved, peak_allocated_bytes=peak if peak >= 0 else None,
                 linear_flops=lin, attn_flops=att))
         kinds.append(fit_layer_kind(kind, layer.name, layer.params, layer.flops_per_token,
-                                    layer.attn_flops_coeff, measurements, reference_flops, tp2, variants))
+                                    layer.attn_flops_coeff, measurements, reference_flops, tp2,
+                                    pairs.variants if pairs else None, pairs.chain_reference if pairs else None))
         k = kinds[-1]
         log.info("%s: linear scale %.3f, attention scale %.3f, call overhead %.2e s, overheads tp %s s, "
                  "ulysses %s s, zero-3 %s s, %.0f activation bytes/token", layer.name, k.linear_time_scale,
@@ -415,11 +463,10 @@ def _measures_variants(layer) -> bool:
             and layer.num_kv_heads > 0 and layer.num_kv_heads % 2 == 0)
 
 
-def planned_units(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = None, cuda: bool = False,
-                  world: int = 1) -> int:
-    """Progress units `profile_model` reports at `world` ranks: one per layer kind and size, plus
-    one per variant of each block kind run over a pair of ranks (even `world` only)."""
-    n = len(sizes or (DEFAULT_SIZES_CUDA if cuda else DEFAULT_SIZES_CPU))
+def planned_units(spec: ModelSpec, world: int = 1, reps: int = 3) -> int:
+    """Progress units `profile_model` reports at `world` ranks with `reps` repetitions: one per
+    timing round (all sizes) of each layer kind, plus one per round of each block kind run over
+    pairs of ranks (even `world` only)."""
     kinds = _layers_to_measure(spec)
     pairs = sum(_measures_variants(spec.layers[i]) for _, i, _ in kinds) if world >= 2 and world % 2 == 0 else 0
-    return n * len(kinds) + len(VARIANTS) * pairs
+    return reps * len(kinds) + chain_rounds(reps) * pairs

@@ -130,10 +130,15 @@ class LayerSpec(Frozen):
     # (the head/sequence permutes around them).
     # `zero3_overhead_s`: extra seconds per forward + backward when ZeRO-3 shards the layer, beyond
     # its compute and its all-gathers and reduce-scatter (FSDP2's copy-in/out and hooks).
+    # `tp_slowdown`, `sp_slowdown`: the fraction by which a rank's share of the compute runs slower
+    # than its share under tensor parallel / Ulysses (smaller matmuls; waits at each collective on
+    # the slower rank, which grow with the work between them); multiplies the compute time.
     call_overhead_s: float = Field(default=0.0, ge=0)
     tp_overhead_s: float = Field(default=0.0, ge=0)
     sp_overhead_s: float = Field(default=0.0, ge=0)
     zero3_overhead_s: float = Field(default=0.0, ge=0)
+    tp_slowdown: float = Field(default=0.0, ge=0)
+    sp_slowdown: float = Field(default=0.0, ge=0)
 
     @property
     def dense_params(self) -> int:

@@ -61,7 +61,7 @@ def main():
     sizes = [(1, 32), (2, 32), (1, 64), (2, 64), (1, 128)]
     steps = []
     profile = profile_model(spec, sizes=sizes, reps=2, matmul_size=256, progress=lambda w, n: steps.append(n))
-    check("model_progress", sum(steps) == model_units(spec, sizes, world=env.world))
+    check("model_progress", sum(steps) == model_units(spec, world=env.world, reps=2))
     check("model_kinds", [k.kind for k in profile.layers] == [LayerKind.EMBEDDING, LayerKind.DECODER, LayerKind.LM_HEAD])
     block = profile.for_kind(LayerKind.DECODER)
     check("block_measured", len(block.measurements) == len(sizes)
@@ -75,6 +75,9 @@ def main():
         check(f"{variant}_measured", (getattr(block, f"{over}_overhead_s") is not None) == pair and block.overhead_s >= 0
               and (not pair or (len(seconds) == len(sizes) and all(t > 0 for t in seconds)
                                 and all(x > 0 for x in comm))), str(seconds))
+    chain = block.chain_reference_seconds
+    check("chain_reference", (chain is not None) == pair and (not pair or (len(chain) == len(sizes) and min(chain) > 0)),
+          str(chain))
     check("scales_positive", block.linear_time_scale > 0 and block.attn_time_scale > 0 and profile.ranks_measuring == env.world)
     if env.rank == 0:
         write_atomic(out / "cluster.json", cluster.model_dump_json(indent=1))
