@@ -19,6 +19,11 @@
 Ends with `summary: median_time_err_pct=<x> median_mem_err_pct=<y> spearman=<z>` (Spearman of
 predicted vs measured step time over all runs; the errors are medians of absolute errors).
 
+Ranks are pinned to cores (`TESSERA_PIN_CPU=1`, see tessera/runtime/affinity.py; `--no-pin` to
+leave them to the OS): at 4 ranks on 2 cores the scheduler otherwise shares the cores so unevenly
+from moment to moment that the same step varies by a third, and a profile's best repetitions no
+longer stand for the runs.
+
 Timing statistic: on a machine shared with other jobs, whose load swings several-fold within
 minutes, a median of a few repetitions measures the load as much as the machine. Load only adds
 time, so by default every timing here — collectives and matmuls of the hardware profile, layer
@@ -76,8 +81,12 @@ PLANS = {
 }
 
 
+PIN_CPU = True  # see --no-pin
+
+
 def torchrun(nproc: int, *args: str, timeout: float = 1800) -> str:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               TESSERA_PIN_CPU="1" if PIN_CPU else "0")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "tessera", *args]
     t0 = time.perf_counter()
@@ -139,10 +148,15 @@ def main() -> int:
                         help="keep profiles and run results already in --out (re-cost the plans only)")
     parser.add_argument("--no-bracket", action="store_true",
                         help="predict from the profile taken before the runs only (no second profile after them)")
+    parser.add_argument("--no-pin", action="store_true",
+                        help="let the OS move ranks between cores (default: each rank pinned, TESSERA_PIN_CPU=1)")
     args = parser.parse_args()
+    global PIN_CPU
+    PIN_CPU = not args.no_pin
     out = Path(args.out or tempfile.mkdtemp(prefix="fidelity-"))
     out.mkdir(parents=True, exist_ok=True)
-    print(f"fidelity of the cost model on this machine ({os.cpu_count()} cores), files in {out}")
+    print(f"fidelity of the cost model on this machine ({os.cpu_count()} cores, ranks "
+          f"{'pinned' if PIN_CPU else 'not pinned'}), files in {out}")
 
     model_json = out / "model.json"
     model_json.write_text(MODEL.model_dump_json(indent=1))

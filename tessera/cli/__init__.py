@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.verb is None:
         build_parser().print_help()
         return 0
+    from ..runtime.affinity import pin_cpu_rank
+
+    pin_cpu_rank()  # before any thread starts, so that they all inherit it
     module = importlib.import_module(_available_verbs()[args.verb][0])
     try:
         return int(module.run(args) or 0)

@@ -485,10 +485,11 @@ def profile_hardware(options: HardwareOptions | None = None, progress: Progress 
 def oversubscription(env: Environment, cuda: bool) -> float:
     """Ranks per set of cores they need: this node's ranks x threads each over its usable cores
     (>= 1; 1 on GPUs, whose ranks each own a device)."""
+    from ..runtime.affinity import host_cores
+
     if cuda:
         return 1.0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1.0, env.local_world * torch.get_num_threads() / cores)
+    return max(1.0, env.local_world * torch.get_num_threads() / host_cores())
 
 
 def planned_units(env: Environment, options: HardwareOptions | None = None) -> int:
