@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from tessera.plan import Plan  # noqa: E402
 from tessera.profile.apply import apply_model_profile, load_cluster_profile, load_model_profile  # noqa: E402
-from tessera.profile.fit import ModelProfile  # noqa: E402
+from tessera.profile.fit import PARALLEL_COSTS, ModelProfile  # noqa: E402
 from tessera.spec.model import LayerKind, ModelSpec, TransformerConfig  # noqa: E402
 from tessera.spec.workload import Workload  # noqa: E402
 
@@ -119,8 +119,7 @@ def build_plans(out: Path, world: int, model: ModelSpec, suffix: str = "") -> li
 def mean_profile(a: ModelProfile, b: ModelProfile) -> ModelProfile:
     """`a` with every fitted time coefficient the mean of `a`'s and `b`'s (profiles of one model on
     one cluster profile, taken before and after the runs: the machine's speed midway)."""
-    fields = ("linear_time_scale", "attn_time_scale", "overhead_s", "tp_overhead_s", "sp_overhead_s",
-              "zero3_overhead_s")
+    fields = ("linear_time_scale", "attn_time_scale", "overhead_s", *PARALLEL_COSTS)
     layers = []
     for ka in a.layers:
         kb = b.for_kind(ka.kind)

@@ -28,7 +28,7 @@ from ..errors import TesseraError
 from ..spec.jsonio import first_validation_error, read_json_object
 from ..spec.cluster import ClusterSpec
 from ..spec.model import LayerSpec, ModelSpec
-from .fit import PROFILE_VERSION, ModelProfile
+from .fit import PARALLEL_COSTS, PROFILE_VERSION, ModelProfile
 
 
 def write_atomic(path: str | Path, text: str) -> None:
@@ -103,10 +103,7 @@ def _scaled_layer(layer: LayerSpec, profile: ModelProfile) -> LayerSpec:
         acts = dict(act_bytes_replicated=measured)
     return layer.model_copy(update=dict(linear_time_scale=kp.linear_time_scale,
                                         attn_time_scale=kp.attn_time_scale, call_overhead_s=kp.overhead_s,
-                                        tp_overhead_s=kp.tp_overhead_s or 0.0,
-                                        sp_overhead_s=kp.sp_overhead_s or 0.0,
-                                        tp_slowdown=kp.tp_slowdown or 0.0, sp_slowdown=kp.sp_slowdown or 0.0,
-                                        zero3_overhead_s=kp.zero3_overhead_s or 0.0, **acts))
+                                        **{f: getattr(kp, f) or 0.0 for f in PARALLEL_COSTS}, **acts))
 
 
 def apply_model_profile(model: ModelSpec, profile: str | Path | ModelProfile) -> ModelSpec:

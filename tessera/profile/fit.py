@@ -186,6 +186,13 @@ class ModelProfile(Frozen):
         return next((p for p in self.layers if p.kind == kind), None)
 
 
+# The fitted parallel costs, named alike in `LayerKindProfile` and `LayerSpec` (None in a profile,
+# 0 in a spec, where not measured).
+PARALLEL_COSTS = ("tp_overhead_s", "tp_slowdown", "sp_overhead_s", "sp_slowdown", "zero3_overhead_s")
+# The profile fields of each variant: its overhead and slowdown are `{prefix}_overhead_s`, `{prefix}_slowdown`.
+_VARIANT_PREFIX = {"tp2": "tp", "sp2": "sp", "zero3": "zero3"}
+
+
 def variant_overhead(variant: str, totals: Sequence[float], call_overhead_s: float, seconds: Sequence[float],
                      comm_seconds: Sequence[float]) -> tuple[float, float]:
     """(fixed seconds, slowdown): what a block run as `variant` over two ranks takes beyond the cost
@@ -268,7 +275,7 @@ def fit_layer_kind(kind: LayerKind, layer: str, params: int, flops_per_token: fl
             raise ValueError("the chained reference timings must be given for every measured size")
         measured["chain_reference_seconds"] = tuple(chain_reference)
     for variant, (seconds, comm) in (variants or {}).items():
-        prefix = {"tp2": "tp", "sp2": "sp", "zero3": "zero3"}[variant]
+        prefix = _VARIANT_PREFIX[variant]
         t1 = total if variant == "zero3" or chain_reference is None else chain_reference
         fixed, slowdown = variant_overhead(variant, t1, fit.c, seconds, comm)
         measured.update({f"{variant}_seconds": tuple(seconds), f"{variant}_comm_seconds": tuple(comm),
