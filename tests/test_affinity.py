@@ -30,3 +30,12 @@ def test_pinning_only_when_asked_under_torchrun():
     finally:
         os.sched_setaffinity(0, before)
         affinity._host_cores = None
+
+
+def test_a_bad_pin_setting_is_one_line_from_the_cli(monkeypatch, capsys):
+    from tessera.cli import main
+
+    monkeypatch.setenv("TESSERA_PIN_CPU", "yes")
+    assert main(["plan"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "tessera plan: error: TESSERA_PIN_CPU must be 1 (pin each rank to its cores) or 0, got 'yes'"

@@ -52,9 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from ..runtime.affinity import pin_cpu_rank
 
-    pin_cpu_rank()  # before any thread starts, so that they all inherit it
-    module = importlib.import_module(_available_verbs()[args.verb][0])
     try:
+        pin_cpu_rank()  # before any thread starts, so that they all inherit it
+        module = importlib.import_module(_available_verbs()[args.verb][0])
         return int(module.run(args) or 0)
     except (TesseraError, ValueError, FileNotFoundError) as e:
         if os.environ.get("TESSERA_DEBUG"):

@@ -41,7 +41,10 @@ def core_share(local_rank: int, local_world: int, cores: Sequence[int]) -> set[i
 def pin_cpu_rank(environ: Mapping[str, str] = os.environ) -> set[int] | None:
     """Pin this process to `core_share` of the cores it may use, when `TESSERA_PIN_CPU=1` and it
     runs under torchrun (LOCAL_RANK set); returns the cores, or None when it did nothing."""
-    if environ.get(ENV) != "1" or "LOCAL_RANK" not in environ or not hasattr(os, "sched_setaffinity"):
+    value = environ.get(ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV} must be 1 (pin each rank to its cores) or 0, got '{value}'")
+    if value == "0" or "LOCAL_RANK" not in environ or not hasattr(os, "sched_setaffinity"):
         return None
     global _host_cores
     if _host_cores is None:
