@@ -15,7 +15,6 @@ from tessera.runtime.tokenizer import EOT_ID, decode, encode_documents, gpt2_tok
 from tessera.spec.presets import get_model_config
 
 
-
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     """A private cache dir for the module (the corpus is tokenized once here, then read from it)."""

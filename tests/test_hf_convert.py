@@ -37,7 +37,6 @@ HF_MODELS = {
 }
 
 
-
 def _randomize(model: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

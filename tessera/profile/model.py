@@ -164,7 +164,8 @@ def _time_interleaved(runners: Sequence, device: torch.device, reps: int,
     return [(_slowest_rank(fwd, device), _slowest_rank(bwd, device)) for fwd, bwd in times]
 
 
-def _saved_and_peak(runner: _LayerRunner, device: torch.device, meter: SavedActivationMeter) -> tuple[float, float | None]:
+def _saved_and_peak(runner: _LayerRunner, device: torch.device,
+                    meter: SavedActivationMeter) -> tuple[float, float | None]:
     """(bytes autograd saves in one forward, CUDA peak bytes of forward + backward or None)."""
     peak = None
     if device.type == "cuda":
@@ -340,12 +341,11 @@ def measure_variants(model: torch.nn.Module, config: TransformerConfig, kind: La
     tick = (lambda i: progress(f"block{block} over 2 ranks, round {i + 1}/{rounds}", 1)) if progress else None
     per_block = [(summarize(f, statistic) + summarize(b, statistic)) / r.repeat
                  for r, (f, b) in zip(runners, _time_interleaved(runners, device, rounds, tick))]
-    k = 1 + len(VARIANTS)
-    out = VariantTimings(variants={v: (per_block[1 + j::k], comm[v]) for j, v in enumerate(VARIANTS)},
-                         chain_reference=per_block[0::k])
-    out.chain_reference = _median_over_ranks(out.chain_reference)
-    out.variants = {v: (_median_over_ranks(t), _median_over_ranks(x)) for v, (t, x) in out.variants.items()}
-    return out
+    k = 1 + len(VARIANTS)  # runners per size: the reference, then each variant
+    return VariantTimings(
+        variants={v: (_median_over_ranks(per_block[1 + j::k]), _median_over_ranks(comm[v]))
+                  for j, v in enumerate(VARIANTS)},
+        chain_reference=_median_over_ranks(per_block[0::k]))
 
 
 def build_in_dtype(config: TransformerConfig, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
