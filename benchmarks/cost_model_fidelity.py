@@ -15,9 +15,17 @@
    drifts over minutes (other tenants); bracketing the runs gives the profile the speed they saw
    on average instead of the speed of the minute before them. `drift` prints how much the
    reference block's time moved between the two profiles.
+5. Machine speed during the runs: `tessera validate --model-profile` times the profile's gauge
+   block (the first block at its largest size) once per round between the steps, the way the
+   profile timed it. `speed` = its time in the profiles (their mean) / its time during the runs,
+   and `adj err` the error of the prediction / speed: a diagnostic of how much of an error is the
+   machine's load rather than the model. It is not what the summary reports: one block's compute
+   does not follow the load the way whole steps with their collectives do (in one run the gauge
+   said 1.21x faster while the steps ran as predicted).
 
-Ends with `summary: median_time_err_pct=<x> median_mem_err_pct=<y> spearman=<z>` (Spearman of
-predicted vs measured step time over all runs; the errors are medians of absolute errors).
+Ends with `summary: median_time_err_pct=<x> median_mem_err_pct=<y> spearman=<z>
+speed_adjusted_median_time_err_pct=<w>` (Spearman of predicted vs measured step time over all
+runs; the errors are medians of absolute errors; w from the `adj err` column).
 
 Ranks are pinned to cores (`TESSERA_PIN_CPU=1`, see tessera/runtime/affinity.py; `--no-pin` to
 leave them to the OS): at 4 ranks on 2 cores the scheduler otherwise shares the cores so unevenly
@@ -48,7 +56,8 @@ sys.path.insert(0, str(ROOT))
 from tessera.plan import Plan  # noqa: E402
 from tessera.profile.apply import apply_model_profile, load_cluster_profile, load_model_profile  # noqa: E402
 from tessera.profile.fit import PARALLEL_COSTS, ModelProfile  # noqa: E402
-from tessera.spec.model import LayerKind, ModelSpec, TransformerConfig  # noqa: E402
+from tessera.profile.validate import Gauge  # noqa: E402
+from tessera.spec.model import ModelSpec, TransformerConfig  # noqa: E402
 from tessera.spec.workload import Workload  # noqa: E402
 
 # A LLaMA small enough for 2 CPU cores, with a vocabulary that does not drown the blocks.
@@ -130,10 +139,8 @@ def mean_profile(a: ModelProfile, b: ModelProfile) -> ModelProfile:
 
 
 def block_time(profile: ModelProfile) -> float:
-    """Forward + backward seconds of the profile's first block at its largest measured size."""
-    block = next(k for k in profile.layers if k.kind not in (LayerKind.EMBEDDING, LayerKind.LM_HEAD))
-    m = max(block.measurements, key=lambda m: (m.tokens, m.seq_len))
-    return m.forward_s + m.backward_s
+    """Forward + backward seconds of the profile's gauge block (its first block at its largest size)."""
+    return Gauge.of(profile, ModelSpec.from_config(MODEL)).profiled_s
 
 
 def main() -> int:
@@ -172,10 +179,10 @@ def main() -> int:
         result_path = out / f"results{world}.json"
         if not (args.reuse_profiles and result_path.exists()):
             torchrun(world, "validate", "--plan", *map(str, plans), "--steps", str(args.steps), "--json",
-                     str(result_path), "--statistic", args.statistic)
+                     str(result_path), "--statistic", args.statistic, "--model-profile", str(profile))
         data = json.loads(result_path.read_text())
         skipped += data["skipped"]
-        predicted = {}
+        predicted, reference = {}, block_time(load_model_profile(profile))
         if not args.no_bracket:
             after = out / f"model-profile{world}-after.json"
             if not (args.reuse_profiles and after.exists()):
@@ -186,23 +193,28 @@ def main() -> int:
             model = apply_model_profile(ModelSpec.from_config(MODEL), both)
             bracketed = [Plan.load(p) for p in build_plans(out, world, model, "-bracketed")]
             predicted = {plan.name: plan.prediction.step_time_s for plan in bracketed}
+            reference = (reference + block_time(load_model_profile(after))) / 2
         for r in data["results"]:
             pred_mem = max(r["predicted_memory"])
             meas_mem = max(sum(x[k] for k in ("params", "grads", "optimizer", "activations")) for x in r["ranks"])
-            speed = r["probe_flops"] / r["profiled_flops"]
-            rows.append(dict(plan=r["plan"], world=world, pred_t=predicted.get(r["plan"], r["predicted_step_s"]),
-                             meas_t=r["measured_step_s"],
-                             pred_m=pred_mem, meas_m=meas_mem, speed=speed))
+            # The profiles' gauge block (their mean, as the predictions) against the same block
+            # timed during the runs: how much faster the machine ran than when it was profiled.
+            speed = reference / r["gauge_s"] if r.get("gauge_s") else 1.0
+            raw = predicted.get(r["plan"], r["predicted_step_s"])
+            rows.append(dict(plan=r["plan"], world=world, pred_t=raw, adj_t=raw / speed,
+                             meas_t=r["measured_step_s"], pred_m=pred_mem, meas_m=meas_mem, speed=speed))
 
-    # speed: one matmul's rate during the runs over the profiled rate, a gauge of how much the load
-    # of other jobs changed between profiling and running (1.00 = as profiled).
+    # speed: the gauge block's profiled time over its time during the runs (1.00 = as profiled);
+    # adj err: the error of the prediction / speed, for the machine as fast as the gauge saw it.
     print(f"\n{'plan':<16}{'ranks':>6}{'pred s':>9}{'meas s':>9}{'err':>8}{'pred MiB':>10}{'meas MiB':>10}"
-          f"{'err':>8}{'speed':>7}")
+          f"{'err':>8}{'speed':>7}{'adj err':>9}")
     for r in rows:
         r["t_err"] = 100 * (r["pred_t"] - r["meas_t"]) / r["meas_t"]
+        r["adj_err"] = 100 * (r["adj_t"] - r["meas_t"]) / r["meas_t"]
         r["m_err"] = 100 * (r["pred_m"] - r["meas_m"]) / r["meas_m"]
         print(f"{r['plan']:<16}{r['world']:>6}{r['pred_t']:>9.3f}{r['meas_t']:>9.3f}{r['t_err']:>+7.1f}%"
-              f"{r['pred_m'] / 2**20:>10.1f}{r['meas_m'] / 2**20:>10.1f}{r['m_err']:>+7.1f}%{r['speed']:>7.2f}")
+              f"{r['pred_m'] / 2**20:>10.1f}{r['meas_m'] / 2**20:>10.1f}{r['m_err']:>+7.1f}%"
+              f"{r['speed']:>7.2f}{r['adj_err']:>+8.1f}%")
     for s in skipped:
         print(f"skipped {Path(s['plan']).stem}: {s['reason']}")
     if not rows:
@@ -216,7 +228,9 @@ def main() -> int:
     t_err = statistics.median(abs(r["t_err"]) for r in rows)
     m_err = statistics.median(abs(r["m_err"]) for r in rows)
     rho = spearman([r["pred_t"] for r in rows], [r["meas_t"] for r in rows])
-    print(f"summary: median_time_err_pct={t_err:.1f} median_mem_err_pct={m_err:.1f} spearman={rho:.2f}")
+    adj_err = statistics.median(abs(r["adj_err"]) for r in rows)
+    print(f"summary: median_time_err_pct={t_err:.1f} median_mem_err_pct={m_err:.1f} spearman={rho:.2f} "
+          f"speed_adjusted_median_time_err_pct={adj_err:.1f}")
     return 0
 
 

@@ -31,7 +31,7 @@ def profiles(tmp_path_factory):
     out = tmp_path_factory.mktemp("profiles")
     log = run_torchrun(ROOT / "tests" / "dist" / "profile_check.py", 2, str(out), timeout=240)
     assert {"progress_units", "curve_all_reduce_2", "activations_per_token", "tp2_measured", "sp2_measured",
-            "zero3_measured", "chain_reference", "written_without_leftovers"} <= passed_checks(log)
+            "zero3_measured", "chain_reference", "head_tp2_measured", "written_without_leftovers"} <= passed_checks(log)
     return out
 
 
@@ -142,8 +142,10 @@ def test_validate_runs_plans_and_measures_what_the_cost_model_predicts(profiles,
         manual_plan(model, cluster, wl, name=name, micro_batch_size=1, **kw).save(paths[-1])
     results, plot = tmp_path / "results.json", tmp_path / "validate.png"
     log = run_torchrun("-m", 2, "tessera", "validate", "--plan", *map(str, paths), "--steps", "1",
-                       "--json", str(results), "--plot", str(plot), timeout=300)
+                       "--json", str(results), "--plot", str(plot), "--model-profile",
+                       str(profiles / "model-profile.json"), timeout=300)
     assert "dp2: 2 ranks, 1 timed steps" in log and "zero3-rc" in log
+    assert "machine speed during the runs" in " ".join(log.split())  # rich wraps lines
     data = json.loads(results.read_text())
     assert [r["plan"] for r in data["results"]] == ["dp2", "zero3-rc"] and not data["skipped"]
     for r in data["results"]:
@@ -153,3 +155,8 @@ def test_validate_runs_plans_and_measures_what_the_cost_model_predicts(profiles,
     dp = data["results"][0]["ranks"][0]
     assert zero3["params"] == pytest.approx(dp["params"] / 2, rel=0.05)  # ZeRO-3 shards over 2 ranks
     assert plot.stat().st_size > 1000
+    # The gauge: the profile's first block at its largest size, timed again between the steps.
+    block = load_model_profile(profiles / "model-profile.json").layers[1]
+    largest = max(block.measurements, key=lambda m: (m.tokens, m.seq_len))
+    for r in data["results"]:
+        assert r["gauge_profiled_s"] == pytest.approx(largest.forward_s + largest.backward_s) and r["gauge_s"] > 0

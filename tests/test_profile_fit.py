@@ -237,3 +237,48 @@ def test_call_and_parallel_overheads_are_fitted_and_applied():
     assert [(l.call_overhead_s, l.tp_overhead_s, l.sp_overhead_s, l.zero3_overhead_s, l.tp_slowdown, l.sp_slowdown)
             for l in applied.layers] == ([(c, 0.0, 0.0, 0.0, 0.0, 0.0)] + [inner] * (len(model.layers) - 2)
                                          + [(c, 0.0, 0.0, 0.0, 0.0, 0.0)])
+
+
+def test_head_tensor_parallel_costs_are_fitted_and_reach_only_the_lm_head():
+    model = get_model("tiny-llama")
+    head = model.layers[-1]
+    rate, c, extra, slow = 50e9, 1e-3, 6e-3, 0.5
+    ms, tp2, comm = [], [], []
+    for b, s in [(1, 64), (2, 64), (1, 128), (4, 64), (2, 128), (1, 256)]:
+        lin = b * s * head.flops_per_token
+        total = 3 * lin * 1.3 / rate + c
+        ms.append(LayerMeasurement(batch=b, seq_len=s, forward_s=total / 3, backward_s=2 * total / 3,
+                                   activation_bytes=10.0 * b * s, linear_flops=lin, attn_flops=0.0))
+        comm.append(2e-4 * b * s / 64)  # one all-reduce forward, one backward
+        # The loss-parallel head: half the compute, `slow` slower, its collectives and a fixed cost.
+        tp2.append(c + (1 + slow) * (total - c) / 2 + comm[-1] + extra)
+    reference = [m.forward_s + m.backward_s for m in ms]
+    kp = fit_layer_kind(head.kind, head.name, head.params, head.flops_per_token, head.attn_flops_coeff, ms, rate,
+                        variants={"tp2": (tp2, comm)}, chain_reference=reference)
+    assert (kp.tp_overhead_s, kp.tp_slowdown) == pytest.approx((extra, slow), rel=1e-3)
+    assert (kp.sp_overhead_s, kp.sp_slowdown, kp.zero3_overhead_s) == (None, None, None)
+    profile = _profile_for(model)
+    profile = profile.model_copy(update={"layers": profile.layers[:-1] + (kp,)})
+    applied = apply_model_profile(model, profile)
+    assert [(l.tp_overhead_s, l.tp_slowdown) for l in applied.layers] == (
+        [(0.0, 0.0)] * (len(model.layers) - 1) + [pytest.approx((extra, slow), rel=1e-3)])
+
+
+def test_the_speed_gauge_is_the_first_block_at_its_largest_size_and_refuses_another_model():
+    from tessera.profile.validate import Gauge, Validation
+
+    model = get_model("tiny-llama")
+    profile = _profile_for(model)
+    block = profile.layers[1]
+    big = block.measurements[0].model_copy(update=dict(batch=2, seq_len=128, forward_s=0.5, backward_s=1.0))
+    profile = profile.model_copy(update={"layers": (profile.layers[0], block.model_copy(
+        update={"measurements": (block.measurements[0], big)}), profile.layers[2])})
+    gauge = Gauge.of(profile, model)
+    assert (gauge.kind, gauge.block, gauge.batch, gauge.seq_len, gauge.profiled_s) == ("decoder", 0, 2, 128, 1.5)
+    with pytest.raises(TesseraError, match="measured on model 'tiny-llama', not 'llama2-7b'"):
+        Gauge.of(profile, get_model("llama2-7b"))
+    v = Validation(plan="p", world=2, predicted_step_s=1.0, measured_step_s=1.0, step_times=[1.0],
+                   predicted_memory=[1.0], gauge_profiled_s=1.5, gauge_s=1.2)
+    assert v.speed_ratio == pytest.approx(1.25)
+    assert Validation(plan="p", world=2, predicted_step_s=1.0, measured_step_s=1.0, step_times=[1.0],
+                      predicted_memory=[1.0]).speed_ratio is None

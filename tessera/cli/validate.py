@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="summary of the timed steps (min suits a machine shared with other jobs)")
     parser.add_argument("--plot", default=None, help="write a bar chart of predicted vs measured here (PNG)")
     parser.add_argument("--json", default=None, help="write the results here as JSON")
+    parser.add_argument("--model-profile", default=None,
+                        help="the model profile the plans were costed with: one of its block timings is rerun "
+                             "alongside the steps to report the machine's speed against the profile's")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,6 +39,13 @@ def run(args: argparse.Namespace) -> int:
         if plan.world_size != world:
             raise TesseraError(f"plan {path} was made for {plan.world_size} ranks, but {world} are running; "
                                f"launch with torchrun --nproc-per-node {plan.world_size}")
+    gauge = None
+    if args.model_profile:
+        from ..profile.apply import load_model_profile
+        from ..profile.validate import Gauge
+
+        profile = load_model_profile(args.model_profile)
+        gauge = [Gauge.of(profile, plan.model) for plan in plans][0]  # each plan's model is checked
     import torch.distributed as dist
 
     from ..profile.apply import write_atomic
@@ -50,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
         except TesseraError as e:  # the runtime refuses it (on every rank alike): go on without it
             skipped.append((path, str(e)))
     try:
-        results = run_validations(runnable, steps=args.steps, warmup=args.warmup, statistic=args.statistic) if runnable else []
+        results = run_validations(runnable, steps=args.steps, warmup=args.warmup, statistic=args.statistic,
+                                  gauge=gauge) if runnable else []
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -89,8 +100,9 @@ def print_results(results) -> None:
         p, m = v.peak_memory
         console.print(f"step (slowest rank, median): predicted {v.predicted_step_s:.3f} s, measured "
                       f"{v.measured_step_s:.3f} s ({_pct(v.time_error)}); peak memory predicted {p / 2**20:.1f} MiB, "
-                      f"measured {m / 2**20:.1f} MiB ({_pct(v.peak_memory_error)}); machine speed during the "
-                      f"runs {v.speed_ratio:.2f}x the profiled one")
+                      f"measured {m / 2**20:.1f} MiB ({_pct(v.peak_memory_error)})"
+                      + (f"; machine speed during the runs {v.speed_ratio:.2f}x the model profile's"
+                         if v.speed_ratio is not None else ""))
 
 
 def plot_results(results, path: str | Path) -> None:

@@ -26,7 +26,9 @@ tp2 and sp2 (half the compute, the collectives on the critical path) and T2 = T1
 and sp2, fitted over sizes as overhead + slowdown x (T1 - c) / 2 (`variant_overhead`); for zero3
 its median, floored at 0. tp2 and sp2 are timed per block in a chain of blocks (see
 `tessera.profile.model.CHAIN`), and their T1 is then the same chain's on one rank
-(`chain_reference_seconds`), timed alongside.
+(`chain_reference_seconds`), timed alongside. The LM head has a tp2 variant too (vocabulary-parallel
+projection and loss-parallel cross-entropy, X = the one all-reduce forward and one backward the
+cost model charges it), set against the plain head timed alongside.
 
 No torch import: this module only does arithmetic on measurements.
 """
@@ -165,7 +167,8 @@ class LayerKindProfile(Frozen):
     zero3_comm_seconds: tuple[float, ...] | None = None
     zero3_overhead_s: float | None = Field(default=None, ge=0, description="LayerSpec.zero3_overhead_s")
     # fwd+bwd seconds per block of the unparallelised block chained as tp2 and sp2 were, timed with
-    # them: their T1. None: the single-block measurements are their T1 (older profiles, tests).
+    # them (the head: the plain head timed alongside its tp2): their T1. None: the measurements
+    # above are their T1 (older profiles, tests).
     chain_reference_seconds: tuple[float, ...] | None = None
 
 

@@ -6,7 +6,10 @@ one measurement — and the head: final norm, vocabulary projection and the loss
 sizes take turns, one run each per round, so that drift in the machine's speed bends no curve)
 and the bytes of activations autograd saves for backward (`SavedActivationMeter`). Under
 `torchrun` every rank measures at once, as ranks of a real job compute at once, and each run
-counts the slowest rank's time (ranks that share cores are thus measured sharing them).
+counts the slowest rank's time (ranks that share cores are thus measured sharing them). With an
+even number of ranks, blocks are also run tensor parallel, Ulysses and ZeRO-3 over pairs of ranks
+(`measure_variants`), and the head tensor parallel with the loss-parallel cross-entropy
+(`measure_head_tp2`).
 `tessera.profile.fit` turns the measurements into `LayerSpec` time scales relative to the
 achieved FLOP/s of large matmuls measured in the same processes (`reference_flops`), or the
 cluster profile's rate when one is given.
@@ -348,6 +351,59 @@ def measure_variants(model: torch.nn.Module, config: TransformerConfig, kind: La
         chain_reference=_median_over_ranks(per_block[0::k]))
 
 
+class _HeadTP2Runner:
+    """The LM head as one rank of tp=2 runs it (`runtime.parallelize.tp_head`): the final norm, the
+    vocabulary projection column-parallel with its logits sharded over the vocabulary, and the
+    cross-entropy on them under `loss_parallel`, forward and backward, on `base`'s inputs."""
+
+    def __init__(self, head: torch.nn.ModuleDict, base: _LayerRunner):
+        self.head, self.base, self.out = head, base, None
+
+    def forward(self) -> None:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        x = self.base.x.detach().requires_grad_()
+        with loss_parallel():
+            logits = self.head["output"](self.head["norm"](x))
+            self.out = F.cross_entropy(logits.flatten(0, 1), self.base.tokens.flatten())
+
+    def backward(self) -> None:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel():
+            self.out.backward()
+        self.out = None
+        for p in self.head.parameters():
+            p.grad = None
+
+
+def measure_head_tp2(model: torch.nn.Module, config: TransformerConfig, sizes: Sequence[tuple[int, int]],
+                     device: torch.device, dtype: torch.dtype, reps: int, statistic: str, mesh,
+                     progress: Progress | None = None) -> VariantTimings:
+    """Per size: fwd+bwd seconds of the LM head run tensor parallel over the pair of ranks of
+    `mesh` (`_HeadTP2Runner`), of the plain head timed alongside on every rank (the reference),
+    and of the collectives the cost model charges a TP head (one all-reduce of the b x s x h
+    activation forward, one backward) timed alone; all the slowest rank's."""
+    import copy
+
+    from ..runtime.parallelize import tp_head
+
+    head = torch.nn.ModuleDict({"norm": copy.deepcopy(model.norm), "output": copy.deepcopy(model.output)})
+    tp_head(head["norm"], head["output"], mesh, sequence_parallel=False)
+    group = mesh.get_group()
+    runners, comm = [], []
+    for batch, seq in sizes:
+        base = _LayerRunner(model, config, LayerKind.LM_HEAD, -1, batch, seq, device, dtype)
+        runners += [base, _HeadTP2Runner(head, base)]
+        act = torch.empty(batch, seq, config.hidden, device=device, dtype=dtype)
+        comm.append(_time_collectives([("all_reduce", act)] * 2, group, device, reps, statistic))
+    tick = (lambda i: progress(f"lm_head over 2 ranks, round {i + 1}/{reps}", 1)) if progress else None
+    totals = [summarize(f, statistic) + summarize(b, statistic)
+              for f, b in _time_interleaved(runners, device, reps, tick)]
+    return VariantTimings(variants={"tp2": (_median_over_ranks(totals[1::2]), _median_over_ranks(comm))},
+                          chain_reference=_median_over_ranks(totals[0::2]))
+
+
 def build_in_dtype(config: TransformerConfig, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """The model of `config` with its weights in `dtype` (rope rotations stay complex float)."""
     from ..models import build_model
@@ -433,6 +489,8 @@ def profile_model(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = Non
         if shard is not None and mesh is not None:
             pairs = measure_variants(model, spec.config, kind, block, sizes, device, tdtype, reps,
                                      statistic, mesh, progress)
+        elif kind == LayerKind.LM_HEAD and mesh is not None and _measures_head_tp2(spec.config):
+            pairs = measure_head_tp2(model, spec.config, sizes, device, tdtype, reps, statistic, mesh, progress)
         flat = _median_over_ranks([v if v is not None else -1.0 for r in rows for v in r])
         measurements = []
         for j, (batch, seq) in enumerate(sizes):
@@ -463,10 +521,19 @@ def _measures_variants(layer) -> bool:
             and layer.num_kv_heads > 0 and layer.num_kv_heads % 2 == 0)
 
 
+def _measures_head_tp2(config: TransformerConfig) -> bool:
+    """Whether `profile_model` also runs the LM head tensor parallel over pairs of ranks."""
+    return config.vocab_size % 2 == 0
+
+
 def planned_units(spec: ModelSpec, world: int = 1, reps: int = 3) -> int:
     """Progress units `profile_model` reports at `world` ranks with `reps` repetitions: one per
-    timing round (all sizes) of each layer kind, plus one per round of each block kind run over
-    pairs of ranks (even `world` only)."""
+    timing round (all sizes) of each layer kind, plus one per round of each block kind and of the
+    LM head run over pairs of ranks (even `world` only)."""
     kinds = _layers_to_measure(spec)
-    pairs = sum(_measures_variants(spec.layers[i]) for _, i, _ in kinds) if world >= 2 and world % 2 == 0 else 0
-    return reps * len(kinds) + chain_rounds(reps) * pairs
+    if world < 2 or world % 2:
+        return reps * len(kinds)
+    pairs = sum(_measures_variants(spec.layers[i]) for _, i, _ in kinds)
+    head = (spec.config is not None and _measures_head_tp2(spec.config)
+            and any(kind == LayerKind.LM_HEAD for kind, _, _ in kinds))
+    return reps * (len(kinds) + head) + chain_rounds(reps) * pairs

@@ -15,11 +15,15 @@ minus its transient terms, i.e. parameters + gradients + optimizer state + in-fl
 (the LM head's logits included): `MemoryBreakdown.total - max layer buffer - reserved bytes`.
 The transient buffers (gathered ZeRO-3 weights, a recomputed layer's replay) and the framework
 reserve are not what the instrumentation sees, so they are left out on both sides.
+
+Machine speed (with the model profile the plans were costed with, `Gauge`): each round also
+times one of the profile's block measurements again, the same way; profiled / now is
+`Validation.speed_ratio`. On a machine shared with other jobs it tells an error of the model
+from a change in the machine's load between profiling and running.
 """
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -54,15 +58,16 @@ class Validation:
     step_times: list[float]
     predicted_memory: list[float]  # per pipeline rank (see module docstring)
     ranks: list[RankMeasurement] = field(default_factory=list)
-    # Matmul FLOP/s per rank measured during the runs, and the one the plan's cluster spec assumes:
-    # their ratio says how much faster or slower the machine was than when it was profiled.
-    probe_flops: float = 0.0
-    profiled_flops: float = 0.0
+    # With a model profile (`Gauge`): the seconds of its gauge measurement then and during the runs.
+    gauge_profiled_s: float | None = None
+    gauge_s: float | None = None
 
     @property
-    def speed_ratio(self) -> float:
-        """Machine speed during the runs / speed in the profile (1.0 = as profiled)."""
-        return self.probe_flops / self.profiled_flops if self.probe_flops and self.profiled_flops else 1.0
+    def speed_ratio(self) -> float | None:
+        """Machine speed during the runs / speed in the model profile (1.0 = as profiled; None:
+        no profile given). The same work timed the same way at both times, so the ratio is the
+        machine's, not the model's: a shared machine's load changes it."""
+        return self.gauge_profiled_s / self.gauge_s if self.gauge_s and self.gauge_profiled_s else None
 
     @property
     def time_error(self) -> float:
@@ -113,6 +118,58 @@ def predicted_memory(plan: Plan) -> list[float]:
     return out
 
 
+@dataclass(frozen=True)
+class Gauge:
+    """A measurement of a model profile to time again during the runs: the first block kind's
+    forward + backward at its largest measured size, as the profile timed it (every rank at once,
+    the slowest rank's). Their ratio is `Validation.speed_ratio`."""
+
+    kind: str
+    block: int  # index among the model's blocks
+    batch: int
+    seq_len: int
+    dtype: str
+    profiled_s: float
+
+    @classmethod
+    def of(cls, profile, model) -> "Gauge":
+        """The gauge of `profile` (a ModelProfile) of `model` (the ModelSpec the plans train)."""
+        from ..errors import TesseraError
+        from ..spec.model import LayerKind
+
+        if profile.model != model.name:
+            raise TesseraError(f"model profile was measured on model '{profile.model}', not '{model.name}' "
+                               "that the plans train")
+        if model.config is None:
+            raise TesseraError(f"model '{model.name}' has no architecture config, so no profiled block can be rerun")
+        blocks = [k for k in profile.layers if k.kind not in (LayerKind.EMBEDDING, LayerKind.LM_HEAD)]
+        if not blocks:
+            raise TesseraError("the model profile has no block measurement to time again")
+        k = blocks[0]
+        m = max(k.measurements, key=lambda m: (m.tokens, m.seq_len))
+        index = [layer.name for layer in model.layers if layer.kind not in (LayerKind.EMBEDDING, LayerKind.LM_HEAD)]
+        return cls(kind=k.kind.value, block=index.index(k.layer) if k.layer in index else 0, batch=m.batch,
+                   seq_len=m.seq_len, dtype=profile.dtype, profiled_s=m.forward_s + m.backward_s)
+
+    def runner(self, model_spec, device):
+        """What `time_once` runs: the block on random inputs of the gauge's size."""
+        from ..spec.model import LayerKind
+        from .model import _TORCH_DTYPES, _LayerRunner, build_in_dtype
+
+        dtype = _TORCH_DTYPES[self.dtype]
+        model = build_in_dtype(model_spec.config, device, dtype)
+        return _LayerRunner(model, model_spec.config, LayerKind(self.kind), self.block, self.batch, self.seq_len,
+                            device, dtype)
+
+    @staticmethod
+    def time_once(runner, device) -> float:
+        """Forward + backward seconds of one run (after a warm-up), the slowest rank's."""
+        from .model import _time_interleaved
+
+        [(fwd, bwd)] = _time_interleaved([runner], device, 1)
+        return fwd[0] + bwd[0]
+
+
 class _Run:
     """One plan's trainer, data and measurements during an interleaved validation."""
 
@@ -161,29 +218,15 @@ class _Run:
             self.allocator = float(torch.cuda.max_memory_allocated(t.device))
 
 
-def _probe_flops(device, n: int) -> float:
-    """FLOP/s of one n x n matmul right now (the machine's current speed, every rank at once)."""
-    import torch
-    import torch.distributed as dist
-
-    a = torch.randn(n, n, device=device)
-    dist.barrier()
-    t0 = time.perf_counter()
-    torch.mm(a, a)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return 2.0 * n**3 / (time.perf_counter() - t0)
-
-
 def run_validations(plans: list[Plan], steps: int = 5, warmup: int = 1, seed: int = 0,
-                    probe_size: int | None = None, statistic: str = "median") -> list[Validation]:
+                    statistic: str = "median", gauge: Gauge | None = None) -> list[Validation]:
     """Train each plan for warmup + 1 + `steps` steps on synthetic data and measure (collective call).
 
     The plans run interleaved, one step of each in turn, so that a change in the machine's load
-    (other jobs on a shared machine) touches every plan alike. Each round also times one square
-    matmul of side `probe_size` (default: the hardware profile's), so the machine's speed during
-    the runs can be set against the speed the profile saw (`Validation.probe_flops`).
-    `statistic` summarises the timed steps: "median", or "min" to match profiles taken with min.
+    (other jobs on a shared machine) touches every plan alike. With a `gauge`, each round also
+    times the gauge's block, so the machine's speed during the runs can be set against the speed
+    the model profile saw (`Validation.speed_ratio`). `statistic` summarises the timed steps (and
+    the gauge's): "median", or "min" to match profiles taken with min.
     """
     import torch
     import torch.distributed as dist
@@ -199,15 +242,15 @@ def run_validations(plans: list[Plan], steps: int = 5, warmup: int = 1, seed: in
     for run in runs:
         run.instrumented_step()
     device = runs[0].trainer.device if runs else torch.device("cpu")
-    n = probe_size or (8192 if device.type == "cuda" else 1024)
-    probes = []
+    gauge_runner = gauge.runner(plans[0].model, device) if gauge is not None and runs else None
+    gauges = []
     for _ in range(steps):
-        probes.append(_probe_flops(device, n))
+        if gauge_runner is not None:
+            gauges.append(Gauge.time_once(gauge_runner, device))
         for run in runs:
             run.times.append(run.step())
     world, rank = dist.get_world_size(), dist.get_rank()
-    probe = torch.tensor([statistics.median(probes)], dtype=torch.float64, device=device)
-    dist.all_reduce(probe)
+    gauge_s = summarize(gauges, statistic) if gauges else None
     results = []
     for run in runs:
         plan, t = run.plan, run.trainer
@@ -225,20 +268,13 @@ def run_validations(plans: list[Plan], steps: int = 5, warmup: int = 1, seed: in
         results.append(Validation(plan=plan.name, world=world, predicted_step_s=pred.step_time_s,
                                   measured_step_s=summarize(step_times, statistic), step_times=step_times,
                                   predicted_memory=predicted_memory(plan),
-                                  ranks=[RankMeasurement(**g) for g in gathered],
-                                  probe_flops=float(probe.item()) / world, profiled_flops=_profiled_rate(plan)))
+                                  ranks=[RankMeasurement(**g) for g in gathered], gauge_s=gauge_s,
+                                  gauge_profiled_s=gauge.profiled_s if gauge_s is not None else None))
         log.info("%s: predicted %.3fs, measured %.3fs", plan.name, pred.step_time_s, results[-1].measured_step_s)
     return results
 
 
-def _profiled_rate(plan: Plan) -> float:
-    """The matmul rate the plan's cluster spec assumes for fp32 (what the probe compares with)."""
-    cl = plan.cluster
-    dtype = "fp32" if "fp32" in cl.device.peak_flops else plan.workload.dtype
-    return cl.peak(dtype) * cl.compute_efficiency
-
-
 def run_validation(plan: Plan, steps: int = 5, warmup: int = 1, seed: int = 0,
-                   statistic: str = "median") -> Validation:
+                   statistic: str = "median", gauge: Gauge | None = None) -> Validation:
     """`run_validations` of one plan."""
-    return run_validations([plan], steps, warmup, seed, statistic=statistic)[0]
+    return run_validations([plan], steps, warmup, seed, statistic=statistic, gauge=gauge)[0]

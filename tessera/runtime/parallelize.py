@@ -140,23 +140,32 @@ def _tp_block(block: nn.Module, s: LayerStrategy, tp_mesh) -> None:
 
 def _tp_embedding_and_head(model: ParallelTransformer, first: LayerStrategy | None,
                            last: LayerStrategy | None, dims: ParallelDims) -> None:
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
     if first is not None and first.tp > 1:
         mesh = dims.layer_mesh(LayerLayout.of(first))[Axis.TP]
         parallelize_module(model.tok_embeddings, mesh,
                            RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     if last is not None and last.tp > 1:
-        mesh = dims.layer_mesh(LayerLayout.of(last))[Axis.TP]
-        sp = last.sp == SPKind.MEGATRON
-        if sp:
-            parallelize_module(model.norm, mesh, SequenceParallel())
-        parallelize_module(model.output, mesh, ColwiseParallel(
-            input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1), use_local_output=False))
+        tp_head(model.norm, model.output, dims.layer_mesh(LayerLayout.of(last))[Axis.TP],
+                sequence_parallel=last.sp == SPKind.MEGATRON)
         if model.config.tie_embeddings and first is not None:
             model.output.weight = model.tok_embeddings.weight
+
+
+def tp_head(norm: nn.Module, output: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
+    """The LM head tensor parallel: the vocabulary projection column-parallel with its logits left
+    sharded over the vocabulary (a DTensor, for `loss_parallel`); with Megatron sequence
+    parallelism the final norm runs on sequence shards and the projection gathers them."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel, parallelize_module
+
+    if sequence_parallel:
+        parallelize_module(norm, tp_mesh, SequenceParallel())
+    parallelize_module(output, tp_mesh, ColwiseParallel(
+        input_layouts=Shard(1) if sequence_parallel else Replicate(), output_layouts=Shard(-1),
+        use_local_output=False))
 
 
 def _selective_policy():

@@ -78,6 +78,11 @@ def main():
     chain = block.chain_reference_seconds
     check("chain_reference", (chain is not None) == pair and (not pair or (len(chain) == len(sizes) and min(chain) > 0)),
           str(chain))
+    head = profile.for_kind(LayerKind.LM_HEAD)
+    check("head_tp2_measured", (head.tp_overhead_s is not None and head.tp_slowdown is not None) == pair
+          and head.sp_overhead_s is None and head.zero3_overhead_s is None
+          and (not pair or (len(head.tp2_seconds) == len(sizes) == len(head.chain_reference_seconds)
+                            and min(head.tp2_seconds) > 0 and min(head.tp2_comm_seconds) > 0)), str(head.tp2_seconds))
     check("scales_positive", block.linear_time_scale > 0 and block.attn_time_scale > 0 and profile.ranks_measuring == env.world)
     if env.rank == 0:
         write_atomic(out / "cluster.json", cluster.model_dump_json(indent=1))
