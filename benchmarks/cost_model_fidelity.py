@@ -23,6 +23,11 @@
    does not follow the load the way whole steps with their collectives do (in one run the gauge
    said 1.21x faster while the steps ran as predicted).
 
+6. Steadiness: a world size's attempt whose drift or speed is more than `--max-drift` (10%) away
+   from 1 ran on a machine whose speed changed under it, which no cost model can predict; it is
+   run again (`--retries`, 2) and the steadiest attempt is the one reported (`retryK/` in --out
+   holds the others). The output says when that happened.
+
 Ends with `summary: median_time_err_pct=<x> median_mem_err_pct=<y> spearman=<z>
 speed_adjusted_median_time_err_pct=<w>` (Spearman of predicted vs measured step time over all
 runs; the errors are medians of absolute errors; w from the `adj err` column).
@@ -42,12 +47,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -143,6 +150,63 @@ def block_time(profile: ModelProfile) -> float:
     return Gauge.of(profile, ModelSpec.from_config(MODEL)).profiled_s
 
 
+@dataclass
+class WorldRun:
+    """One attempt at one world size: the table rows, and how steady the machine was."""
+
+    rows: list[dict]
+    skipped: list[dict]
+    drift: float  # gauge block after the runs / before them (1.0 without bracketing)
+    speed: float  # gauge block in the profiles / during the runs
+
+    @property
+    def unsteadiness(self) -> float:
+        return max(abs(math.log(self.drift)), abs(math.log(self.speed)))
+
+    def describe(self) -> str:
+        return f"drift {self.drift:.2f}x, speed during the runs {self.speed:.2f}x the profiles'"
+
+
+def run_world(args, out: Path, model_json: Path, world: int) -> WorldRun:
+    """Profile, run the plans, profile again (see the module docstring) at `world` ranks in `out`."""
+    cluster, profile = out / f"cluster{world}.json", out / f"model-profile{world}.json"
+    if not (args.reuse_profiles and cluster.exists()):
+        torchrun(world, "profile", "hardware", "-o", str(cluster), "--statistic", args.statistic)
+    if not (args.reuse_profiles and profile.exists()):
+        torchrun(world, "profile", "model", "--model", str(model_json), "-o", str(profile),
+                 "--sizes", PROFILE_SIZES, "--reps", "10", "--cluster", str(cluster), "--statistic", args.statistic)
+    model = apply_model_profile(ModelSpec.from_config(MODEL), profile)
+    plans = build_plans(out, world, model)
+    result_path = out / f"results{world}.json"
+    if not (args.reuse_profiles and result_path.exists()):
+        torchrun(world, "validate", "--plan", *map(str, plans), "--steps", str(args.steps), "--json",
+                 str(result_path), "--statistic", args.statistic, "--model-profile", str(profile))
+    data = json.loads(result_path.read_text())
+    predicted, reference, drift = {}, block_time(load_model_profile(profile)), 1.0
+    if not args.no_bracket:
+        after = out / f"model-profile{world}-after.json"
+        if not (args.reuse_profiles and after.exists()):
+            torchrun(world, "profile", "model", "--model", str(model_json), "-o", str(after),
+                     "--sizes", PROFILE_SIZES, "--reps", "10", "--cluster", str(cluster), "--statistic", args.statistic)
+        both = mean_profile(load_model_profile(profile), load_model_profile(after))
+        drift = block_time(load_model_profile(after)) / reference
+        model = apply_model_profile(ModelSpec.from_config(MODEL), both)
+        bracketed = [Plan.load(p) for p in build_plans(out, world, model, "-bracketed")]
+        predicted = {plan.name: plan.prediction.step_time_s for plan in bracketed}
+        reference = (reference + block_time(load_model_profile(after))) / 2
+    rows, speed = [], 1.0
+    for r in data["results"]:
+        pred_mem = max(r["predicted_memory"])
+        meas_mem = max(sum(x[k] for k in ("params", "grads", "optimizer", "activations")) for x in r["ranks"])
+        # The profiles' gauge block (their mean, as the predictions) against the same block
+        # timed during the runs: how much faster the machine ran than when it was profiled.
+        speed = reference / r["gauge_s"] if r.get("gauge_s") else 1.0
+        raw = predicted.get(r["plan"], r["predicted_step_s"])
+        rows.append(dict(plan=r["plan"], world=world, pred_t=raw, adj_t=raw / speed,
+                         meas_t=r["measured_step_s"], pred_m=pred_mem, meas_m=meas_mem, speed=speed))
+    return WorldRun(rows=rows, skipped=data["skipped"], drift=drift, speed=speed)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="folder for profiles, plans and results (default: a temp dir)")
@@ -154,6 +218,11 @@ def main() -> int:
                         help="keep profiles and run results already in --out (re-cost the plans only)")
     parser.add_argument("--no-bracket", action="store_true",
                         help="predict from the profile taken before the runs only (no second profile after them)")
+    parser.add_argument("--max-drift", type=float, default=0.10,
+                        help="a world size's attempt counts as steady when the machine's speed moved by at most this "
+                             "fraction between the profiles and during the runs (drift and speed)")
+    parser.add_argument("--retries", type=int, default=2,
+                        help="attempts more at a world size whose machine was not steady; the steadiest is kept")
     parser.add_argument("--no-pin", action="store_true",
                         help="let the OS move ranks between cores (default: each rank pinned, TESSERA_PIN_CPU=1)")
     args = parser.parse_args()
@@ -166,43 +235,26 @@ def main() -> int:
 
     model_json = out / "model.json"
     model_json.write_text(MODEL.model_dump_json(indent=1))
-    rows, skipped, drift = [], [], {}
+    rows, skipped, drift, speeds = [], [], {}, {}
     for world in args.worlds:
-        cluster, profile = out / f"cluster{world}.json", out / f"model-profile{world}.json"
-        if not (args.reuse_profiles and cluster.exists()):
-            torchrun(world, "profile", "hardware", "-o", str(cluster), "--statistic", args.statistic)
-        if not (args.reuse_profiles and profile.exists()):
-            torchrun(world, "profile", "model", "--model", str(model_json), "-o", str(profile),
-                     "--sizes", PROFILE_SIZES, "--reps", "10", "--cluster", str(cluster), "--statistic", args.statistic)
-        model = apply_model_profile(ModelSpec.from_config(MODEL), profile)
-        plans = build_plans(out, world, model)
-        result_path = out / f"results{world}.json"
-        if not (args.reuse_profiles and result_path.exists()):
-            torchrun(world, "validate", "--plan", *map(str, plans), "--steps", str(args.steps), "--json",
-                     str(result_path), "--statistic", args.statistic, "--model-profile", str(profile))
-        data = json.loads(result_path.read_text())
-        skipped += data["skipped"]
-        predicted, reference = {}, block_time(load_model_profile(profile))
-        if not args.no_bracket:
-            after = out / f"model-profile{world}-after.json"
-            if not (args.reuse_profiles and after.exists()):
-                torchrun(world, "profile", "model", "--model", str(model_json), "-o", str(after),
-                         "--sizes", PROFILE_SIZES, "--reps", "10", "--cluster", str(cluster), "--statistic", args.statistic)
-            both = mean_profile(load_model_profile(profile), load_model_profile(after))
-            drift[world] = block_time(load_model_profile(after)) / block_time(load_model_profile(profile))
-            model = apply_model_profile(ModelSpec.from_config(MODEL), both)
-            bracketed = [Plan.load(p) for p in build_plans(out, world, model, "-bracketed")]
-            predicted = {plan.name: plan.prediction.step_time_s for plan in bracketed}
-            reference = (reference + block_time(load_model_profile(after))) / 2
-        for r in data["results"]:
-            pred_mem = max(r["predicted_memory"])
-            meas_mem = max(sum(x[k] for k in ("params", "grads", "optimizer", "activations")) for x in r["ranks"])
-            # The profiles' gauge block (their mean, as the predictions) against the same block
-            # timed during the runs: how much faster the machine ran than when it was profiled.
-            speed = reference / r["gauge_s"] if r.get("gauge_s") else 1.0
-            raw = predicted.get(r["plan"], r["predicted_step_s"])
-            rows.append(dict(plan=r["plan"], world=world, pred_t=raw, adj_t=raw / speed,
-                             meas_t=r["measured_step_s"], pred_m=pred_mem, meas_m=meas_mem, speed=speed))
+        attempts = []
+        for k in range(1 + args.retries):
+            where = out if k == 0 else out / f"retry{k}"
+            if k and args.reuse_profiles and not where.exists():
+                break
+            where.mkdir(exist_ok=True)
+            attempts.append(run_world(args, where, model_json, world))
+            if attempts[-1].unsteadiness <= math.log1p(args.max_drift):
+                break
+            again = k < args.retries and not (args.reuse_profiles and not (out / f"retry{k + 1}").exists())
+            print(f"  unsteady machine at {world} ranks: {attempts[-1].describe()}" + ("; again" if again else ""),
+                  flush=True)
+        kept = min(attempts, key=lambda a: a.unsteadiness)
+        if len(attempts) > 1:
+            print(f"  kept attempt {attempts.index(kept) + 1} of {len(attempts)} at {world} ranks ({kept.describe()})")
+        rows += kept.rows
+        skipped += kept.skipped
+        drift[world], speeds[world] = kept.drift, kept.speed
 
     # speed: the gauge block's profiled time over its time during the runs (1.00 = as profiled);
     # adj err: the error of the prediction / speed, for the machine as fast as the gauge saw it.
@@ -221,7 +273,8 @@ def main() -> int:
         print("summary: no plan ran")
         return 1
     for world, d in drift.items():
-        print(f"drift at {world} ranks: the reference block took {d:.2f}x as long after the runs as before them")
+        print(f"drift at {world} ranks: the reference block took {d:.2f}x as long after the runs as before them, "
+              f"and ran {speeds[world]:.2f}x as fast during them as in the profiles")
     for world in args.worlds:
         sub = [r for r in rows if r["world"] == world]
         print(f"spearman at {world} ranks: {spearman([r['pred_t'] for r in sub], [r['meas_t'] for r in sub]):.2f}")
