@@ -282,3 +282,19 @@ def test_the_speed_gauge_is_the_first_block_at_its_largest_size_and_refuses_anot
     assert v.speed_ratio == pytest.approx(1.25)
     assert Validation(plan="p", world=2, predicted_step_s=1.0, measured_step_s=1.0, step_times=[1.0],
                       predicted_memory=[1.0]).speed_ratio is None
+
+
+def test_validate_refuses_a_model_profile_of_another_model_in_one_line(tmp_path, capsys):
+    from tessera.cli import main
+    from tessera.search import manual_plan
+    from tessera.spec import Workload
+
+    model = get_model("tiny-llama")
+    plan = tmp_path / "plan.json"
+    manual_plan(model, local_cpu_cluster(1), Workload(global_batch=1, seq_len=64, dtype="fp32")).save(plan)
+    profile = tmp_path / "mp.json"
+    write_atomic(profile, _profile_for(model).model_copy(update={"model": "other-llama"}).model_dump_json())
+    assert main(["validate", "--plan", str(plan), "--model-profile", str(profile)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("tessera validate: error: model profile was measured on model 'other-llama', not 'tiny-llama'; "
+                   "run `tessera profile model --model tiny-llama`")

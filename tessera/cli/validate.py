@@ -45,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
         from ..profile.validate import Gauge
 
         profile = load_model_profile(args.model_profile)
-        gauge = [Gauge.of(profile, plan.model) for plan in plans][0]  # each plan's model is checked
+        for plan in plans:  # refused unless every plan trains the profile's model
+            gauge = Gauge.of(profile, plan.model)
     import torch.distributed as dist
 
     from ..profile.apply import write_atomic

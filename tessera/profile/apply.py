@@ -106,15 +106,20 @@ def _scaled_layer(layer: LayerSpec, profile: ModelProfile) -> LayerSpec:
                                         **{f: getattr(kp, f) or 0.0 for f in PARALLEL_COSTS}, **acts))
 
 
+def refuse_other_model(profile: ModelProfile, model: ModelSpec) -> None:
+    """Raise unless `profile` was measured on a model of `model`'s name."""
+    if profile.model != model.name:
+        raise TesseraError(f"model profile was measured on model '{profile.model}', not '{model.name}'; "
+                           f"run `tessera profile model --model {model.name}`")
+
+
 def apply_model_profile(model: ModelSpec, profile: str | Path | ModelProfile) -> ModelSpec:
     """`model` with every layer's time scales, overheads and activation bytes from the profile of its kind.
 
     Refuses a profile of another model, or of a model of the same name whose layers differ.
     """
     prof = profile if isinstance(profile, ModelProfile) else load_model_profile(profile)
-    if prof.model != model.name:
-        raise TesseraError(f"model profile was measured on model '{prof.model}', not '{model.name}'; "
-                           f"run `tessera profile model --model {model.name}`")
+    refuse_other_model(prof, model)
     for kp in prof.layers:
         same = [l for l in model.layers if l.kind == kp.kind]
         if same and (same[0].params != kp.params or same[0].flops_per_token != kp.flops_per_token):

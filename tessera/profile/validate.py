@@ -136,10 +136,9 @@ class Gauge:
         """The gauge of `profile` (a ModelProfile) of `model` (the ModelSpec the plans train)."""
         from ..errors import TesseraError
         from ..spec.model import LayerKind
+        from .apply import refuse_other_model
 
-        if profile.model != model.name:
-            raise TesseraError(f"model profile was measured on model '{profile.model}', not '{model.name}' "
-                               "that the plans train")
+        refuse_other_model(profile, model)
         if model.config is None:
             raise TesseraError(f"model '{model.name}' has no architecture config, so no profiled block can be rerun")
         blocks = [k for k in profile.layers if k.kind not in (LayerKind.EMBEDDING, LayerKind.LM_HEAD)]
@@ -152,7 +151,7 @@ class Gauge:
                    seq_len=m.seq_len, dtype=profile.dtype, profiled_s=m.forward_s + m.backward_s)
 
     def runner(self, model_spec, device):
-        """What `time_once` runs: the block on random inputs of the gauge's size."""
+        """The block on random inputs of the gauge's size, to time as the profile did."""
         from ..spec.model import LayerKind
         from .model import _TORCH_DTYPES, _LayerRunner, build_in_dtype
 
@@ -160,14 +159,6 @@ class Gauge:
         model = build_in_dtype(model_spec.config, device, dtype)
         return _LayerRunner(model, model_spec.config, LayerKind(self.kind), self.block, self.batch, self.seq_len,
                             device, dtype)
-
-    @staticmethod
-    def time_once(runner, device) -> float:
-        """Forward + backward seconds of one run (after a warm-up), the slowest rank's."""
-        from .model import _time_interleaved
-
-        [(fwd, bwd)] = _time_interleaved([runner], device, 1)
-        return fwd[0] + bwd[0]
 
 
 class _Run:
@@ -242,15 +233,21 @@ def run_validations(plans: list[Plan], steps: int = 5, warmup: int = 1, seed: in
     for run in runs:
         run.instrumented_step()
     device = runs[0].trainer.device if runs else torch.device("cpu")
-    gauge_runner = gauge.runner(plans[0].model, device) if gauge is not None and runs else None
-    gauges = []
-    for _ in range(steps):
-        if gauge_runner is not None:
-            gauges.append(Gauge.time_once(gauge_runner, device))
+
+    def round_of_steps(_round: int = 0) -> None:
         for run in runs:
             run.times.append(run.step())
+
+    gauge_s = None
+    if gauge is not None and runs:  # one gauge run (the slowest rank's), then one step of each plan, per round
+        from .model import _time_interleaved
+
+        [(fwd, bwd)] = _time_interleaved([gauge.runner(plans[0].model, device)], device, steps, round_of_steps)
+        gauge_s = summarize([f + b for f, b in zip(fwd, bwd)], statistic)
+    else:
+        for _ in range(steps):
+            round_of_steps()
     world, rank = dist.get_world_size(), dist.get_rank()
-    gauge_s = summarize(gauges, statistic) if gauges else None
     results = []
     for run in runs:
         plan, t = run.plan, run.trainer
