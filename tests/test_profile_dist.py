@@ -146,6 +146,7 @@ def test_validate_runs_plans_and_measures_what_the_cost_model_predicts(profiles,
                        str(profiles / "model-profile.json"), timeout=300)
     assert "dp2: 2 ranks, 1 timed steps" in log and "zero3-rc" in log
     assert "machine speed during the runs" in " ".join(log.split())  # rich wraps lines
+    assert "measured at the profile's speed (step by step)" in " ".join(log.split())
     data = json.loads(results.read_text())
     assert [r["plan"] for r in data["results"]] == ["dp2", "zero3-rc"] and not data["skipped"]
     for r in data["results"]:
@@ -160,3 +161,5 @@ def test_validate_runs_plans_and_measures_what_the_cost_model_predicts(profiles,
     largest = max(block.measurements, key=lambda m: (m.tokens, m.seq_len))
     for r in data["results"]:
         assert r["gauge_profiled_s"] == pytest.approx(largest.forward_s + largest.backward_s) and r["gauge_s"] > 0
+        # ... before every step and after the last: one gauge time around each step.
+        assert len(r["step_gauge_s"]) == len(r["step_times"]) and min(r["step_gauge_s"]) > 0

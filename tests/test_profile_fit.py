@@ -282,6 +282,13 @@ def test_the_speed_gauge_is_the_first_block_at_its_largest_size_and_refuses_anot
     assert v.speed_ratio == pytest.approx(1.25)
     assert Validation(plan="p", world=2, predicted_step_s=1.0, measured_step_s=1.0, step_times=[1.0],
                       predicted_memory=[1.0]).speed_ratio is None
+    # Step by step: a machine that ran at half speed for the first two steps, then at the profile's.
+    v = Validation(plan="p", world=2, predicted_step_s=1.0, measured_step_s=1.0, step_times=[2.0, 2.2, 1.0],
+                   predicted_memory=[1.0], gauge_profiled_s=1.5, gauge_s=1.5, step_gauge_s=[3.0, 3.0, 1.5])
+    assert v.at_profiled_speed() == pytest.approx(1.0)  # median of 1.0, 1.1, 1.0
+    assert v.at_profiled_speed(reference_s=3.0) == pytest.approx(2.0)
+    assert Validation(plan="p", world=2, predicted_step_s=1.0, measured_step_s=1.0, step_times=[1.0],
+                      predicted_memory=[1.0], gauge_profiled_s=1.5, gauge_s=1.2).at_profiled_speed() is None
 
 
 def test_validate_refuses_a_model_profile_of_another_model_in_one_line(tmp_path, capsys):

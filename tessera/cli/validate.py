@@ -103,7 +103,15 @@ def print_results(results) -> None:
                       f"{v.measured_step_s:.3f} s ({_pct(v.time_error)}); peak memory predicted {p / 2**20:.1f} MiB, "
                       f"measured {m / 2**20:.1f} MiB ({_pct(v.peak_memory_error)})"
                       + (f"; machine speed during the runs {v.speed_ratio:.2f}x the model profile's"
-                         if v.speed_ratio is not None else ""))
+                         if v.speed_ratio is not None else "") + _at_profiled_speed(v))
+
+
+def _at_profiled_speed(v) -> str:
+    t = v.at_profiled_speed()
+    if t is None:
+        return ""
+    return (f"; measured at the profile's speed (step by step): {t:.3f} s "
+            f"({_pct((v.predicted_step_s - t) / t)})")
 
 
 def plot_results(results, path: str | Path) -> None:

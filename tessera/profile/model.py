@@ -152,19 +152,25 @@ def _time_interleaved(runners: Sequence, device: torch.device, reps: int,
     times = [([], []) for _ in runners]
     for i in range(reps):
         for runner, (fwd, bwd) in zip(runners, times):
-            _barrier()
-            _sync(device)
-            t0 = time.perf_counter()
-            runner.forward()
-            _sync(device)
-            t1 = time.perf_counter()
-            runner.backward()
-            _sync(device)
-            fwd.append(t1 - t0)
-            bwd.append(time.perf_counter() - t1)
+            f, b = time_once(runner, device)
+            fwd.append(f)
+            bwd.append(b)
         if each_round:
             each_round(i)
     return [(_slowest_rank(fwd, device), _slowest_rank(bwd, device)) for fwd, bwd in times]
+
+
+def time_once(runner, device: torch.device) -> tuple[float, float]:
+    """(forward, backward) seconds of one run of `runner` on this rank, started with every rank."""
+    _barrier()
+    _sync(device)
+    t0 = time.perf_counter()
+    runner.forward()
+    _sync(device)
+    t1 = time.perf_counter()
+    runner.backward()
+    _sync(device)
+    return t1 - t0, time.perf_counter() - t1
 
 
 def _saved_and_peak(runner: _LayerRunner, device: torch.device,

@@ -16,10 +16,14 @@ minus its transient terms, i.e. parameters + gradients + optimizer state + in-fl
 The transient buffers (gathered ZeRO-3 weights, a recomputed layer's replay) and the framework
 reserve are not what the instrumentation sees, so they are left out on both sides.
 
-Machine speed (with the model profile the plans were costed with, `Gauge`): each round also
-times one of the profile's block measurements again, the same way; profiled / now is
-`Validation.speed_ratio`. On a machine shared with other jobs it tells an error of the model
-from a change in the machine's load between profiling and running.
+Machine speed (with the model profile the plans were costed with, `Gauge`): one of the
+profile's block measurements is timed again, the same way, before every step and after the last;
+profiled / now is `Validation.speed_ratio`. On a machine shared with other jobs it tells an error
+of the model from a change in the machine's load between profiling and running. Each step also
+keeps the gauge's time around it (`step_gauge_s`), so that it can be converted to the speed the
+profile saw (`Validation.at_profiled_speed`): a machine that switches between a fast and a slow
+state within seconds (a virtual machine whose cores' neighbours come and go) makes a whole-run
+ratio wrong, a step-by-step one not.
 """
 from __future__ import annotations
 
@@ -61,6 +65,8 @@ class Validation:
     # With a model profile (`Gauge`): the seconds of its gauge measurement then and during the runs.
     gauge_profiled_s: float | None = None
     gauge_s: float | None = None
+    # Per timed step: the mean of the gauge runs just before and just after it.
+    step_gauge_s: list[float] | None = None
 
     @property
     def speed_ratio(self) -> float | None:
@@ -68,6 +74,20 @@ class Validation:
         no profile given). The same work timed the same way at both times, so the ratio is the
         machine's, not the model's: a shared machine's load changes it."""
         return self.gauge_profiled_s / self.gauge_s if self.gauge_s and self.gauge_profiled_s else None
+
+    def at_profiled_speed(self, reference_s: float | None = None) -> float | None:
+        """The step time the machine would have taken at the speed of the model profile: the
+        median over steps of step x reference / the gauge around that step. `reference_s`: the
+        gauge's profiled seconds (default `gauge_profiled_s`; a benchmark averaging two profiles
+        passes their mean). None without per-step gauges. A median, not `statistic`: the
+        conversion already takes the machine's load out, and a minimum would pick the step whose
+        gauge run happened to be slowest."""
+        import statistics
+
+        reference_s = reference_s or self.gauge_profiled_s
+        if not self.step_gauge_s or not reference_s:
+            return None
+        return statistics.median(t * reference_s / g for t, g in zip(self.step_times, self.step_gauge_s))
 
     @property
     def time_error(self) -> float:
@@ -214,15 +234,17 @@ def run_validations(plans: list[Plan], steps: int = 5, warmup: int = 1, seed: in
     """Train each plan for warmup + 1 + `steps` steps on synthetic data and measure (collective call).
 
     The plans run interleaved, one step of each in turn, so that a change in the machine's load
-    (other jobs on a shared machine) touches every plan alike. With a `gauge`, each round also
-    times the gauge's block, so the machine's speed during the runs can be set against the speed
-    the model profile saw (`Validation.speed_ratio`). `statistic` summarises the timed steps (and
+    (other jobs on a shared machine) touches every plan alike. With a `gauge`, its block is
+    also timed before every step and after the last, so the machine's speed during the runs can
+    be set against the speed the model profile saw (`Validation.speed_ratio`, and step by step
+    `Validation.at_profiled_speed`). `statistic` summarises the timed steps (and
     the gauge's): "median", or "min" to match profiles taken with min.
     """
     import torch
     import torch.distributed as dist
 
     from ..cost.evaluate import evaluate
+    from .model import _slowest_rank, time_once
 
     if steps < 1:
         raise ValueError(f"validate needs at least one timed step, got {steps}")
@@ -234,22 +256,28 @@ def run_validations(plans: list[Plan], steps: int = 5, warmup: int = 1, seed: in
         run.instrumented_step()
     device = runs[0].trainer.device if runs else torch.device("cpu")
 
-    def round_of_steps(_round: int = 0) -> None:
+    gauge_runs: list[float] = []  # this rank's gauge seconds: before every step, and after the last
+    runner = gauge.runner(plans[0].model, device) if gauge is not None and runs else None
+    if runner is not None:
+        time_once(runner, device)  # warm-up
+
+    def time_gauge() -> None:
+        if runner is not None:
+            gauge_runs.append(sum(time_once(runner, device)))
+
+    for _ in range(steps):
         for run in runs:
+            time_gauge()
             run.times.append(run.step())
-
-    gauge_s = None
-    if gauge is not None and runs:  # one gauge run (the slowest rank's), then one step of each plan, per round
-        from .model import _time_interleaved
-
-        [(fwd, bwd)] = _time_interleaved([gauge.runner(plans[0].model, device)], device, steps, round_of_steps)
-        gauge_s = summarize([f + b for f, b in zip(fwd, bwd)], statistic)
-    else:
-        for _ in range(steps):
-            round_of_steps()
+    time_gauge()
+    gauge_s, around = None, None
+    if runner is not None:
+        gauge_runs = _slowest_rank(gauge_runs, device)
+        gauge_s = summarize(gauge_runs, statistic)
+        around = [(a + b) / 2 for a, b in zip(gauge_runs, gauge_runs[1:])]  # step j of the interleaving
     world, rank = dist.get_world_size(), dist.get_rank()
     results = []
-    for run in runs:
+    for k, run in enumerate(runs):
         plan, t = run.plan, run.trainer
         times = torch.tensor(run.times, dtype=torch.float64, device=device)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
@@ -266,7 +294,8 @@ def run_validations(plans: list[Plan], steps: int = 5, warmup: int = 1, seed: in
                                   measured_step_s=summarize(step_times, statistic), step_times=step_times,
                                   predicted_memory=predicted_memory(plan),
                                   ranks=[RankMeasurement(**g) for g in gathered], gauge_s=gauge_s,
-                                  gauge_profiled_s=gauge.profiled_s if gauge_s is not None else None))
+                                  gauge_profiled_s=gauge.profiled_s if gauge_s is not None else None,
+                                  step_gauge_s=around[k::len(runs)] if around else None))
         log.info("%s: predicted %.3fs, measured %.3fs", plan.name, pred.step_time_s, results[-1].measured_step_s)
     return results
 
