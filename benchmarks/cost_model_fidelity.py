@@ -213,7 +213,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="folder for profiles, plans and results (default: a temp dir)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per plan")
-    parser.add_argument("--statistic", choices=("min", "median"), default="min",
+    parser.add_argument("--statistic", choices=("min", "median", "mean"), default="min",
                         help="summary of repeated timings, in the profiles and the runs alike")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--reuse-profiles", action="store_true",

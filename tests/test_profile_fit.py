@@ -305,3 +305,14 @@ def test_validate_refuses_a_model_profile_of_another_model_in_one_line(tmp_path,
     err = capsys.readouterr().err.strip()
     assert err == ("tessera validate: error: model profile was measured on model 'other-llama', not 'tiny-llama'; "
                    "run `tessera profile model --model tiny-llama`")
+
+
+def test_timing_statistics_and_an_unknown_one_refused_by_name():
+    from tessera.profile.fit import summarize
+
+    # Short timings on a machine whose load comes in bursts: mostly fast, some slow, one stall.
+    xs = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 50.0]
+    assert summarize(xs, "min") == 1.0 and summarize(xs, "median") == 1.0
+    assert summarize(xs, "mean") == pytest.approx(11 / 8)  # the stall and one fast run trimmed
+    with pytest.raises(ValueError, match="unknown statistic 'p90'; choose median or min or mean"):
+        summarize(xs, "p90")

@@ -450,7 +450,7 @@ def profile_model(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = Non
                   progress: Progress | None = None, statistic: str = "median") -> ModelProfile:
     """Measure every layer kind of `spec` at `sizes` and fit its scales (see module docstring).
 
-    `statistic`: how the `reps` timings of a point are summarised ("median" or "min").
+    `statistic`: how the `reps` timings of a point are summarised (see `fit.STATISTICS`).
 
     `reference_flops`: the achieved FLOP/s the scales are relative to (a cluster profile's
     peak x efficiency); measured here on `matmul_size` square matmuls when not given.

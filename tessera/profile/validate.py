@@ -238,7 +238,7 @@ def run_validations(plans: list[Plan], steps: int = 5, warmup: int = 1, seed: in
     also timed before every step and after the last, so the machine's speed during the runs can
     be set against the speed the model profile saw (`Validation.speed_ratio`, and step by step
     `Validation.at_profiled_speed`). `statistic` summarises the timed steps (and
-    the gauge's): "median", or "min" to match profiles taken with min.
+    the gauge's) as the model profile summarised its timings (`fit.STATISTICS`).
     """
     import torch
     import torch.distributed as dist
