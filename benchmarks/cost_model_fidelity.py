@@ -16,12 +16,13 @@
    on average instead of the speed of the minute before them. `drift` prints how much the
    reference block's time moved between the two profiles.
 5. Machine speed during the runs: `tessera validate --model-profile` times the profile's gauge
-   block (the first block at its largest size) once per round between the steps, the way the
-   profile timed it. `speed` = its time in the profiles (their mean) / its time during the runs,
-   and `adj err` the error of the prediction / speed: a diagnostic of how much of an error is the
-   machine's load rather than the model. It is not what the summary reports: one block's compute
-   does not follow the load the way whole steps with their collectives do (in one run the gauge
-   said 1.21x faster while the steps ran as predicted).
+   block (the first block at its largest size) before every step and after the last, the way the
+   profile timed it. `speed` = its time in the profiles (their mean) / its time during the runs
+   (one figure per run, the steadiness check below). `adj s` converts each step to the profiles'
+   speed by the gauge runs around it (`Validation.at_profiled_speed`) and `adj err` is the
+   prediction's error against that: a diagnostic of how much of an error is the machine's load
+   rather than the model, not what the summary reports (single gauge runs are noisy; the
+   conversion leans to over-stating the steps by a few per cent).
 
 6. Steadiness: a world size's attempt whose drift or speed is more than `--max-drift` (10%) away
    from 1 ran on a machine whose speed changed under it, which no cost model can predict; it is
@@ -41,7 +42,10 @@ Timing statistic: on a machine shared with other jobs, whose load swings several
 minutes, a median of a few repetitions measures the load as much as the machine. Load only adds
 time, so by default every timing here — collectives and matmuls of the hardware profile, layer
 times of the model profile, step times of the runs — is the minimum over its repetitions
-(`--statistic median` for medians throughout). Plans run interleaved, one step each in turn.
+(`--statistic median` for medians throughout, `--statistic mean` for trimmed means: the load
+this machine met lately comes in bursts shorter than a step, so a short timing's minimum sees a
+quieter machine than any step does; see the README for what each gave). Plans run interleaved,
+one step each in turn.
 """
 from __future__ import annotations
 
