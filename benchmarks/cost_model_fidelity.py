@@ -66,7 +66,7 @@ sys.path.insert(0, str(ROOT))
 
 from tessera.plan import Plan  # noqa: E402
 from tessera.profile.apply import apply_model_profile, load_cluster_profile, load_model_profile  # noqa: E402
-from tessera.profile.fit import PARALLEL_COSTS, ModelProfile  # noqa: E402
+from tessera.profile.fit import PARALLEL_COSTS, STATISTICS, ModelProfile  # noqa: E402
 from tessera.profile.validate import Gauge, Validation  # noqa: E402
 from tessera.spec.model import ModelSpec, TransformerConfig  # noqa: E402
 from tessera.spec.workload import Workload  # noqa: E402
@@ -217,7 +217,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="folder for profiles, plans and results (default: a temp dir)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per plan")
-    parser.add_argument("--statistic", choices=("min", "median", "mean"), default="min",
+    parser.add_argument("--statistic", choices=tuple(STATISTICS), default="min",
                         help="summary of repeated timings, in the profiles and the runs alike")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--reuse-profiles", action="store_true",

@@ -17,6 +17,9 @@ from pathlib import Path
 from ..errors import TesseraError
 from ..profile.fit import STATISTICS
 
+STATISTIC_HELP = ("summary of repeated timings (min or mean suit a machine shared with other jobs; "
+                  "see tessera.profile.fit.STATISTICS)")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="what", metavar="WHAT", required=True)
@@ -30,18 +33,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hw.add_argument("--dtypes", default=None, help="comma-separated matmul dtypes (default per device)")
     hw.add_argument("--collectives", default=None, help="comma-separated subset of the collectives")
     hw.add_argument("--name", default=None, help="cluster name written in the profile")
-    hw.add_argument("--statistic", choices=tuple(STATISTICS), default="median",
-                    help="summary of repeated timings (min or mean suit a machine "
-                    "shared with other jobs; see tessera.profile.fit.STATISTICS)")
+    hw.add_argument("--statistic", choices=tuple(STATISTICS), default="median", help=STATISTIC_HELP)
     m = sub.add_parser("model", help="per-layer time and activation memory, fitted scales -> model profile JSON")
     m.add_argument("--model", required=True, help="preset name or a model config JSON")
     m.add_argument("-o", "--output", default="model-profile.json")
     m.add_argument("--sizes", default=None, help="batch x seq sizes, e.g. 1x128,2x128,1x256")
     m.add_argument("--reps", type=int, default=3)
     m.add_argument("--dtype", default=None, help="fp32 / bf16 / fp16 (default: bf16 on CUDA, fp32 on CPU)")
-    m.add_argument("--statistic", choices=tuple(STATISTICS), default="median",
-                   help="summary of repeated timings (min or mean suit a machine "
-                    "shared with other jobs; see tessera.profile.fit.STATISTICS)")
+    m.add_argument("--statistic", choices=tuple(STATISTICS), default="median", help=STATISTIC_HELP)
     m.add_argument("--cluster", default=None,
                    help="cluster profile whose achieved FLOP/s the scales refer to (default: measured here)")
 

@@ -46,19 +46,20 @@ from ..spec.model import Frozen, LayerKind
 # profile's scales already absorb it); tp=2 overhead fields added.
 PROFILE_VERSION = 2
 
+
+def _trimmed_mean(xs: Sequence[float]) -> float:
+    from scipy.stats import trim_mean  # lazily, as the fits import scipy
+
+    return float(trim_mean(xs, 0.1))
+
+
 # How repeated timings are summarised; profile and validation must use the same one. The median
 # is the default. On a machine shared with other jobs, whose load only ever adds time: "min"
 # estimates the machine's own speed when the load comes and goes over minutes; "mean" (trimmed:
 # the top and bottom tenth dropped) when it comes in bursts shorter than a step, which a short
 # timing can miss but a long one never does, so that only averages add up from layers to steps.
 STATISTICS = {"median": lambda xs: float(np.median(xs)), "min": lambda xs: float(np.min(xs)),
-              "mean": lambda xs: float(_trimmed_mean(xs))}
-
-
-def _trimmed_mean(xs: Sequence[float]) -> float:
-    from scipy.stats import trim_mean
-
-    return trim_mean(xs, 0.1)
+              "mean": _trimmed_mean}
 
 
 def summarize(values: Sequence[float], statistic: str = "median") -> float:
