@@ -38,14 +38,14 @@ leave them to the OS): at 4 ranks on 2 cores the scheduler otherwise shares the 
 from moment to moment that the same step varies by a third, and a profile's best repetitions no
 longer stand for the runs.
 
-Timing statistic: on a machine shared with other jobs, whose load swings several-fold within
-minutes, a median of a few repetitions measures the load as much as the machine. Load only adds
-time, so by default every timing here — collectives and matmuls of the hardware profile, layer
-times of the model profile, step times of the runs — is the minimum over its repetitions
-(`--statistic median` for medians throughout, `--statistic mean` for trimmed means: the load
-this machine met lately comes in bursts shorter than a step, so a short timing's minimum sees a
-quieter machine than any step does; see the README for what each gave). Plans run interleaved,
-one step each in turn.
+Timing windows and statistic: on a machine shared with other jobs, whose load comes in bursts
+shorter than a step (the same gauge block, timed alone, took 0.09-0.18 s within one validation),
+a single 0.05-0.2 s layer timing can fall in a quiet moment that a 0.5-2 s step never sees. So each
+model-profile timing here averages as many runs in a row as fill `--window` seconds (0.5, about a
+step; `tessera profile model --window`), the gauge during the runs spans the same window, and
+every timing, collectives and matmuls of the hardware profile, layer timings and steps, is
+summarised by its median over repetitions (`--statistic`; `min` and `mean`, a trimmed mean, are
+the alternatives, and the README says what they gave). Plans run interleaved, one step each in turn.
 """
 from __future__ import annotations
 
@@ -178,7 +178,8 @@ def run_world(args, out: Path, model_json: Path, world: int) -> WorldRun:
         torchrun(world, "profile", "hardware", "-o", str(cluster), "--statistic", args.statistic)
     if not (args.reuse_profiles and profile.exists()):
         torchrun(world, "profile", "model", "--model", str(model_json), "-o", str(profile),
-                 "--sizes", PROFILE_SIZES, "--reps", "10", "--cluster", str(cluster), "--statistic", args.statistic)
+                 "--sizes", PROFILE_SIZES, "--reps", str(args.profile_reps), "--cluster", str(cluster),
+                 "--statistic", args.statistic, "--window", str(args.window))
     model = apply_model_profile(ModelSpec.from_config(MODEL), profile)
     plans = build_plans(out, world, model)
     result_path = out / f"results{world}.json"
@@ -191,7 +192,8 @@ def run_world(args, out: Path, model_json: Path, world: int) -> WorldRun:
         after = out / f"model-profile{world}-after.json"
         if not (args.reuse_profiles and after.exists()):
             torchrun(world, "profile", "model", "--model", str(model_json), "-o", str(after),
-                     "--sizes", PROFILE_SIZES, "--reps", "10", "--cluster", str(cluster), "--statistic", args.statistic)
+                     "--sizes", PROFILE_SIZES, "--reps", str(args.profile_reps), "--cluster", str(cluster),
+                     "--statistic", args.statistic, "--window", str(args.window))
         both = mean_profile(load_model_profile(profile), load_model_profile(after))
         drift = block_time(load_model_profile(after)) / reference
         model = apply_model_profile(ModelSpec.from_config(MODEL), both)
@@ -217,8 +219,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="folder for profiles, plans and results (default: a temp dir)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per plan")
-    parser.add_argument("--statistic", choices=tuple(STATISTICS), default="min",
+    parser.add_argument("--statistic", choices=tuple(STATISTICS), default="median",
                         help="summary of repeated timings, in the profiles and the runs alike")
+    parser.add_argument("--window", type=float, default=0.5, metavar="SECONDS",
+                        help="each model-profile timing averages runs in a row over this long, about a step")
+    parser.add_argument("--profile-reps", type=int, default=6, help="timings per model-profile point")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--reuse-profiles", action="store_true",
                         help="keep profiles and run results already in --out (re-cost the plans only)")

@@ -31,7 +31,8 @@ def profiles(tmp_path_factory):
     out = tmp_path_factory.mktemp("profiles")
     log = run_torchrun(ROOT / "tests" / "dist" / "profile_check.py", 2, str(out), timeout=240)
     assert {"progress_units", "curve_all_reduce_2", "activations_per_token", "tp2_measured", "sp2_measured",
-            "zero3_measured", "chain_reference", "head_tp2_measured", "written_without_leftovers"} <= passed_checks(log)
+            "zero3_measured", "chain_reference", "head_tp2_measured", "written_without_leftovers",
+            "model_window"} <= passed_checks(log)
     return out
 
 
@@ -115,13 +116,17 @@ def test_profile_model_command_line(tmp_path):
     out = tmp_path / "mp.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     run = subprocess.run([sys.executable, "-m", "tessera", "profile", "model", "--model", str(config), "-o", str(out),
-                          "--sizes", "1x32,2x32,1x64", "--reps", "1"], env=env, cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+                          "--sizes", "1x32,2x32,1x64", "--reps", "1", "--window", "0.02"], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert load_model_profile(out).model == "profile-test-llama" and "block0" in run.stdout
+    profile = load_model_profile(out)
+    assert profile.model == "profile-test-llama" and profile.window_s == 0.02 and "block0" in run.stdout
     bad = subprocess.run([sys.executable, "-m", "tessera", "profile", "model", "--model", str(config), "-o", str(out),
                           "--sizes", "2by32"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "size '2by32' is not BATCHxSEQ" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "tessera", "profile", "model", "--model", str(config), "-o", str(out),
+                          "--window", "-1"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "argument --window: '-1' is not a number of seconds >= 0" in bad.stderr
 
 
 def test_validate_runs_plans_and_measures_what_the_cost_model_predicts(profiles, tmp_path):

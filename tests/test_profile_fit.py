@@ -275,6 +275,7 @@ def test_the_speed_gauge_is_the_first_block_at_its_largest_size_and_refuses_anot
         update={"measurements": (block.measurements[0], big)}), profile.layers[2])})
     gauge = Gauge.of(profile, model)
     assert (gauge.kind, gauge.block, gauge.batch, gauge.seq_len, gauge.profiled_s) == ("decoder", 0, 2, 128, 1.5)
+    assert gauge.window_s == 0.0 and Gauge.of(profile.model_copy(update={"window_s": 0.5}), model).window_s == 0.5
     with pytest.raises(TesseraError, match="measured on model 'tiny-llama', not 'llama2-7b'"):
         Gauge.of(profile, get_model("llama2-7b"))
     v = Validation(plan="p", world=2, predicted_step_s=1.0, measured_step_s=1.0, step_times=[1.0],

@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--reps", type=int, default=3)
     m.add_argument("--dtype", default=None, help="fp32 / bf16 / fp16 (default: bf16 on CUDA, fp32 on CPU)")
     m.add_argument("--statistic", choices=tuple(STATISTICS), default="median", help=STATISTIC_HELP)
+    m.add_argument("--window", type=_seconds, default=0.0, metavar="SECONDS",
+                   help="each timing averages as many runs in a row as fill this many seconds (default 0: "
+                        "one run); on a machine shared with other jobs, about a training step's length")
     m.add_argument("--cluster", default=None,
                    help="cluster profile whose achieved FLOP/s the scales refer to (default: measured here)")
 
@@ -52,6 +55,16 @@ def _size(text: str) -> int:
         return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
     except (ValueError, IndexError):
         raise argparse.ArgumentTypeError(f"'{text}' is not a size such as 4096, 4K, 16M or 1G") from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number of seconds >= 0")
+    return value
 
 
 def _parse_sizes(text: str | None) -> list[tuple[int, int]] | None:
@@ -172,7 +185,8 @@ def _model(args) -> int:
         with _Bar(planned_units(spec, dist.get_world_size() if dist.is_initialized() else 1, args.reps),
                   f"model {spec.name}") as bar:
             profile = profile_model(spec, sizes=sizes, reps=args.reps, dtype=args.dtype,
-                                    reference_flops=reference, progress=bar, statistic=args.statistic)
+                                    reference_flops=reference, progress=bar, statistic=args.statistic,
+                                    window_s=args.window)
         if _rank() == 0:
             write_atomic(args.output, profile.model_dump_json(indent=1))
             _print_model(profile, args.output)

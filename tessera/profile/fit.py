@@ -193,6 +193,7 @@ class ModelProfile(Frozen):
     reference_flops: float = Field(gt=0)
     ranks_measuring: int = Field(default=1, ge=1, description="ranks that measured at once")
     statistic: str = Field(default="median", description="how repeated timings were summarised")
+    window_s: float = Field(default=0.0, ge=0, description="seconds each timing spanned (0: one run)")
     layers: tuple[LayerKindProfile, ...]
 
     def for_kind(self, kind: LayerKind) -> LayerKindProfile | None:

@@ -141,23 +141,50 @@ class _VariantRunner:
 
 
 def _time_interleaved(runners: Sequence, device: torch.device, reps: int,
-                      each_round: Callable[[int], None] | None = None) -> list[tuple[list[float], list[float]]]:
-    """Per runner, forward and backward seconds of `reps` runs (each the slowest rank's), after one
-    warm-up run each. The runners take turns, one run each per round: a change in the machine's
+                      each_round: Callable[[int], None] | None = None,
+                      window_s: float = 0.0) -> list[tuple[list[float], list[float]]]:
+    """Per runner, forward and backward seconds of `reps` samples (each the slowest rank's), after one
+    warm-up run each. The runners take turns, one sample each per round: a change in the machine's
     speed while they are timed (other jobs on a shared machine) then falls on all of them alike
-    instead of bending the curve their fit sees. `each_round(i)` is called after round i."""
+    instead of bending the curve their fit sees. `each_round(i)` is called after round i.
+
+    `window_s`: a sample is the mean of as many runs in a row as fill this many seconds (at least
+    one; 0: one run). On a machine whose load comes in bursts shorter than a training step, one
+    short run sees a quieter machine than a step ever does; a sample as long as a step averages
+    the same bursts the step does."""
     for runner in runners:
         runner.forward()
         runner.backward()
+    runs = runs_filling(runners, device, window_s)
     times = [([], []) for _ in runners]
     for i in range(reps):
-        for runner, (fwd, bwd) in zip(runners, times):
-            f, b = time_once(runner, device)
+        for runner, n, (fwd, bwd) in zip(runners, runs, times):
+            f, b = time_sample(runner, device, n)
             fwd.append(f)
             bwd.append(b)
         if each_round:
             each_round(i)
     return [(_slowest_rank(fwd, device), _slowest_rank(bwd, device)) for fwd, bwd in times]
+
+
+def runs_filling(runners: Sequence, device: torch.device, window_s: float) -> list[int]:
+    """Per (warmed-up) runner, how many runs in a row fill `window_s` seconds, at least one, from
+    one timed run, the same on every rank (the slowest rank's run decides)."""
+    if window_s < 0:
+        raise ValueError(f"a timing window cannot be negative, got {window_s} s")
+    if window_s == 0:
+        return [1] * len(runners)
+    once = _slowest_rank([sum(time_once(runner, device)) for runner in runners], device)
+    return [max(1, round(window_s / max(t, 1e-9))) for t in once]
+
+
+def time_sample(runner, device: torch.device, runs: int = 1) -> tuple[float, float]:
+    """(forward, backward) seconds per run, averaged over `runs` runs of `runner` in a row."""
+    f = b = 0.0
+    for _ in range(runs):
+        df, db = time_once(runner, device)
+        f, b = f + df, b + db
+    return f / runs, b / runs
 
 
 def time_once(runner, device: torch.device) -> tuple[float, float]:
@@ -325,7 +352,8 @@ class VariantTimings:
 
 def measure_variants(model: torch.nn.Module, config: TransformerConfig, kind: LayerKind, block: int,
                      sizes: Sequence[tuple[int, int]], device: torch.device, dtype: torch.dtype, reps: int,
-                     statistic: str, mesh, progress: Progress | None = None) -> VariantTimings:
+                     statistic: str, mesh, progress: Progress | None = None,
+                     window_s: float = 0.0) -> VariantTimings:
     """Per size: fwd+bwd seconds of the block run over the pair of ranks of `mesh` as the runtime
     runs it — Megatron TP with DTensor (tp2), Ulysses attention over a half sequence per rank (sp2),
     FSDP2 `fully_shard` resharding after forward (zero3) — and the seconds of that variant's
@@ -349,7 +377,7 @@ def measure_variants(model: torch.nn.Module, config: TransformerConfig, kind: La
     rounds = chain_rounds(reps)
     tick = (lambda i: progress(f"block{block} over 2 ranks, round {i + 1}/{rounds}", 1)) if progress else None
     per_block = [(summarize(f, statistic) + summarize(b, statistic)) / r.repeat
-                 for r, (f, b) in zip(runners, _time_interleaved(runners, device, rounds, tick))]
+                 for r, (f, b) in zip(runners, _time_interleaved(runners, device, rounds, tick, window_s))]
     k = 1 + len(VARIANTS)  # runners per size: the reference, then each variant
     return VariantTimings(
         variants={v: (_median_over_ranks(per_block[1 + j::k]), _median_over_ranks(comm[v]))
@@ -385,7 +413,7 @@ class _HeadTP2Runner:
 
 def measure_head_tp2(model: torch.nn.Module, config: TransformerConfig, sizes: Sequence[tuple[int, int]],
                      device: torch.device, dtype: torch.dtype, reps: int, statistic: str, mesh,
-                     progress: Progress | None = None) -> VariantTimings:
+                     progress: Progress | None = None, window_s: float = 0.0) -> VariantTimings:
     """Per size: fwd+bwd seconds of the LM head run tensor parallel over the pair of ranks of
     `mesh` (`_HeadTP2Runner`), of the plain head timed alongside on every rank (the reference),
     and of the collectives the cost model charges a TP head (one all-reduce of the b x s x h
@@ -405,7 +433,7 @@ def measure_head_tp2(model: torch.nn.Module, config: TransformerConfig, sizes: S
         comm.append(_time_collectives([("all_reduce", act)] * 2, group, device, reps, statistic))
     tick = (lambda i: progress(f"lm_head over 2 ranks, round {i + 1}/{reps}", 1)) if progress else None
     totals = [summarize(f, statistic) + summarize(b, statistic)
-              for f, b in _time_interleaved(runners, device, reps, tick)]
+              for f, b in _time_interleaved(runners, device, reps, tick, window_s)]
     return VariantTimings(variants={"tp2": (_median_over_ranks(totals[1::2]), _median_over_ranks(comm))},
                           chain_reference=_median_over_ranks(totals[0::2]))
 
@@ -447,16 +475,20 @@ def _median_over_ranks(values: list[float]) -> list[float]:
 def profile_model(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = None, reps: int = 3,
                   dtype: str | None = None, device: torch.device | None = None,
                   reference_flops: float | None = None, matmul_size: int | None = None,
-                  progress: Progress | None = None, statistic: str = "median") -> ModelProfile:
+                  progress: Progress | None = None, statistic: str = "median",
+                  window_s: float = 0.0) -> ModelProfile:
     """Measure every layer kind of `spec` at `sizes` and fit its scales (see module docstring).
 
-    `statistic`: how the `reps` timings of a point are summarised (see `fit.STATISTICS`).
+    `statistic`: how the `reps` timings of a point are summarised (see `fit.STATISTICS`);
+    `window_s`: the seconds each of them spans (`_time_interleaved`).
 
     `reference_flops`: the achieved FLOP/s the scales are relative to (a cluster profile's
     peak x efficiency); measured here on `matmul_size` square matmuls when not given.
     """
     if spec.config is None:
         raise ValueError(f"model '{spec.name}' has no architecture config to build, so it cannot be profiled")
+    if window_s < 0:
+        raise ValueError(f"a timing window cannot be negative, got {window_s} s")
     device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                         else torch.device("cpu"))
     dtype = dtype or ("bf16" if device.type == "cuda" else "fp32")
@@ -480,7 +512,7 @@ def profile_model(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = Non
         runners = [_LayerRunner(model, spec.config, kind, block, batch, seq, device, tdtype) for batch, seq in sizes]
         tick = (lambda i, name=layer.name: progress(f"{name} round {i + 1}/{reps}", 1)) if progress else None
         rows = [[summarize(fwd, statistic), summarize(bwd, statistic), *_saved_and_peak(runner, device, meter)]
-                for runner, (fwd, bwd) in zip(runners, _time_interleaved(runners, device, reps, tick))]
+                for runner, (fwd, bwd) in zip(runners, _time_interleaved(runners, device, reps, tick, window_s))]
         tp2 = None
         shard = tp2_shard(model.layers[str(block)]) if kind not in (LayerKind.EMBEDDING, LayerKind.LM_HEAD) else None
         if shard is not None:
@@ -494,9 +526,10 @@ def profile_model(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = Non
         pairs = None
         if shard is not None and mesh is not None:
             pairs = measure_variants(model, spec.config, kind, block, sizes, device, tdtype, reps,
-                                     statistic, mesh, progress)
+                                     statistic, mesh, progress, window_s)
         elif kind == LayerKind.LM_HEAD and mesh is not None and _measures_head_tp2(spec.config):
-            pairs = measure_head_tp2(model, spec.config, sizes, device, tdtype, reps, statistic, mesh, progress)
+            pairs = measure_head_tp2(model, spec.config, sizes, device, tdtype, reps, statistic, mesh, progress,
+                                     window_s)
         flat = _median_over_ranks([v if v is not None else -1.0 for r in rows for v in r])
         measurements = []
         for j, (batch, seq) in enumerate(sizes):
@@ -518,7 +551,8 @@ def profile_model(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = Non
     world = dist.get_world_size() if dist.is_initialized() else 1
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return ModelProfile(model=spec.name, device=name, dtype=dtype, reference_flops=reference_flops,
-                        ranks_measuring=world, statistic=statistic, layers=tuple(kinds))
+                        ranks_measuring=world, statistic=statistic, window_s=window_s,
+                        layers=tuple(kinds))
 
 
 def _measures_variants(layer) -> bool:

@@ -150,6 +150,7 @@ class Gauge:
     seq_len: int
     dtype: str
     profiled_s: float
+    window_s: float = 0.0  # each timing's span in the profile, kept in the runs (`model.time_sample`)
 
     @classmethod
     def of(cls, profile, model) -> "Gauge":
@@ -168,7 +169,8 @@ class Gauge:
         m = max(k.measurements, key=lambda m: (m.tokens, m.seq_len))
         index = [layer.name for layer in model.layers if layer.kind not in (LayerKind.EMBEDDING, LayerKind.LM_HEAD)]
         return cls(kind=k.kind.value, block=index.index(k.layer) if k.layer in index else 0, batch=m.batch,
-                   seq_len=m.seq_len, dtype=profile.dtype, profiled_s=m.forward_s + m.backward_s)
+                   seq_len=m.seq_len, dtype=profile.dtype, profiled_s=m.forward_s + m.backward_s,
+                   window_s=profile.window_s)
 
     def runner(self, model_spec, device):
         """The block on random inputs of the gauge's size, to time as the profile did."""
@@ -244,7 +246,7 @@ def run_validations(plans: list[Plan], steps: int = 5, warmup: int = 1, seed: in
     import torch.distributed as dist
 
     from ..cost.evaluate import evaluate
-    from .model import _slowest_rank, time_once
+    from .model import _slowest_rank, runs_filling, time_once, time_sample
 
     if steps < 1:
         raise ValueError(f"validate needs at least one timed step, got {steps}")
@@ -258,12 +260,14 @@ def run_validations(plans: list[Plan], steps: int = 5, warmup: int = 1, seed: in
 
     gauge_runs: list[float] = []  # this rank's gauge seconds: before every step, and after the last
     runner = gauge.runner(plans[0].model, device) if gauge is not None and runs else None
+    runs_per_gauge = 1
     if runner is not None:
         time_once(runner, device)  # warm-up
+        runs_per_gauge = runs_filling([runner], device, gauge.window_s)[0]
 
     def time_gauge() -> None:
         if runner is not None:
-            gauge_runs.append(sum(time_once(runner, device)))
+            gauge_runs.append(sum(time_sample(runner, device, runs_per_gauge)))
 
     for _ in range(steps):
         for run in runs:

@@ -60,7 +60,10 @@ def main():
     spec = ModelSpec.from_config(SMALL)
     sizes = [(1, 32), (2, 32), (1, 64), (2, 64), (1, 128)]
     steps = []
-    profile = profile_model(spec, sizes=sizes, reps=2, matmul_size=256, progress=lambda w, n: steps.append(n))
+    # A window of a few runs: every rank must agree on how many, or their barriers deadlock.
+    profile = profile_model(spec, sizes=sizes, reps=2, matmul_size=256, progress=lambda w, n: steps.append(n),
+                            window_s=0.005)
+    check("model_window", profile.window_s == 0.005)
     check("model_progress", sum(steps) == model_units(spec, world=env.world, reps=2))
     check("model_kinds", [k.kind for k in profile.layers] == [LayerKind.EMBEDDING, LayerKind.DECODER, LayerKind.LM_HEAD])
     block = profile.for_kind(LayerKind.DECODER)
