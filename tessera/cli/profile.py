@@ -17,8 +17,7 @@ from pathlib import Path
 from ..errors import TesseraError
 from ..profile.fit import STATISTICS
 
-STATISTIC_HELP = ("summary of repeated timings (min or mean suit a machine shared with other jobs; "
-                  "see tessera.profile.fit.STATISTICS)")
+STATISTIC_HELP = "summary of repeated timings (see tessera.profile.fit.STATISTICS)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -54,10 +54,10 @@ def _trimmed_mean(xs: Sequence[float]) -> float:
 
 
 # How repeated timings are summarised; profile and validation must use the same one. The median
-# is the default. On a machine shared with other jobs, whose load only ever adds time: "min"
-# estimates the machine's own speed when the load comes and goes over minutes; "mean" (trimmed:
-# the top and bottom tenth dropped) when it comes in bursts shorter than a step, which a short
-# timing can miss but a long one never does, so that only averages add up from layers to steps.
+# is the default. "min" estimates a machine's own speed when other jobs' load comes and goes over
+# minutes; "mean" is trimmed (the top and bottom tenth dropped). Load that comes in bursts shorter
+# than a step is met by the model profile's timing window instead (`profile_model(window_s=)`):
+# on such a machine the median of step-long windows predicted steps better than either.
 STATISTICS = {"median": lambda xs: float(np.median(xs)), "min": lambda xs: float(np.min(xs)),
               "mean": _trimmed_mean}
 

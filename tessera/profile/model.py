@@ -167,11 +167,15 @@ def _time_interleaved(runners: Sequence, device: torch.device, reps: int,
     return [(_slowest_rank(fwd, device), _slowest_rank(bwd, device)) for fwd, bwd in times]
 
 
+def require_window(window_s: float) -> None:
+    if not window_s >= 0:  # also refuses nan
+        raise ValueError(f"a timing window cannot be negative, got {window_s} s")
+
+
 def runs_filling(runners: Sequence, device: torch.device, window_s: float) -> list[int]:
     """Per (warmed-up) runner, how many runs in a row fill `window_s` seconds, at least one, from
     one timed run, the same on every rank (the slowest rank's run decides)."""
-    if window_s < 0:
-        raise ValueError(f"a timing window cannot be negative, got {window_s} s")
+    require_window(window_s)
     if window_s == 0:
         return [1] * len(runners)
     once = _slowest_rank([sum(time_once(runner, device)) for runner in runners], device)
@@ -487,8 +491,7 @@ def profile_model(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = Non
     """
     if spec.config is None:
         raise ValueError(f"model '{spec.name}' has no architecture config to build, so it cannot be profiled")
-    if window_s < 0:
-        raise ValueError(f"a timing window cannot be negative, got {window_s} s")
+    require_window(window_s)
     device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                         else torch.device("cpu"))
     dtype = dtype or ("bf16" if device.type == "cuda" else "fp32")
