@@ -145,6 +145,10 @@ def mean_profile(a: ModelProfile, b: ModelProfile) -> ModelProfile:
         kb = b.for_kind(ka.kind)
         mean = {f: (getattr(ka, f) + getattr(kb, f)) / 2 for f in fields
                 if getattr(ka, f) is not None and getattr(kb, f) is not None}
+        wider_b = {w.degree: w for w in kb.tp_wider}
+        mean["tp_wider"] = tuple(
+            w.model_copy(update={f: (getattr(w, f) + getattr(wider_b[w.degree], f)) / 2 for f in ("overhead_s", "slowdown")})
+            for w in ka.tp_wider if w.degree in wider_b)
         layers.append(ka.model_copy(update=mean))
     return a.model_copy(update={"layers": tuple(layers)})
 

@@ -89,3 +89,32 @@ def test_tp_and_ulysses_slowdowns_scale_the_compute_where_they_run(kwargs, facto
                     _per_layer_costs(slow_plan, plan_context(slow_plan))):
         for field in ("compute_fwd", "compute_bwd", "wgrad"):  # full recompute replays the slower forward too
             assert float(getattr(o, field)[0]) == pytest.approx(factor * float(getattr(b, field)[0]), rel=1e-9)
+
+
+@pytest.mark.parametrize("tp, over, slow", [(2, TP, 0.25), (4, 3 * TP, 1.5)])
+def test_wider_tp_degrees_use_the_terms_measured_at_the_largest_degree_below(tp, over, slow):
+    from tessera.cost.evaluate import _per_layer_costs, plan_context
+    from tessera.spec.model import TPDegreeCost
+
+    model, cluster = get_model("tiny-llama"), local_cpu_cluster(tp)
+    work = Workload(global_batch=1, seq_len=128)
+    wide = (TPDegreeCost(degree=4, overhead_s=3 * TP, slowdown=1.5),)
+    layers = tuple(l.model_copy(update=dict(tp_overhead_s=TP, tp_slowdown=0.25, tp_wider=wide)) for l in model.layers)
+    measured = model.model_copy(update={"layers": layers})
+    assert [l.tp_costs(d) for l in layers[:1] for d in (1, 2, 4, 8)] == [(0.0, 0.0), (TP, 0.25), (3 * TP, 1.5),
+                                                                       (3 * TP, 1.5)]
+    base = manual_plan(model, cluster, work, tp=tp, micro_batch_size=1)
+    plan = manual_plan(measured, cluster, work, tp=tp, micro_batch_size=1)
+    for b, o in zip(_per_layer_costs(base, plan_context(base)), _per_layer_costs(plan, plan_context(plan))):
+        # compute x (1 + slowdown), then the fixed overhead, 1/3 forward
+        assert float(o.compute_fwd[0]) == pytest.approx((1 + slow) * float(b.compute_fwd[0]) + over / 3, rel=1e-9)
+
+
+def test_tp_wider_degrees_must_ascend():
+    from tessera.spec.model import TPDegreeCost
+
+    layer = get_model("tiny-llama").layers[1]
+    with pytest.raises(ValueError, match=r"tp_wider degrees must ascend without repeats, got \[8, 4\]"):
+        type(layer).model_validate(layer.model_dump() | {"tp_wider": [
+            TPDegreeCost(degree=8, overhead_s=0.0, slowdown=0.0).model_dump(),
+            TPDegreeCost(degree=4, overhead_s=0.0, slowdown=0.0).model_dump()]})

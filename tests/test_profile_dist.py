@@ -168,3 +168,30 @@ def test_validate_runs_plans_and_measures_what_the_cost_model_predicts(profiles,
         assert r["gauge_profiled_s"] == pytest.approx(largest.forward_s + largest.backward_s) and r["gauge_s"] > 0
         # ... before every step and after the last: one gauge time around each step.
         assert len(r["step_gauge_s"]) == len(r["step_times"]) and min(r["step_gauge_s"]) > 0
+
+
+def test_profile_model_at_four_ranks_measures_tensor_parallel_at_four(tmp_path):
+    """`tessera profile model` under torchrun at 4 ranks: blocks also run tp=4 over all four
+    (`LayerSpec.tp_wider`), and a tp=4 plan is costed with those terms, not tp=2's."""
+    from tessera.search.baselines import manual_plan
+    from tessera.spec.model import TransformerConfig
+
+    config = TransformerConfig(name="profile-tp4-llama", hidden=64, num_layers=2, num_heads=4, num_kv_heads=4,
+                               ffn_hidden=128, vocab_size=256, max_seq_len=64)
+    path, out = tmp_path / "model.json", tmp_path / "mp.json"
+    path.write_text(config.model_dump_json())
+    log = run_torchrun("-m", 4, "tessera", "profile", "model", "--model", str(path), "-o", str(out),
+                       "--sizes", "1x32,2x32,1x64", "--reps", "1", timeout=300)
+    assert "block0 at tp=4:" in log
+    block = load_model_profile(out).layers[1]
+    [wide] = block.tp_wider
+    assert wide.degree == 4 and len(wide.seconds) == len(wide.comm_seconds) == len(block.measurements) == 3
+    assert min(wide.seconds) > 0 and min(wide.comm_seconds) > 0 and block.tp_overhead_s is not None
+    spec = apply_model_profile(ModelSpec.from_config(config), out)
+    assert spec.layers[1].tp_costs(4) == (wide.overhead_s, wide.slowdown)
+    assert spec.layers[1].tp_costs(2) == (block.tp_overhead_s, block.tp_slowdown)
+    wl, cluster = Workload(global_batch=1, seq_len=64, dtype="fp32"), local_cpu_cluster(4)
+    as_tp2 = spec.model_copy(update={"layers": tuple(l.model_copy(update={"tp_wider": ()}) for l in spec.layers)})
+    tp4 = manual_plan(spec, cluster, wl, tp=4).prediction.step_time_s
+    differs = (wide.overhead_s, wide.slowdown) != (block.tp_overhead_s, block.tp_slowdown)
+    assert (tp4 != manual_plan(as_tp2, cluster, wl, tp=4).prediction.step_time_s) == differs

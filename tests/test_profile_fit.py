@@ -239,6 +239,37 @@ def test_call_and_parallel_overheads_are_fitted_and_applied():
                                          + [(c, 0.0, 0.0, 0.0, 0.0, 0.0)])
 
 
+def test_wider_tensor_parallel_is_fitted_at_its_own_degree_and_applied():
+    layer = get_model("tiny-llama").layers[1]
+    rate, c = 50e9, 3e-3
+    terms = {"tp2": (8e-3, 0.3), "tp4": (2e-2, 1.4)}  # overhead, slowdown: tp4's do not follow from tp2's
+    ms, variants = [], {v: ([], []) for v in terms}
+    for b, s in [(1, 64), (2, 64), (1, 128), (4, 64), (2, 128), (1, 256)]:
+        lin, att = b * s * layer.flops_per_token, b * s * layer.attn_flops_coeff * s
+        total = 3 * 1.5 * (lin + att) / rate + c
+        ms.append(LayerMeasurement(batch=b, seq_len=s, forward_s=total / 3, backward_s=2 * total / 3,
+                                   activation_bytes=100.0 * b * s, linear_flops=lin, attn_flops=att))
+        for v, (seconds, comm) in variants.items():
+            g, (extra, slow) = int(v[2:]), terms[v]
+            comm.append(1e-4 * b * s / 64 * (1.5 if g == 4 else 1.0))
+            seconds.append(c + (1 + slow) * (total - c) / g + comm[-1] + extra)
+    kp = fit_layer_kind(layer.kind, layer.name, layer.params, layer.flops_per_token, layer.attn_flops_coeff, ms,
+                        rate, variants=variants)
+    assert (kp.tp_overhead_s, kp.tp_slowdown) == pytest.approx(terms["tp2"], rel=1e-3)
+    [wide] = kp.tp_wider
+    assert wide.degree == 4 and (wide.overhead_s, wide.slowdown) == pytest.approx(terms["tp4"], rel=1e-3)
+    assert wide.seconds == tuple(variants["tp4"][0]) and wide.comm_seconds == tuple(variants["tp4"][1])
+    model = get_model("tiny-llama")
+    profile = _profile_for(model)
+    profile = profile.model_copy(update={"layers": (profile.layers[0], kp, profile.layers[2])})
+    again = ModelProfile.model_validate_json(profile.model_dump_json())
+    applied = apply_model_profile(model, again)
+    block, head = applied.layers[1], applied.layers[-1]
+    assert block.tp_costs(2) == pytest.approx(terms["tp2"], rel=1e-3)
+    assert block.tp_costs(4) == block.tp_costs(8) == pytest.approx(terms["tp4"], rel=1e-3)
+    assert head.tp_wider == () and head.tp_costs(4) == (0.0, 0.0)  # not measured wider: tp2's (here none)
+
+
 def test_head_tensor_parallel_costs_are_fitted_and_reach_only_the_lm_head():
     model = get_model("tiny-llama")
     head = model.layers[-1]

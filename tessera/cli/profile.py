@@ -233,4 +233,7 @@ def _print_model(profile, path) -> None:
                   f"{k.fit_r2:.3f}", f"{k.fit_max_rel_err:.0%}", f"{k.activation_bytes_per_token:,.0f}",
                   f"{k.backward_over_forward:.2f}")
     Console().print(t)
+    for k in profile.layers:
+        for w in k.tp_wider:
+            print(f"{k.layer} at tp={w.degree}: {slow(w.overhead_s, w.slowdown)} ms per forward + backward")
     print(f"reference matmul rate: {profile.reference_flops / 1e9:.1f} GFLOP/s per rank")

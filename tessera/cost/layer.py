@@ -4,7 +4,8 @@
 
 Per micro-batch (seconds):
     compute  f_c, b_c from FLOPs (compute.py): f_c = tokens * (linear + attn * s) / (tp * sp) / F
-             x (1 + [tp > 1] tp_slowdown + [Ulysses] sp_slowdown) (measured),
+             x (1 + [tp > 1] tp_slowdown + [Ulysses] sp_slowdown) (measured; TP's per degree,
+             `LayerSpec.tp_costs`),
              b_c = 2 f_c + recompute (one forward for full, the attention core for selective);
              wgrad = the weight-gradient half of the linear backward (zero-bubble's W).
     fixed    measured per-call costs, per micro-batch, split as the compute (backward = 2x):
@@ -153,13 +154,24 @@ def overlap_extra(c, x, slowdown):
     return (slowdown - 1.0) * np.minimum(c, x) + np.maximum(0.0, x - c)
 
 
+def tp_terms(layer: LayerSpec, tp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(overhead seconds, slowdown) per strategy of its TP degree (`LayerSpec.tp_costs`), vectorised."""
+    overhead = np.where(tp > 1, layer.tp_overhead_s, 0.0)
+    slowdown = np.where(tp > 1, layer.tp_slowdown, 0.0)
+    for c in layer.tp_wider:  # ascending: the largest measured degree <= tp wins
+        overhead = np.where(tp >= c.degree, c.overhead_s, overhead)
+        slowdown = np.where(tp >= c.degree, c.slowdown, slowdown)
+    return overhead, slowdown
+
+
 def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCosts:
     cl, wl = ctx.cluster, ctx.workload
     seq, ab, pb, ob = wl.seq_len, ctx.act_elt, wl.param_bytes, wl.optimizer_bytes
     tokens = ctx.micro_batch_seqs / t.dp * seq  # per data-parallel replica
     tokens_dev = tokens / t.sp  # Ulysses shards the sequence
+    tp_overhead, tp_slowdown = tp_terms(layer, t.tp)
     rate = (achieved_flops(cl, wl.dtype) * t.tp * t.sp
-            / (1.0 + np.where(t.tp > 1, layer.tp_slowdown, 0.0) + np.where(t.sp > 1, layer.sp_slowdown, 0.0)))
+            / (1.0 + tp_slowdown + np.where(t.sp > 1, layer.sp_slowdown, 0.0)))
     lin = tokens * layer.flops_per_token * layer.linear_time_scale
     att = tokens * layer.attn_flops_coeff * seq * layer.attn_time_scale
     cf = (lin + att) / rate
@@ -170,7 +182,7 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
                         + tokens * layer.selective_flops_per_token * layer.linear_time_scale) / rate, 0.0)
     wgrad = lin / rate
     # Fixed per-call costs (measured): 1/3 forward, 2/3 backward; full recompute replays the forward's.
-    fixed = (layer.call_overhead_s + np.where(t.tp > 1, layer.tp_overhead_s, 0.0)
+    fixed = (layer.call_overhead_s + tp_overhead
              + np.where(t.sp > 1, layer.sp_overhead_s, 0.0)
              + np.where((t.zero >= 3) & (t.shard > 1), layer.zero3_overhead_s, 0.0))
     cf = cf + fixed / 3.0

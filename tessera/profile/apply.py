@@ -4,7 +4,8 @@
   refused when it describes another number of devices than the one planned for.
 - `apply_model_profile(model, profile)`: the ModelSpec with each layer's measured time scales,
   fixed overheads (`call_overhead_s`, `tp_overhead_s`, `sp_overhead_s`, `zero3_overhead_s`),
-  TP / Ulysses compute slowdowns (`tp_slowdown`, `sp_slowdown`; all 0 where not measured) and
+  TP / Ulysses compute slowdowns (`tp_slowdown`, `sp_slowdown`; all 0 where not measured), TP's
+  two terms at wider degrees where measured (`tp_wider`) and
   activation bytes; refused when the profile was measured on another model.
 
 Activation bytes: the profile measures B bytes per token per layer (all saved tensors, one device,
@@ -27,7 +28,7 @@ from pydantic import ValidationError
 from ..errors import TesseraError
 from ..spec.jsonio import first_validation_error, read_json_object
 from ..spec.cluster import ClusterSpec
-from ..spec.model import LayerSpec, ModelSpec
+from ..spec.model import LayerSpec, ModelSpec, TPDegreeCost
 from .fit import PARALLEL_COSTS, PROFILE_VERSION, ModelProfile
 
 
@@ -103,7 +104,10 @@ def _scaled_layer(layer: LayerSpec, profile: ModelProfile) -> LayerSpec:
         acts = dict(act_bytes_replicated=measured)
     return layer.model_copy(update=dict(linear_time_scale=kp.linear_time_scale,
                                         attn_time_scale=kp.attn_time_scale, call_overhead_s=kp.overhead_s,
-                                        **{f: getattr(kp, f) or 0.0 for f in PARALLEL_COSTS}, **acts))
+                                        **{f: getattr(kp, f) or 0.0 for f in PARALLEL_COSTS},
+                                        tp_wider=tuple(TPDegreeCost(degree=w.degree, overhead_s=w.overhead_s,
+                                                                    slowdown=w.slowdown) for w in kp.tp_wider),
+                                        **acts))
 
 
 def refuse_other_model(profile: ModelProfile, model: ModelSpec) -> None:

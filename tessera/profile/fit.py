@@ -24,7 +24,9 @@ measured alone, from the one-rank time T1 the cost model expects T2 = c + (T1 - 
 tp2 and sp2 (half the compute, the collectives on the critical path) and T2 = T1 + X for zero3
 (one block alone has no neighbour to hide its gathers behind). The excess over that is, for tp2
 and sp2, fitted over sizes as overhead + slowdown x (T1 - c) / 2 (`variant_overhead`); for zero3
-its median, floored at 0. tp2 and sp2 are timed per block in a chain of blocks (see
+its median, floored at 0. With 4 ranks on a node, blocks also run at tp4 (with 8, tp8 too), fitted
+as tp2 with (T1 - c) / 4 per rank (`TPWideMeasurement`, `LayerSpec.tp_wider`): tp2's terms do not
+carry over to wider groups. tp2, wider tp and sp2 are timed per block in a chain of blocks (see
 `tessera.profile.model.CHAIN`), and their T1 is then the same chain's on one rank
 (`chain_reference_seconds`), timed alongside. The LM head has a tp2 variant too (vocabulary-parallel
 projection and loss-parallel cross-entropy, X = the one all-reduce forward and one backward the
@@ -142,6 +144,18 @@ class LayerMeasurement(Frozen):
         return self.batch * self.seq_len
 
 
+class TPWideMeasurement(Frozen):
+    """A block run tensor parallel over more than two ranks (consecutive ranks, as the runtime's
+    TP groups), per measurement: fwd+bwd seconds and its TP all-reduces' seconds timed alone, and
+    the overhead and slowdown fitted to them (`LayerSpec.tp_wider`)."""
+
+    degree: int = Field(ge=3)
+    seconds: tuple[float, ...]
+    comm_seconds: tuple[float, ...]
+    overhead_s: float = Field(ge=0)
+    slowdown: float = Field(ge=0)
+
+
 class LayerKindProfile(Frozen):
     """Measurements and fitted coefficients of one layer kind (identical blocks share one)."""
 
@@ -176,6 +190,8 @@ class LayerKindProfile(Frozen):
     zero3_seconds: tuple[float, ...] | None = None
     zero3_comm_seconds: tuple[float, ...] | None = None
     zero3_overhead_s: float | None = Field(default=None, ge=0, description="LayerSpec.zero3_overhead_s")
+    # Blocks run tensor parallel wider than two ranks (tp4 with 4 ranks or more), by degree.
+    tp_wider: tuple[TPWideMeasurement, ...] = ()
     # fwd+bwd seconds per block of the unparallelised block chained as tp2 and sp2 were, timed with
     # them (the head: the plain head timed alongside its tp2): their T1. None: the measurements
     # above are their T1 (older profiles, tests).
@@ -207,21 +223,28 @@ PARALLEL_COSTS = ("tp_overhead_s", "tp_slowdown", "sp_overhead_s", "sp_slowdown"
 _VARIANT_PREFIX = {"tp2": "tp", "sp2": "sp", "zero3": "zero3"}
 
 
+def tp_degree(variant: str) -> int | None:
+    """The degree of a tensor-parallel variant ("tp2" -> 2, "tp4" -> 4), None for any other."""
+    degree = variant[2:] if variant.startswith("tp") else ""
+    return int(degree) if degree.isdigit() and int(degree) >= 2 else None
+
+
 def variant_overhead(variant: str, totals: Sequence[float], call_overhead_s: float, seconds: Sequence[float],
                      comm_seconds: Sequence[float]) -> tuple[float, float]:
-    """(fixed seconds, slowdown): what a block run as `variant` over two ranks takes beyond the cost
+    """(fixed seconds, slowdown): what a block run as `variant` over its ranks takes beyond the cost
     model's expectation (see module docstring). `totals`: the block's fwd+bwd seconds on one rank;
     `seconds`: as the variant; `comm_seconds`: its collectives timed alone.
 
-    tp2 and sp2: the excess is fitted as fixed + slowdown x (T1 - c) / 2, the per-rank share of the
-    compute (waits on the slower rank grow with the work between collectives; smaller matmuls run
+    tp2, sp2 and wider tp (tp4, over 4 ranks; `tp_degree`): the excess is fitted as
+    fixed + slowdown x (T1 - c) / g, the per-rank share of the compute over g ranks (waits on the slower rank grow with the work between collectives; smaller matmuls run
     less efficiently), by a Theil-Sen line (robust to an odd timing) with both terms >= 0.
     zero3: a fixed excess only, the median over sizes, floored at 0."""
     if not (len(totals) == len(seconds) == len(comm_seconds)):
         raise ValueError(f"{variant} timings must be given for every measured size")
     c = call_overhead_s
-    if variant in ("tp2", "sp2"):  # half the compute per rank, the collectives on the critical path
-        share = np.array([(t1 - c) / 2.0 for t1 in totals])
+    degree = tp_degree(variant) or (2 if variant == "sp2" else 0)
+    if degree:  # 1/degree of the compute per rank, the collectives on the critical path
+        share = np.array([(t1 - c) / degree for t1 in totals])
         excess = np.array([t - c - h - x for t, h, x in zip(seconds, share, comm_seconds)])
         return _robust_line(share, excess)
     if variant == "zero3":  # all the compute; one block alone cannot hide its gathers
@@ -251,8 +274,8 @@ def fit_layer_kind(kind: LayerKind, layer: str, params: int, flops_per_token: fl
                    chain_reference: Sequence[float] | None = None) -> LayerKindProfile:
     """Fit one layer kind's scales, call overhead and parallel-variant overheads from its
     measurements (see module docstring for the formulas). `variants`: per variant ("tp2", "sp2",
-    "zero3"), the block's fwd+bwd seconds run that way over two ranks and its collectives' seconds
-    timed alone, per measurement; `chain_reference`: the one-rank fwd+bwd per block that tp2 and
+    "zero3" over two ranks; "tp4", "tp8" over as many), the block's fwd+bwd seconds run that way
+    and its collectives' seconds timed alone, per measurement; `chain_reference`: the one-rank fwd+bwd per block that tp2 and
     sp2 are set against (default: the measurements')."""
     ms = list(measurements)
     total = [m.forward_s + m.backward_s for m in ms]
@@ -288,10 +311,15 @@ def fit_layer_kind(kind: LayerKind, layer: str, params: int, flops_per_token: fl
         if len(chain_reference) != len(ms):
             raise ValueError("the chained reference timings must be given for every measured size")
         measured["chain_reference_seconds"] = tuple(chain_reference)
+    wider = []
     for variant, (seconds, comm) in (variants or {}).items():
-        prefix = _VARIANT_PREFIX[variant]
         t1 = total if variant == "zero3" or chain_reference is None else chain_reference
         fixed, slowdown = variant_overhead(variant, t1, fit.c, seconds, comm)
+        if (tp_degree(variant) or 2) > 2:
+            wider.append(TPWideMeasurement(degree=tp_degree(variant), seconds=tuple(seconds),
+                                           comm_seconds=tuple(comm), overhead_s=fixed, slowdown=slowdown))
+            continue
+        prefix = _VARIANT_PREFIX[variant]
         measured.update({f"{variant}_seconds": tuple(seconds), f"{variant}_comm_seconds": tuple(comm),
                          f"{prefix}_overhead_s": fixed})
         if variant != "zero3":
@@ -301,4 +329,5 @@ def fit_layer_kind(kind: LayerKind, layer: str, params: int, flops_per_token: fl
         attn_flops_coeff=attn_flops_coeff, measurements=tuple(ms), linear_time_scale=s_lin,
         attn_time_scale=s_att, overhead_s=fit.c, fit_r2=fit.r2, fit_max_rel_err=fit.max_rel_err,
         activation_bytes_per_token=act, activation_bytes_tp_per_token=tp_part,
-        activation_fit_max_rel_err=act_err, backward_over_forward=ratio, **measured)
+        activation_fit_max_rel_err=act_err, backward_over_forward=ratio,
+        tp_wider=tuple(sorted(wider, key=lambda w: w.degree)), **measured)

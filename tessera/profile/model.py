@@ -8,7 +8,8 @@ and the bytes of activations autograd saves for backward (`SavedActivationMeter`
 `torchrun` every rank measures at once, as ranks of a real job compute at once, and each run
 counts the slowest rank's time (ranks that share cores are thus measured sharing them). With an
 even number of ranks, blocks are also run tensor parallel, Ulysses and ZeRO-3 over pairs of ranks
-(`measure_variants`), and the head tensor parallel with the loss-parallel cross-entropy
+(`measure_variants`), and tensor parallel over 4 (and 8) ranks where a node has them
+(`wide_tp_degrees`), and the head tensor parallel with the loss-parallel cross-entropy
 (`measure_head_tp2`).
 `tessera.profile.fit` turns the measurements into `LayerSpec` time scales relative to the
 achieved FLOP/s of large matmuls measured in the same processes (`reference_flops`), or the
@@ -17,6 +18,7 @@ cluster profile's rate when one is given.
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -27,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..spec.model import LayerKind, ModelSpec, TransformerConfig
-from .fit import LayerMeasurement, ModelProfile, fit_layer_kind, summarize
+from .fit import LayerMeasurement, ModelProfile, fit_layer_kind, summarize, tp_degree
 from .memory import SavedActivationMeter
 
 log = logging.getLogger(__name__)
@@ -246,18 +248,33 @@ def tp2_shard(block: torch.nn.Module) -> torch.nn.Module | None:
     return shard
 
 
-def pair_mesh(device: torch.device):
-    """The 2-rank sub-mesh of this rank (ranks 2i, 2i+1), or None without an even number of ranks."""
+def group_mesh(device: torch.device, size: int = 2):
+    """The sub-mesh of this rank's `size` consecutive ranks (ranks size*i ...), as the runtime's
+    innermost (TP) groups; None unless the ranks divide into such groups."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if world < 2 or world % 2:
+    if world < size or world % size:
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("rest", "pair"))["pair"]
+    return init_device_mesh(device.type, (world // size, size), mesh_dim_names=("rest", "group"))["group"]
+
+
+def pair_mesh(device: torch.device):
+    """The 2-rank sub-mesh of this rank (ranks 2i, 2i+1), or None without an even number of ranks."""
+    return group_mesh(device, 2)
 
 
 # Variants of a block run over a pair of ranks, as the runtime runs them (see `measure_variants`).
 VARIANTS = ("tp2", "sp2", "zero3")
+# Tensor-parallel degrees above 2 measured too, where a node has the ranks (`wide_tp_degrees`).
+WIDE_TP = (4, 8)
+
+
+def wide_tp_degrees(config: TransformerConfig, world: int, local_world: int) -> list[int]:
+    """The `WIDE_TP` degrees `profile_model` runs blocks at: groups of consecutive ranks within a
+    node (`local_world` ranks) that divide the world, and the block's heads and MLP."""
+    return [g for g in WIDE_TP if g <= local_world and world % g == 0 and config.num_heads % g == 0
+            and config.num_kv_heads % g == 0 and config.ffn_hidden % g == 0]
 
 
 def _variant_block(block: torch.nn.Module, variant: str, mesh) -> torch.nn.Module:
@@ -268,8 +285,8 @@ def _variant_block(block: torch.nn.Module, variant: str, mesh) -> torch.nn.Modul
     from ..runtime.parallelize import _tp_block
 
     out = copy.deepcopy(block)
-    if variant == "tp2":
-        _tp_block(out, LayerStrategy(tp=2), mesh)
+    if tp_degree(variant):
+        _tp_block(out, LayerStrategy(tp=tp_degree(variant)), mesh)
     elif variant == "sp2":
         out.attention.core = UlyssesAttention(mesh.get_group())
     else:
@@ -282,11 +299,11 @@ def _variant_block(block: torch.nn.Module, variant: str, mesh) -> torch.nn.Modul
 def _variant_messages(variant: str, block: torch.nn.Module, batch: int, seq: int, config: TransformerConfig,
                       device: torch.device, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
     """The collectives a variant's forward + backward issue, as (name, buffer) to time alone:
-    tp2 the 4 all-reduces of the b x s x h activation; sp2 the 8 all-to-alls of q, k, v and the
+    tp2 (and wider tp) the 4 all-reduces of the b x s x h activation; sp2 the 8 all-to-alls of q, k, v and the
     output (a rank's half sequence); zero3 the parameters' all-gather forward, all-gather and
     reduce-scatter backward."""
     h = config.hidden
-    if variant == "tp2":
+    if tp_degree(variant):
         return [("all_reduce", torch.empty(batch, seq, h, device=device, dtype=dtype))] * 4
     if variant == "sp2":
         kv = config.num_kv_heads * config.head_dim
@@ -346,9 +363,10 @@ def chain_rounds(reps: int) -> int:
 
 @dataclass
 class VariantTimings:
-    """What `measure_variants` returns, per measured size: `variants` maps each of `VARIANTS` to
-    (fwd+bwd seconds per block, seconds of its collectives alone); `chain_reference` is the
-    unparallelised block's fwd+bwd seconds per block, chained as tp2 and sp2 are."""
+    """What `measure_variants` returns, per measured size: `variants` maps each of `VARIANTS`, and
+    "tp4"/"tp8" where measured, to (fwd+bwd seconds per block, seconds of its collectives alone);
+    `chain_reference` is the unparallelised block's fwd+bwd seconds per block, chained as tp and
+    sp2 are."""
 
     variants: dict[str, tuple[list[float], list[float]]]
     chain_reference: list[float]
@@ -357,7 +375,7 @@ class VariantTimings:
 def measure_variants(model: torch.nn.Module, config: TransformerConfig, kind: LayerKind, block: int,
                      sizes: Sequence[tuple[int, int]], device: torch.device, dtype: torch.dtype, reps: int,
                      statistic: str, mesh, progress: Progress | None = None,
-                     window_s: float = 0.0) -> VariantTimings:
+                     window_s: float = 0.0, wide_meshes: dict[int, object] | None = None) -> VariantTimings:
     """Per size: fwd+bwd seconds of the block run over the pair of ranks of `mesh` as the runtime
     runs it — Megatron TP with DTensor (tp2), Ulysses attention over a half sequence per rank (sp2),
     FSDP2 `fully_shard` resharding after forward (zero3) — and the seconds of that variant's
@@ -365,11 +383,13 @@ def measure_variants(model: torch.nn.Module, config: TransformerConfig, kind: La
     blocks in a row, next to the same chain unparallelised on every rank (the reference their
     overheads are taken against); zero3 runs one block (a chain would hide its gathers behind the
     neighbours' compute, which the cost model charges separately). All sizes and variants take
-    turns (`_time_interleaved`), so that a change in the machine's load falls on them alike."""
-    group = mesh.get_group()
-    pair_rank = dist.get_rank(group)
-    blocks = {v: _variant_block(model.layers[str(block)], v, mesh) for v in VARIANTS}
-    runners, comm = [], {v: [] for v in VARIANTS}
+    turns (`_time_interleaved`), so that a change in the machine's load falls on them alike.
+    `wide_meshes`: {degree: sub-mesh of that many consecutive ranks}, for blocks run at wider
+    tensor parallel as "tp{degree}", chained as tp2."""
+    pair_rank = dist.get_rank(mesh.get_group())
+    meshes = {v: mesh for v in VARIANTS} | {f"tp{g}": m for g, m in (wide_meshes or {}).items()}
+    blocks = {v: _variant_block(model.layers[str(block)], v, m) for v, m in meshes.items()}
+    runners, comm = [], {v: [] for v in meshes}
     for batch, seq in sizes:
         base = _LayerRunner(model, config, kind, block, batch, seq, device, dtype)
         runners.append(_VariantRunner(model.layers[str(block)], base, repeat=CHAIN))
@@ -377,15 +397,15 @@ def measure_variants(model: torch.nn.Module, config: TransformerConfig, kind: La
             runners.append(_VariantRunner(vblock, base, (pair_rank, 2) if variant == "sp2" else (0, 1),
                                           1 if variant == "zero3" else CHAIN))
             messages = _variant_messages(variant, model.layers[str(block)], batch, seq, config, device, dtype)
-            comm[variant].append(_time_collectives(messages, group, device, reps, statistic))
+            comm[variant].append(_time_collectives(messages, meshes[variant].get_group(), device, reps, statistic))
     rounds = chain_rounds(reps)
     tick = (lambda i: progress(f"block{block} over 2 ranks, round {i + 1}/{rounds}", 1)) if progress else None
     per_block = [(summarize(f, statistic) + summarize(b, statistic)) / r.repeat
                  for r, (f, b) in zip(runners, _time_interleaved(runners, device, rounds, tick, window_s))]
-    k = 1 + len(VARIANTS)  # runners per size: the reference, then each variant
+    k = 1 + len(blocks)  # runners per size: the reference, then each variant
     return VariantTimings(
         variants={v: (_median_over_ranks(per_block[1 + j::k]), _median_over_ranks(comm[v]))
-                  for j, v in enumerate(VARIANTS)},
+                  for j, v in enumerate(blocks)},
         chain_reference=_median_over_ranks(per_block[0::k]))
 
 
@@ -509,6 +529,9 @@ def profile_model(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = Non
         reference_flops = statistics.median(_median_over_ranks([matmul_flops(device, tdtype, n, reps, statistic)]))
 
     mesh = pair_mesh(device)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    wide = {g: group_mesh(device, g) for g in wide_tp_degrees(spec.config, world, local_world)}
     kinds = []
     for kind, index, block in _layers_to_measure(spec):
         layer = spec.layers[index]
@@ -529,7 +552,7 @@ def profile_model(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = Non
         pairs = None
         if shard is not None and mesh is not None:
             pairs = measure_variants(model, spec.config, kind, block, sizes, device, tdtype, reps,
-                                     statistic, mesh, progress, window_s)
+                                     statistic, mesh, progress, window_s, wide)
         elif kind == LayerKind.LM_HEAD and mesh is not None and _measures_head_tp2(spec.config):
             pairs = measure_head_tp2(model, spec.config, sizes, device, tdtype, reps, statistic, mesh, progress,
                                      window_s)
@@ -551,7 +574,6 @@ def profile_model(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = Non
                  "ulysses %s s, zero-3 %s s, %.0f activation bytes/token", layer.name, k.linear_time_scale,
                  k.attn_time_scale, k.overhead_s, k.tp_overhead_s, k.sp_overhead_s, k.zero3_overhead_s,
                  k.activation_bytes_per_token)
-    world = dist.get_world_size() if dist.is_initialized() else 1
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return ModelProfile(model=spec.name, device=name, dtype=dtype, reference_flops=reference_flops,
                         ranks_measuring=world, statistic=statistic, window_s=window_s,

@@ -78,6 +78,14 @@ class TransformerConfig(Frozen):
         return self.num_experts > 0 and index % self.moe_every == self.moe_every - 1
 
 
+class TPDegreeCost(Frozen):
+    """`LayerSpec.tp_overhead_s` and `tp_slowdown` as measured at one wider tensor-parallel degree."""
+
+    degree: int = Field(ge=3)
+    overhead_s: float = Field(ge=0)
+    slowdown: float = Field(ge=0)
+
+
 class LayerSpec(Frozen):
     """One layer as the cost model sees it.
 
@@ -139,6 +147,26 @@ class LayerSpec(Frozen):
     zero3_overhead_s: float = Field(default=0.0, ge=0)
     tp_slowdown: float = Field(default=0.0, ge=0)
     sp_slowdown: float = Field(default=0.0, ge=0)
+    # The two TP terms measured at degrees above 2, ascending: tp = d uses the entry of the largest
+    # degree <= d, and tp_overhead_s / tp_slowdown (measured at 2) below the first. Measured apart
+    # because they do not follow from tp=2's: a rank's share of the compute shrinks with the
+    # degree, its waits on the slowest of more ranks do not (on 4 CPU ranks, a tp=4 block took
+    # 15-45 ms more per fwd+bwd than tp=2's terms predict).
+    tp_wider: tuple[TPDegreeCost, ...] = ()
+
+    @model_validator(mode="after")
+    def _tp_wider_ascending(self) -> "LayerSpec":
+        degrees = [c.degree for c in self.tp_wider]
+        if degrees != sorted(set(degrees)):
+            raise ValueError(f"tp_wider degrees must ascend without repeats, got {degrees}")
+        return self
+
+    def tp_costs(self, degree: int) -> tuple[float, float]:
+        """(overhead seconds, slowdown) of this layer at tensor-parallel `degree` (0s at 1)."""
+        if degree <= 1:
+            return 0.0, 0.0
+        wider = [c for c in self.tp_wider if c.degree <= degree]
+        return (wider[-1].overhead_s, wider[-1].slowdown) if wider else (self.tp_overhead_s, self.tp_slowdown)
 
     @property
     def dense_params(self) -> int:
