@@ -43,3 +43,17 @@ def test_a_timing_window_averages_as_many_runs_as_fill_it(clock):
     assert profiler.time_sample(one, cpu, runs=4) == pytest.approx((0.01, 0.02)) and one.runs == 8
     with pytest.raises(ValueError, match=r"a timing window cannot be negative, got -0.5 s"):
         profiler.runs_filling([one], cpu, -0.5)
+
+
+def test_wider_tensor_parallel_is_measured_on_whole_groups_within_a_node():
+    from tessera.spec.model import TransformerConfig
+
+    def cfg(heads, kv, ffn=688):
+        return TransformerConfig(name="m", hidden=256, num_layers=2, num_heads=heads, num_kv_heads=kv,
+                                 ffn_hidden=ffn, vocab_size=512, max_seq_len=64)
+
+    assert profiler.wide_tp_degrees(cfg(8, 8), world=16, local_world=8) == [4, 8]
+    assert profiler.wide_tp_degrees(cfg(8, 4), world=8, local_world=8) == [4]  # 4 KV heads: not over 8
+    assert profiler.wide_tp_degrees(cfg(8, 8, ffn=690), world=8, local_world=8) == []  # MLP not divisible
+    assert profiler.wide_tp_degrees(cfg(8, 8), world=12, local_world=6) == []  # a group of 4 would span nodes
+    assert profiler.wide_tp_degrees(cfg(8, 8), world=2, local_world=2) == []

@@ -259,11 +259,6 @@ def group_mesh(device: torch.device, size: int = 2):
     return init_device_mesh(device.type, (world // size, size), mesh_dim_names=("rest", "group"))["group"]
 
 
-def pair_mesh(device: torch.device):
-    """The 2-rank sub-mesh of this rank (ranks 2i, 2i+1), or None without an even number of ranks."""
-    return group_mesh(device, 2)
-
-
 # Variants of a block run over a pair of ranks, as the runtime runs them (see `measure_variants`).
 VARIANTS = ("tp2", "sp2", "zero3")
 # Tensor-parallel degrees above 2 measured too, where a node has the ranks (`wide_tp_degrees`).
@@ -273,7 +268,7 @@ WIDE_TP = (4, 8)
 def wide_tp_degrees(config: TransformerConfig, world: int, local_world: int) -> list[int]:
     """The `WIDE_TP` degrees `profile_model` runs blocks at: groups of consecutive ranks within a
     node (`local_world` ranks) that divide the world, and the block's heads and MLP."""
-    return [g for g in WIDE_TP if g <= local_world and world % g == 0 and config.num_heads % g == 0
+    return [g for g in WIDE_TP if local_world % g == 0 and world % g == 0 and config.num_heads % g == 0
             and config.num_kv_heads % g == 0 and config.ffn_hidden % g == 0]
 
 
@@ -528,7 +523,7 @@ def profile_model(spec: ModelSpec, sizes: Sequence[tuple[int, int]] | None = Non
         n = matmul_size or (8192 if device.type == "cuda" else 1024)
         reference_flops = statistics.median(_median_over_ranks([matmul_flops(device, tdtype, n, reps, statistic)]))
 
-    mesh = pair_mesh(device)
+    mesh = group_mesh(device, 2)  # pairs of ranks (2i, 2i+1)
     world = dist.get_world_size() if dist.is_initialized() else 1
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     wide = {g: group_mesh(device, g) for g in wide_tp_degrees(spec.config, world, local_world)}
