@@ -155,13 +155,11 @@ def overlap_extra(c, x, slowdown):
 
 
 def tp_terms(layer: LayerSpec, tp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(overhead seconds, slowdown) per strategy of its TP degree (`LayerSpec.tp_costs`), vectorised."""
-    overhead = np.where(tp > 1, layer.tp_overhead_s, 0.0)
-    slowdown = np.where(tp > 1, layer.tp_slowdown, 0.0)
-    for c in layer.tp_wider:  # ascending: the largest measured degree <= tp wins
-        overhead = np.where(tp >= c.degree, c.overhead_s, overhead)
-        slowdown = np.where(tp >= c.degree, c.slowdown, slowdown)
-    return overhead, slowdown
+    """(overhead seconds, slowdown) per strategy: `LayerSpec.tp_costs` of its TP degree, looked up
+    once per distinct degree."""
+    degrees, index = np.unique(tp, return_inverse=True)
+    terms = np.array([layer.tp_costs(int(d)) for d in degrees]).reshape(len(degrees), 2)
+    return terms[index.reshape(np.shape(tp)), 0], terms[index.reshape(np.shape(tp)), 1]
 
 
 def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCosts:

@@ -235,9 +235,10 @@ def variant_overhead(variant: str, totals: Sequence[float], call_overhead_s: flo
     model's expectation (see module docstring). `totals`: the block's fwd+bwd seconds on one rank;
     `seconds`: as the variant; `comm_seconds`: its collectives timed alone.
 
-    tp2, sp2 and wider tp (tp4, over 4 ranks; `tp_degree`): the excess is fitted as
-    fixed + slowdown x (T1 - c) / g, the per-rank share of the compute over g ranks (waits on the slower rank grow with the work between collectives; smaller matmuls run
-    less efficiently), by a Theil-Sen line (robust to an odd timing) with both terms >= 0.
+    tp2, sp2 and wider tp (tp4 over 4 ranks; `tp_degree`): the excess is fitted as
+    fixed + slowdown x (T1 - c) / g, the per-rank share of the compute over g ranks (waits on the
+    slower rank grow with the work between collectives; smaller matmuls run less efficiently), by
+    a Theil-Sen line (robust to an odd timing) with both terms >= 0.
     zero3: a fixed excess only, the median over sizes, floored at 0."""
     if not (len(totals) == len(seconds) == len(comm_seconds)):
         raise ValueError(f"{variant} timings must be given for every measured size")
@@ -275,8 +276,8 @@ def fit_layer_kind(kind: LayerKind, layer: str, params: int, flops_per_token: fl
     """Fit one layer kind's scales, call overhead and parallel-variant overheads from its
     measurements (see module docstring for the formulas). `variants`: per variant ("tp2", "sp2",
     "zero3" over two ranks; "tp4", "tp8" over as many), the block's fwd+bwd seconds run that way
-    and its collectives' seconds timed alone, per measurement; `chain_reference`: the one-rank fwd+bwd per block that tp2 and
-    sp2 are set against (default: the measurements')."""
+    and its collectives' seconds timed alone, per measurement; `chain_reference`: the one-rank
+    fwd+bwd per block that tp and sp2 are set against (default: the measurements')."""
     ms = list(measurements)
     total = [m.forward_s + m.backward_s for m in ms]
     lin = [m.linear_flops for m in ms]
@@ -315,8 +316,9 @@ def fit_layer_kind(kind: LayerKind, layer: str, params: int, flops_per_token: fl
     for variant, (seconds, comm) in (variants or {}).items():
         t1 = total if variant == "zero3" or chain_reference is None else chain_reference
         fixed, slowdown = variant_overhead(variant, t1, fit.c, seconds, comm)
-        if (tp_degree(variant) or 2) > 2:
-            wider.append(TPWideMeasurement(degree=tp_degree(variant), seconds=tuple(seconds),
+        degree = tp_degree(variant)
+        if degree and degree > 2:
+            wider.append(TPWideMeasurement(degree=degree, seconds=tuple(seconds),
                                            comm_seconds=tuple(comm), overhead_s=fixed, slowdown=slowdown))
             continue
         prefix = _VARIANT_PREFIX[variant]

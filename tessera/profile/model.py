@@ -294,8 +294,8 @@ def _variant_block(block: torch.nn.Module, variant: str, mesh) -> torch.nn.Modul
 def _variant_messages(variant: str, block: torch.nn.Module, batch: int, seq: int, config: TransformerConfig,
                       device: torch.device, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
     """The collectives a variant's forward + backward issue, as (name, buffer) to time alone:
-    tp2 (and wider tp) the 4 all-reduces of the b x s x h activation; sp2 the 8 all-to-alls of q, k, v and the
-    output (a rank's half sequence); zero3 the parameters' all-gather forward, all-gather and
+    tp2 (and wider tp) the 4 all-reduces of the b x s x h activation; sp2 the 8 all-to-alls of q,
+    k, v and the output (a rank's half sequence); zero3 the parameters' all-gather forward, all-gather and
     reduce-scatter backward."""
     h = config.hidden
     if tp_degree(variant):
@@ -394,7 +394,8 @@ def measure_variants(model: torch.nn.Module, config: TransformerConfig, kind: La
             messages = _variant_messages(variant, model.layers[str(block)], batch, seq, config, device, dtype)
             comm[variant].append(_time_collectives(messages, meshes[variant].get_group(), device, reps, statistic))
     rounds = chain_rounds(reps)
-    tick = (lambda i: progress(f"block{block} over 2 ranks, round {i + 1}/{rounds}", 1)) if progress else None
+    over = " and ".join(str(g) for g in (2, *(wide_meshes or {})))
+    tick = (lambda i: progress(f"block{block} over {over} ranks, round {i + 1}/{rounds}", 1)) if progress else None
     per_block = [(summarize(f, statistic) + summarize(b, statistic)) / r.repeat
                  for r, (f, b) in zip(runners, _time_interleaved(runners, device, rounds, tick, window_s))]
     k = 1 + len(blocks)  # runners per size: the reference, then each variant
