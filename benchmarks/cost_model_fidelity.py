@@ -67,7 +67,7 @@ sys.path.insert(0, str(ROOT))
 from tessera.plan import Plan  # noqa: E402
 from tessera.profile.apply import apply_model_profile, load_cluster_profile, load_model_profile  # noqa: E402
 from tessera.profile.fit import PARALLEL_COSTS, STATISTICS, ModelProfile  # noqa: E402
-from tessera.profile.validate import Gauge, Validation  # noqa: E402
+from tessera.profile.results import Gauge, Validation  # noqa: E402
 from tessera.spec.model import ModelSpec, TransformerConfig  # noqa: E402
 from tessera.spec.workload import Workload  # noqa: E402
 
