@@ -154,5 +154,6 @@ class ParallelLoss:
 
     def __call__(self, logits, labels: torch.Tensor) -> torch.Tensor:
         labels = self.ctx.data_block(labels, self.act)
-        return F.cross_entropy(logits.flatten(0, 1).float() if not self.vocab_parallel else logits.flatten(0, 1),
-                               labels.flatten())
+        # fp32 logits (bf16 runs): the log-softmax over the vocabulary loses too much in bf16. The
+        # vocabulary-sharded DTensor of loss parallelism casts its shards alike.
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
