@@ -227,15 +227,16 @@ class Trainer:
 
     # --- one step ---------------------------------------------------------------------------------
     def train_step(self, tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None,
-                   mask: torch.Tensor | None = None) -> float:
-        """One optimizer step on this rank's data block; returns the mean loss of the global batch."""
+                   doc_ids: torch.Tensor | None = None) -> float:
+        """One optimizer step on this rank's data block; returns the mean loss of the global batch.
+        Packed documents: `positions` and `doc_ids` (B, S), see `Transformer.forward`."""
         tokens, labels = tokens.to(self.device), labels.to(self.device)
         positions = positions.to(self.device) if positions is not None else None
-        mask = mask.to(self.device) if mask is not None else None
+        doc_ids = doc_ids.to(self.device) if doc_ids is not None else None
         if self.pipeline is not None:
-            loss = self.forward_backward_pp(tokens, labels, positions, mask)
+            loss = self.forward_backward_pp(tokens, labels, positions, doc_ids)
         else:
-            loss = self.forward_backward(tokens, labels, positions, mask)
+            loss = self.forward_backward(tokens, labels, positions, doc_ids)
             self.parallel.rescale_grads()
         self.optimizer_step()
         return loss
@@ -258,11 +259,11 @@ class Trainer:
             sched.step()
             opt.zero_grad(set_to_none=True)
 
-    def forward_backward(self, tokens, labels, positions, mask) -> float:
+    def forward_backward(self, tokens, labels, positions, doc_ids) -> float:
         n = self.plan.num_micro_batches
         module = self.parallel.module
         total = torch.zeros((), device=self.device)
-        chunks = [t.chunk(n) if t is not None else [None] * n for t in (tokens, labels, positions, mask)]
+        chunks = [t.chunk(n) if t is not None else [None] * n for t in (tokens, labels, positions, doc_ids)]
         for i in range(n):
             sync = i == n - 1
             no_sync = module.no_sync() if (hasattr(module, "no_sync") and not sync) else nullcontext()
@@ -275,10 +276,10 @@ class Trainer:
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         return float(total) / self.world_size
 
-    def forward_backward_pp(self, tokens, labels, positions, mask) -> float:
-        # Every rank holds the batch: positions and masks reach each stage as keyword arguments.
+    def forward_backward_pp(self, tokens, labels, positions, doc_ids) -> float:
+        # Every rank holds the batch: positions and doc ids reach each stage as keyword arguments.
         with self.loss_fn.context():
-            loss = self.pipeline.step(tokens, labels, positions, mask)
+            loss = self.pipeline.step(tokens, labels, positions, doc_ids)
         for part in self.pipeline_parts:
             part.rescale_grads()
         return self.pipeline.global_loss(loss)
@@ -299,7 +300,7 @@ class Trainer:
                 loss = self.adaptive_step(batch)
             else:
                 loss = self.train_step(batch.tokens, batch.labels, batch.positions if packed else None,
-                                       batch.doc_mask() if packed else None)
+                                       batch.doc_ids if packed else None)
             self.step += 1
             if self.step % self.config.log_every == 0 or self.step == self.config.steps:
                 records.append(self.log_step(loss, time.perf_counter() - start))
@@ -386,10 +387,8 @@ class SyntheticBatch:
     tokens: torch.Tensor
     labels: torch.Tensor
     positions: torch.Tensor | None = None
+    doc_ids: torch.Tensor | None = None
     packed: bool = False
-
-    def doc_mask(self):
-        return None
 
 
 class SyntheticLoader:
