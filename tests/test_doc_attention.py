@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from tessera.models import attention
-from tessera.models.attention import (DocumentBuckets, Documents, attend, document_block_mask,
-                                      document_causal_mask)
+from tessera.models.attention import DocumentBuckets, Documents, attend, document_block_mask
 from tessera.models.transformer import build_model
 from tessera.spec.model import TransformerConfig
 from tests.torchrun_util import ROOT

@@ -67,8 +67,9 @@ class ParallelTransformer(nn.Module):
     layout of layer `start - 1`; positions and doc ids (B_d, S) are in the data layout. Each
     layer's attention gets the doc ids of its batch rows over the FULL sequence (Ulysses attends
     over all of it), wrapped once per layout and forward in a `Documents` that every layer of that
-    layout shares (its block mask or length buckets are built once). Returns the logits (a vocabulary-sharded DTensor under tensor parallelism) when the
-    chunk holds the LM head, else the activation in the layout of layer `end - 1`.
+    layout shares (its block mask or length buckets are built once). Returns the logits (a
+    vocabulary-sharded DTensor under tensor parallelism) when the chunk holds the LM head, else the
+    activation in the layout of layer `end - 1`.
     """
 
     def __init__(self, model: Transformer, ctx: StageContext, layers: range):

@@ -2,8 +2,9 @@
 
 For each micro-batch of the plan, every rank finds its group, packs the group's sequences into one
 sequence (document ids over the whole packed sequence for document-causal attention, positions
-restarting at each document, padded to a multiple of the group size), takes its contiguous slice of it and runs the model with
-`UlyssesAttention(group)` in every block (a group of one runs plain attention).
+restarting at each document, padded to a multiple of the group size), takes its contiguous slice
+of it and runs the model with `UlyssesAttention(group)` in every block (a group of one runs plain
+attention).
 
 Exactness: the step's loss is sum(per-token cross-entropy over the global batch) / (number of
 target tokens in the global batch). Each rank back-propagates its slice's sum divided by that

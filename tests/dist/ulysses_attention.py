@@ -48,7 +48,8 @@ def compare_attention(name: str, module, group_rank: int, size: int, heads: int,
     local = [t[:, :, part].clone().requires_grad_(backend != "flex") for t in (q, k, v)]
     out = module(*local, Documents(docs, backend=backend) if docs is not None else None)
     if backend == "flex":
-        check(f"{name}_output", torch.allclose(out, ref[:, :, part], atol=1e-10), f"{(out - ref[:, :, part]).abs().max()}")
+        check(f"{name}_output", torch.allclose(out, ref[:, :, part], atol=1e-10),
+              f"{(out - ref[:, :, part]).abs().max()}")
         return
     (out * grad_out[:, :, part]).sum().backward()
     check(f"{name}_output", torch.allclose(out, ref[:, :, part], atol=1e-10), f"{(out - ref[:, :, part]).abs().max()}")
@@ -118,7 +119,8 @@ def check_trainer_packed(world: int) -> None:
     batches = packed_batches(3, GLOBAL_BATCH, SEQ, LLAMA.vocab_size)
     want = one_process_losses(LLAMA, OPTIM, [(t, l, p, Documents(d, backend="dense")) for t, l, p, d in batches])
     uly, dp = S(sp="ulysses", sp_degree=world), S(dp=world)
-    for name, strategies in (("trainer_ulysses_packed", uly), ("trainer_ulysses_dp_mix_packed", [dp, uly, dp, uly, dp, dp])):
+    for name, strategies in (("trainer_ulysses_packed", uly),
+                             ("trainer_ulysses_dp_mix_packed", [dp, uly, dp, uly, dp, dp])):
         plan = make_plan(LLAMA, world, strategies, num_micro_batches=2)
         trainer = Trainer(TrainConfig(plan=plan, steps=3, optim=OPTIM, seed=0))
         got = [trainer.train_step(*(trainer.local_rows(t) for t in batch)) for batch in batches]
