@@ -226,20 +226,21 @@ class Trainer:
 
     # --- one step ---------------------------------------------------------------------------------
     def train_step(self, tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None,
-                   mask: torch.Tensor | None = None) -> float:
+                   doc_ids: torch.Tensor | None = None) -> float:
         """One optimizer step on this rank's data block; returns the mean loss of the global batch
-        (waiting for the device; `run_step` does not)."""
-        return float(self.run_step(tokens, labels, positions, mask))
+        (waiting for the device; `run_step` does not). Packed documents: `positions` and `doc_ids`
+        (B, S), see `Transformer.forward`."""
+        return float(self.run_step(tokens, labels, positions, doc_ids))
 
     def run_step(self, tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None,
-                 mask: torch.Tensor | None = None) -> torch.Tensor:
+                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """`train_step` queued on the device without waiting for it: the global batch's mean loss
         as a 0-dim tensor, which `float()` reads once the step is done."""
-        tokens, labels, positions, mask = (self._to_device(t) for t in (tokens, labels, positions, mask))
+        tokens, labels, positions, doc_ids = (self._to_device(t) for t in (tokens, labels, positions, doc_ids))
         if self.pipeline is not None:
-            loss = self.forward_backward_pp(tokens, labels, positions, mask)
+            loss = self.forward_backward_pp(tokens, labels, positions, doc_ids)
         else:
-            loss = self.forward_backward(tokens, labels, positions, mask)
+            loss = self.forward_backward(tokens, labels, positions, doc_ids)
             self.parallel.rescale_grads()
         self.optimizer_step()
         return torch.as_tensor(loss)
@@ -271,11 +272,11 @@ class Trainer:
             sched.step()
             opt.zero_grad(set_to_none=True)
 
-    def forward_backward(self, tokens, labels, positions, mask) -> float:
+    def forward_backward(self, tokens, labels, positions, doc_ids) -> float:
         n = self.plan.num_micro_batches
         module = self.parallel.module
         total = torch.zeros((), device=self.device)
-        chunks = [t.chunk(n) if t is not None else [None] * n for t in (tokens, labels, positions, mask)]
+        chunks = [t.chunk(n) if t is not None else [None] * n for t in (tokens, labels, positions, doc_ids)]
         for i in range(n):
             sync = i == n - 1
             no_sync = module.no_sync() if (hasattr(module, "no_sync") and not sync) else nullcontext()
@@ -288,10 +289,10 @@ class Trainer:
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         return total / self.world_size  # a device tensor: reading it here would stall the device
 
-    def forward_backward_pp(self, tokens, labels, positions, mask) -> float:
-        # Every rank holds the batch: positions and masks reach each stage as keyword arguments.
+    def forward_backward_pp(self, tokens, labels, positions, doc_ids) -> float:
+        # Every rank holds the batch: positions and doc ids reach each stage as keyword arguments.
         with self.loss_fn.context():
-            loss = self.pipeline.step(tokens, labels, positions, mask)
+            loss = self.pipeline.step(tokens, labels, positions, doc_ids)
         for part in self.pipeline_parts:
             part.rescale_grads()
         return self.pipeline.global_loss(loss)
@@ -314,7 +315,7 @@ class Trainer:
                 loss = self.adaptive_step(batch)
             else:
                 loss = self.run_step(batch.tokens, batch.labels, batch.positions if packed else None,
-                                     batch.doc_mask() if packed else None)
+                                     batch.doc_ids if packed else None)
             self.step += 1
             span = clock.stop()
             if pending is not None:  # the previous step's, now that this one is queued
@@ -421,10 +422,8 @@ class SyntheticBatch:
     tokens: torch.Tensor
     labels: torch.Tensor
     positions: torch.Tensor | None = None
+    doc_ids: torch.Tensor | None = None
     packed: bool = False
-
-    def doc_mask(self):
-        return None
 
 
 class SyntheticLoader:
