@@ -34,7 +34,7 @@ class TransformerConfig(Frozen):
     """Hyper-parameters of a decoder-only Transformer (GPT-2 / LLaMA / Qwen / Mistral / Mixtral)."""
 
     name: str
-    family: Literal["gpt2", "llama", "qwen2", "mistral", "mixtral"] = "llama"
+    family: Literal["gpt2", "llama", "qwen2", "mistral", "mixtral", "qwen2_moe"] = "llama"
     vocab_size: int = Field(gt=0)
     hidden: int = Field(gt=0)
     num_layers: int = Field(gt=0)
@@ -51,12 +51,23 @@ class TransformerConfig(Frozen):
     # GPT-2 style: biases on every linear layer and on the norms.
     linear_bias: bool = False
     tie_embeddings: bool = False
-    # Mixture of experts (0 experts = dense).
+    # Mixture of experts (0 experts = dense); `tessera.models.moe` states the formulas.
     num_experts: int = Field(default=0, ge=0)
     top_k: int = Field(default=0, ge=0)
-    capacity_factor: float = Field(default=1.25, gt=0)
+    # None: dropless routing; c > 0: each expert takes at most ceil(c * seq_len * top_k / experts)
+    # token-slots of each sequence, the rest are dropped.
+    capacity_factor: float | None = None
     # Layers i with i % moe_every == moe_every - 1 are MoE layers (1 = every layer).
     moe_every: int = Field(default=1, ge=1)
+    # "topk_softmax" (Mixtral): softmax over the top-k logits; "softmax_topk" (Qwen-MoE): softmax
+    # over all experts, then the top-k probabilities (divided by their sum when norm_topk_prob).
+    router: Literal["topk_softmax", "softmax_topk"] = "topk_softmax"
+    norm_topk_prob: bool = False
+    # Coefficients of the load-balancing loss and of the router z-loss added to the training loss.
+    router_aux_loss_coef: float = Field(default=0.0, ge=0)
+    router_z_loss_coef: float = Field(default=0.0, ge=0)
+    # Qwen-MoE: an always-on expert of this hidden size, gated by sigmoid(w . x) (0 = none).
+    shared_expert_ffn: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> "TransformerConfig":
@@ -68,6 +79,8 @@ class TransformerConfig(Frozen):
             )
         if self.num_experts and not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"top_k={self.top_k} must be in 1..num_experts={self.num_experts}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"capacity_factor={self.capacity_factor} must be > 0 (or null for dropless routing)")
         return self
 
     @property
@@ -124,6 +137,9 @@ class LayerSpec(Frozen):
     num_experts: int = 0
     top_k: int = 0
     capacity_factor: float = 1.0
+    # Routing skew: the most loaded expert-parallel rank's tokens over the mean (>= 1; 1 = balanced).
+    # Given, or measured from a routing trace (`tessera.cost.moe.routing_skew`).
+    routing_skew: float = Field(default=1.0, ge=1.0)
     # Measured/predicted compute time of the linear and attention-score terms on the target
     # device (1.0 = the FLOPs model as is); fitted by `tessera profile model`.
     linear_time_scale: float = Field(default=1.0, gt=0)
@@ -241,6 +257,7 @@ def block_layer(c: TransformerConfig, index: int) -> LayerSpec:
         attn_params += h
     mats_per_expert = 3 if c.mlp == "swiglu" else 2
     expert_params = mats_per_expert * h * f + ((f + h) if c.linear_bias else 0)
+    shared_params = (mats_per_expert * h * c.shared_expert_ffn + h) if c.shared_expert_ffn else 0
     moe = c.is_moe_layer(index)
     norms = 2 * _norm_params(c)
     # Causal attention: QK^T and AV are 2 * 2 * s * q_dim FLOPs per token, half of them masked.
@@ -257,13 +274,16 @@ def block_layer(c: TransformerConfig, index: int) -> LayerSpec:
     # recomputing the attention core (flash backward replays it anyway) and an elementwise op.
     selective = 2.0 * q_dim + 2.0 * f
     if moe:
-        k, cap = c.top_k, c.capacity_factor
+        # Dropless routing keeps k token-slots per token on average (skew is `routing_skew`).
+        k, cap = c.top_k, c.capacity_factor or 1.0
         router_params = h * c.num_experts
-        params = attn_params + norms + router_params + c.num_experts * expert_params
-        flops = attn_linear_flops + 2.0 * h * c.num_experts + k * mlp_flops
-        # Each token visits k experts (capacity factor pads the buffers).
-        mlp_act = k * cap * (mlp_tp + 2.0 * h)
-        selective += k * cap * 2.0 * f - 2.0 * f
+        params = attn_params + norms + router_params + c.num_experts * expert_params + shared_params
+        shared_flops = 2.0 * (mats_per_expert * h * c.shared_expert_ffn + h) if c.shared_expert_ffn else 0.0
+        flops = attn_linear_flops + 2.0 * h * c.num_experts + k * mlp_flops + shared_flops
+        # Each token visits k experts (capacity factor pads the buffers), and the shared expert.
+        shared_act = 2.0 * c.shared_expert_ffn * (3 if c.mlp == "swiglu" else 2)
+        mlp_act = k * cap * (mlp_tp + 2.0 * h) + shared_act
+        selective += k * cap * 2.0 * f - 2.0 * f + 2.0 * c.shared_expert_ffn
         return LayerSpec(
             name=f"block{index}", kind=LayerKind.MOE_DECODER, hidden=h, params=params,
             flops_per_token=flops, attn_flops_coeff=attn_coeff, act_bytes_tp=attn_tp + mlp_act,
