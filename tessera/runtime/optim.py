@@ -113,7 +113,9 @@ def grad_norm(params, pp_group=None) -> torch.Tensor:
     """Global L2 norm of the gradients: sqrt(sum over groups of the group's squared norm).
 
     A DTensor group's squared norm sums the local shards over every mesh axis it is sharded on;
-    replicated axes hold copies and are not summed. `pp_group` adds the other pipeline stages.
+    replicated axes hold copies and are not summed. Expert parameters (`expert_parallel_group`
+    attribute, runtime/expert_parallel.py) also sum over the ranks holding the other experts.
+    `pp_group` adds the other pipeline stages.
     """
     from torch.distributed.tensor import Shard
 
@@ -122,10 +124,11 @@ def grad_norm(params, pp_group=None) -> torch.Tensor:
         if p.grad is None:
             continue
         g = p.grad
-        key = (_mesh_key(g), tuple(getattr(g, "placements", ())))
-        groups.setdefault(key, []).append(g)
+        ep_group = getattr(p, "expert_parallel_group", None)
+        key = (_mesh_key(g), tuple(getattr(g, "placements", ())), id(ep_group))
+        groups.setdefault(key, (ep_group, []))[1].append(g)
     total = None
-    for grads in groups.values():
+    for ep_group, grads in groups.values():
         local = [_local(g) for g in grads]
         sq = torch.stack([n.float() for n in torch._foreach_norm(local)]).pow(2).sum()
         first = grads[0]
@@ -134,6 +137,8 @@ def grad_norm(params, pp_group=None) -> torch.Tensor:
             for axis, placement in enumerate(first.placements):
                 if isinstance(placement, Shard) and mesh.size(axis) > 1:
                     dist.all_reduce(sq, group=mesh.get_group(axis))
+        if ep_group is not None:
+            dist.all_reduce(sq, group=ep_group)
         total = sq if total is None else total + sq.to(total.device)
     if total is None:
         total = torch.zeros(())

@@ -36,6 +36,7 @@ from ..models.transformer import Transformer
 from ..plan import LayerStrategy, Plan, Recompute, SPKind
 from ..spec.model import LayerKind
 from .layout import ActLayout
+from .expert_parallel import check_moe_layer, parallelize_moe, shard_experts
 from .mesh import Axis, LayerLayout, ParallelDims
 from .parallel_model import ParallelLoss, ParallelTransformer, StageContext
 
@@ -61,8 +62,7 @@ def check_plan_supported(plan: Plan, world_size: int | None = None, *, pipeline_
     seq = plan.workload.seq_len
     for i, s in enumerate(plan.layers):
         where = f"plan.layers[{i}] ({plan.model.layers[i].name})"
-        if s.ep > 1:
-            raise TesseraError(f"{where}.ep={s.ep}: expert parallelism is not supported by the runtime yet")
+        check_moe_layer(plan, i, s, where)
         if s.offload_optimizer and not s.zero:
             raise TesseraError(f"{where}.offload_optimizer needs zero >= 1 (FSDP2 CPU offload shards the state)")
         act = ActLayout.of(s)
@@ -91,7 +91,8 @@ def uses_ddp(plan: Plan) -> bool:
                                                                   first.zero, first.dp_shard)
                for s in plan.layers)
     return (same and plan.pipeline.degree == 1 and first.tp == 1 and first.zero <= 1
-            and not first.dp_shard and not any(s.offload_optimizer for s in plan.layers))
+            and not first.dp_shard and not any(s.offload_optimizer for s in plan.layers)
+            and all(s.ep == 1 for s in plan.layers))  # experts reduce over their own replicas
 
 
 # --- strategies -----------------------------------------------------------------------------------
@@ -114,12 +115,7 @@ def _tp_block(block: nn.Module, s: LayerStrategy, tp_mesh) -> None:
         plan["attention"] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
                                                desired_input_layouts=(Replicate(), None, None),
                                                use_local_output=True)
-    if hasattr(block, "moe"):
-        for e in range(len(block.moe.experts)):
-            plan[f"moe.experts.{e}.w1"] = ColwiseParallel()
-            plan[f"moe.experts.{e}.w2"] = RowwiseParallel()
-            if hasattr(block.moe.experts[e], "w3"):
-                plan[f"moe.experts.{e}.w3"] = ColwiseParallel()
+    if hasattr(block, "moe"):  # experts: runtime/expert_parallel.py
         if sp:
             plan["moe"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                              use_local_output=True)
@@ -258,6 +254,8 @@ def parallelize(model: Transformer, plan: Plan, dims: ParallelDims, rank: int,
     for key in list(chunk.layers):
         s = strategies[int(key) + 1]
         block = chunk.layers[key]
+        if hasattr(block, "moe"):
+            parallelize_moe(block.moe, s, plan, dims, rank)
         if s.tp > 1:
             _tp_block(block, s, dims.layer_mesh(LayerLayout.of(s))[Axis.TP])
         if s.sp == SPKind.ULYSSES:
@@ -311,12 +309,13 @@ def parallelize(model: Transformer, plan: Plan, dims: ParallelDims, rank: int,
             units += [(chunk.norm, last), (chunk.output, last)]
     unsharded: set[nn.Parameter] = set()  # parameters of layers that live on one rank (dp * sp = 1)
     for module, s in units:
+        experts, local_experts = shard_experts(module, s, plan, dims, mp_policy, result.grad_rescale)
         kw = _fsdp_kwargs(s, dims, mp_policy)
         if kw is not None:
-            fully_shard(module, **kw)
+            fully_shard(module, **kw, **({"ignored_params": local_experts} if local_experts else {}))
         else:
             unsharded.update(module.parameters())
-        _note_rescale(result, module.parameters(), s, pieces)
+        _note_rescale(result, [p for p in module.parameters() if id(p) not in experts], s, pieces)
     kw = _fsdp_kwargs(root, dims, mp_policy)
     if kw is not None:
         fully_shard(chunk, **kw, **({"ignored_params": unsharded} if unsharded else {}))

@@ -1,0 +1,340 @@
+"""Expert parallelism: MoE layers whose experts are spread over the ranks of their stage.
+
+Layout. A MoE layer with degrees (dp, sp, tp) and expert-parallel degree ep (ep divides dp * sp)
+puts stage rank r = q * tp + t, q = d * sp + s (runtime/mesh.py), at expert-parallel rank
+i = q mod ep of expert group j = q div ep: the ep consecutive q of a group hold all E experts,
+E / ep each (rank i holds experts [i E/ep, (i+1) E/ep)); the R = dp * sp / ep groups replicate
+them, and ZeRO shards the expert states over es = gcd(S, R) of the replicas (S the layer's ZeRO
+shard degree; cost/memory.py `expert_shard`), j = j_rep * es + j_shard. The mesh is
+("pp", "edp_replicate", "edp_shard", "ep", "tp") = arange(world).view(pp, R / es, es, ep, tp): the
+ep group has stride tp, as the cost model prices its all-to-alls (tessera/cost/moe.py).
+
+Per forward call (micro-batch) of a layer, on each rank of an ep group (`ExpertParallelContext`):
+  1. an all-to-all of the routing counts: E / ep integers to each peer, the token-slots it will
+     receive for each of its experts;
+  2. dispatch: `all_to_all_single` with uneven splits of the routed token copies (each slot's token
+     row, grouped by destination rank and expert; dropless, or what the capacity kept);
+  3. the local experts on their rows, regrouped by expert (every expert runs, also on zero rows);
+  4. combine: the all-to-all back, splits swapped; the model weighs and sums (models/moe.py).
+The backward runs the two token all-to-alls again with the splits swapped. Under tensor
+parallelism the tp ranks of an ep group route the same tokens and each runs its slice of the
+experts (DTensor column/row parallel on the expert mesh's tp axis).
+
+Gradients. Tokens of every dp * sp piece reach an expert, so on one rank its gradient is the sum
+over the pieces of its group; FSDP2 averages it over the R replicas (the "edp" axes) and the
+runtime rescales by R / P (P the pieces the loss is split over), giving (1/P) sum over pieces like
+every other parameter. The global gradient norm sums expert parameters over the ep group too
+(`EP_GROUP_ATTR` on each parameter, read by `optim.grad_norm`).
+
+Router losses. n_e is all-reduced over the layer's dp * sp ranks ("tokens" group) and T counts
+the whole micro-batch, so every rank's share of L_lb and L_z is linear in its own tokens and the
+shares add up to the one-process loss of the micro-batch. Its gradient enters at the layer
+output (models/moe.py `_InjectAux`, as Megatron's MoEAuxLossAutoScaler) scaled by P — the
+runtime's loss is the mean of P pieces' means, so a term of the global loss enters each piece
+P times — and by 1/m under gradient accumulation over m micro-batches (the trainer divides each
+micro-batch's loss by m; a pipeline schedule divides the gradients by m itself).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from math import gcd
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import TesseraError
+from ..models.moe import Experts, MoE, MoEContext, moe_layers
+from ..plan import LayerStrategy, Plan, Schedule
+from ..spec.model import LayerKind
+from .mesh import Axis, LayerLayout, ParallelDims, layer_coords
+
+log = logging.getLogger(__name__)
+
+EP_GROUP_ATTR = "expert_parallel_group"  # on expert parameters: the group their norm is summed over
+EXPERT_AXES = ("pp", "edp_replicate", "edp_shard", "ep", "tp")
+
+
+# --- pure layout arithmetic ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Degrees of one MoE layer's expert placement (module docstring)."""
+
+    dp: int
+    sp: int
+    tp: int
+    ep: int
+    shard: int  # the layer's ZeRO shard degree S (1 without ZeRO)
+
+    @classmethod
+    def of(cls, s: LayerStrategy) -> "ExpertLayout":
+        return cls(dp=s.dp, sp=s.sp_degree, tp=s.tp, ep=s.ep, shard=s.shard_degree)
+
+    @property
+    def replicas(self) -> int:
+        """R: expert groups, each holding every expert once."""
+        return self.dp * self.sp // self.ep
+
+    @property
+    def expert_shard(self) -> int:
+        """es = gcd(S, R): the ZeRO shard degree of expert states."""
+        return gcd(self.shard, self.replicas)
+
+    def mesh_shape(self, pp: int) -> tuple[int, ...]:
+        return (pp, self.replicas // self.expert_shard, self.expert_shard, self.ep, self.tp)
+
+    def ep_rank(self, stage_rank: int) -> int:
+        return (stage_rank // self.tp) % self.ep
+
+    def local_experts(self, num_experts: int, ep_rank: int) -> range:
+        per = num_experts // self.ep
+        return range(ep_rank * per, (ep_rank + 1) * per)
+
+
+def check_moe_layer(plan: Plan, i: int, s: LayerStrategy, where: str) -> None:
+    """Refuse, naming the field, an expert-parallel layer this runtime cannot run."""
+    if s.ep == 1:
+        return
+    layer = plan.model.layers[i]
+    if layer.kind != LayerKind.MOE_DECODER:
+        raise TesseraError(f"{where}.ep={s.ep}: expert parallelism applies to MoE layers only")
+    if layer.num_experts % s.ep:
+        raise TesseraError(f"{where}.ep={s.ep} does not divide the layer's {layer.num_experts} experts")
+    if plan.pipeline.degree > 1 and plan.pipeline.schedule == Schedule.ZERO_BUBBLE:
+        raise TesseraError(f"{where}.ep={s.ep}: zero-bubble pipelines shard each stage with one fully_shard, "
+                           "which cannot hold experts on their own mesh; use 1f1b, gpipe or interleaved_1f1b")
+
+
+# --- the all-to-all with uneven splits -----------------------------------------------------------
+
+
+def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    x = x.contiguous()
+    # A contiguous output: gloo writes a strided one in the wrong order without complaint.
+    out = torch.empty((sum(out_splits), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of x go to the ranks of `group` in_splits[i] at a time; out_splits[i] come from rank i.
+    The backward sends the gradients back the same way (splits swapped). `counter(rows)` is told
+    the rows sent to other ranks, for the reports."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group, counter):
+        ctx.args = (out_splits, in_splits, group, counter)
+        counter(in_splits, x)
+        return _exchange(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits, group, counter = ctx.args
+        counter(out_splits, grad)
+        return _exchange(grad, in_splits, out_splits, group), None, None, None, None
+
+
+# --- the context a MoE layer runs with ------------------------------------------------------------
+
+
+class ExpertParallelContext(MoEContext):
+    """A MoE layer on the ranks of its stage (module docstring); ep = 1 keeps the experts local
+    and only makes the router statistics global."""
+
+    def __init__(self, moe: MoE, *, token_group=None, token_pieces: int = 1, seq_group=None,
+                 seq_pieces: int = 1, seq_rank: int = 0, ep_group=None, ep: int = 1, ep_rank: int = 0,
+                 aux_grad_scale: float | None = None, tp: int = 1):
+        self.moe_stats = moe.stats
+        self.num_experts = moe.num_experts
+        self.token_group, self.token_pieces = token_group, token_pieces
+        self.seq_group, self.seq_pieces, self.seq_rank = seq_group, seq_pieces, seq_rank
+        self.ep_group, self.ep, self.ep_rank = ep_group, ep, ep_rank
+        self.aux_grad_scale = aux_grad_scale
+        self.tp = tp
+
+    def reduce_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        if self.token_pieces == 1:
+            return counts
+        counts = counts.clone()
+        dist.all_reduce(counts, group=self.token_group)
+        return counts
+
+    def sequence_counts(self, per_choice: torch.Tensor):
+        if self.seq_pieces == 1:
+            return 0, per_choice
+        pieces = torch.empty((self.seq_pieces * per_choice.shape[0], *per_choice.shape[1:]),
+                             dtype=per_choice.dtype, device=per_choice.device)
+        dist.all_gather_into_tensor(pieces, per_choice.contiguous(), group=self.seq_group)
+        pieces = pieces.view(self.seq_pieces, *per_choice.shape)
+        return pieces[:self.seq_rank].sum(0), pieces.sum(0)
+
+    def _count_sent(self, splits: list[int], x: torch.Tensor) -> None:
+        others = sum(splits) - splits[self.ep_rank]
+        self.moe_stats.a2a_bytes += others * x[0].numel() * x.element_size() if len(x) else 0
+
+    def dispatch(self, x: torch.Tensor, token: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
+        if self.ep == 1:
+            return super().dispatch(x, token, counts, experts)
+        per = self.num_experts // self.ep
+        send = counts.view(self.ep, per)
+        recv = torch.empty(send.shape, dtype=send.dtype, device=send.device)
+        dist.all_to_all_single(recv, send.contiguous(), group=self.ep_group)  # recv[src, j]: slots for my j
+        send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        rows = _AllToAll.apply(x[token], recv_splits, send_splits, self.ep_group, self._count_sent)
+        # Received rows are grouped by source, then expert: regroup them by expert.
+        expert_of_row = torch.repeat_interleave(torch.arange(per, device=x.device).repeat(self.ep), recv.flatten())
+        order = torch.argsort(expert_of_row, stable=True)
+        y = experts(rows[order], recv.sum(0).tolist())
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(order), device=order.device)
+        return _AllToAll.apply(y[inverse], send_splits, recv_splits, self.ep_group, self._count_sent)
+
+
+# --- applying a plan ------------------------------------------------------------------------------
+
+
+def loss_pieces(plan: Plan) -> int:
+    head = plan.layers[-1]
+    return head.dp * head.sp_degree
+
+
+def aux_grad_scale(plan: Plan) -> float:
+    """P, divided by m without a pipeline (module docstring: Router losses)."""
+    pieces = loss_pieces(plan)
+    return float(pieces) if plan.pipeline.degree > 1 else pieces / plan.num_micro_batches
+
+
+def expert_mesh(dims: ParallelDims, layout: ExpertLayout):
+    return dims.rank_mesh(layout.mesh_shape(dims.pp), EXPERT_AXES)
+
+
+def parallelize_moe(moe: MoE, s: LayerStrategy, plan: Plan, dims: ParallelDims, rank: int) -> None:
+    """Install the layer's context (global router statistics, expert parallelism), keep this rank's
+    experts, and make the experts and the shared expert tensor parallel under tp > 1."""
+    layout = ExpertLayout.of(s)
+    coords = layer_coords(rank, dims.stage_size, s.dp, s.sp_degree, s.tp)
+    stage_rank = dims.stage_rank(rank)
+    pieces = s.dp * s.sp_degree
+    kwargs: dict = dict(token_pieces=pieces, aux_grad_scale=aux_grad_scale(plan), tp=s.tp)
+    if pieces > 1 and plan.model.config.router_aux_loss_coef:
+        tokens = dims.rank_mesh((dims.pp, pieces, s.tp), (Axis.PP, "tokens", Axis.TP))
+        kwargs["token_group"] = tokens.get_group("tokens")
+    if s.sp_degree > 1 and plan.model.config.capacity_factor is not None:
+        kwargs.update(seq_group=dims.sp_group(LayerLayout.of(s)), seq_pieces=s.sp_degree, seq_rank=coords.sp)
+    mesh = None
+    if s.ep > 1:
+        if moe.num_experts % s.ep:
+            raise TesseraError(f"ep={s.ep} does not divide the layer's {moe.num_experts} experts")
+        mesh = expert_mesh(dims, layout)
+        ep_rank = layout.ep_rank(stage_rank)
+        moe.experts.keep(layout.local_experts(moe.num_experts, ep_rank))
+        kwargs.update(ep_group=mesh.get_group("ep"), ep=s.ep, ep_rank=ep_rank)
+    moe.context = ExpertParallelContext(moe, **kwargs)
+    if s.tp > 1:
+        dense_tp = dims.layer_mesh(LayerLayout.of(s))[Axis.TP]
+        _tp_experts(moe, mesh["tp"] if mesh is not None else dense_tp, dense_tp)
+
+
+def _tp_experts(moe: MoE, tp_mesh, dense_tp_mesh) -> None:
+    """Each expert (and the shared expert) column-parallel in, row-parallel out, like a dense MLP."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    def mlp_plan(prefix: str, mlp: nn.Module) -> dict:
+        plan = {f"{prefix}w1": ColwiseParallel(), f"{prefix}w2": RowwiseParallel()}
+        if hasattr(mlp, "w3"):
+            plan[f"{prefix}w3"] = ColwiseParallel()
+        return plan
+
+    experts = {}
+    for e in moe.experts.indices:
+        experts.update(mlp_plan(f"{e}.", moe.experts[e]))
+    parallelize_module(moe.experts, tp_mesh, experts)
+    if hasattr(moe, "shared_expert"):
+        parallelize_module(moe.shared_expert, dense_tp_mesh, mlp_plan("", moe.shared_expert))
+
+
+def shard_experts(module: nn.Module, s: LayerStrategy, plan: Plan, dims: ParallelDims, mp_policy,
+                  rescale: list) -> tuple[set[int], set[nn.Parameter]]:
+    """FSDP2 on the experts of an expert-parallel block, over their replicas; before the block's
+    own `fully_shard`. Returns (ids of the expert parameters, whose gradient rescale is noted here
+    in `rescale`; parameters the block's fully_shard must ignore: experts held by one rank)."""
+    handled: set[int] = set()
+    ignored: set[nn.Parameter] = set()
+    if s.ep == 1:
+        return handled, ignored
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    layout = ExpertLayout.of(s)
+    mesh = expert_mesh(dims, layout)
+    for moe in moe_layers(module):
+        if layout.replicas == 1 and mp_policy is None and not s.offload_optimizer:
+            ignored.update(moe.experts.parameters())  # one copy of each expert: nothing to reduce
+        else:
+            axes = ("edp_shard",) if layout.replicas == layout.expert_shard else ("edp_replicate", "edp_shard")
+            kwargs = dict(mesh=mesh[axes if len(axes) > 1 else axes[0]], reshard_after_forward=s.zero >= 3)
+            if mp_policy is not None:
+                kwargs["mp_policy"] = mp_policy
+            if s.offload_optimizer:
+                kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=dims.device_type == "cuda")
+            fully_shard(moe.experts, **kwargs)
+        params = list(moe.experts.parameters())
+        for p in params:
+            setattr(p, EP_GROUP_ATTR, mesh.get_group("ep"))
+            handled.add(id(p))
+        pieces = loss_pieces(plan)
+        if layout.replicas != pieces:
+            rescale.append((params, layout.replicas / pieces))
+    return handled, ignored
+
+
+# --- reports --------------------------------------------------------------------------------------
+
+
+def moe_step_stats(parts: list[nn.Module], device) -> dict | None:
+    """Routing of the steps since the last call, over all ranks (a collective: every rank calls it):
+    token-slots per expert of each MoE layer (before capacity drops), all-to-all bytes sent between
+    ranks, and the mean aux loss per forward call. None for a model without MoE layers."""
+    layers = [m for part in parts for m in moe_layers(part)]
+    if not dist.is_initialized():
+        return None
+    num_layers = len(layers)
+    # Every rank contributes a fixed-size vector; layers are identified by their global index.
+    config = getattr(parts[0], "config", None) if parts else None
+    total = config.num_layers if config is not None else 0
+    experts = config.num_experts if config is not None else 0
+    if not experts:
+        return None
+    counts = torch.zeros(total, experts, dtype=torch.float64, device=device)
+    extra = torch.zeros(3, dtype=torch.float64, device=device)  # a2a bytes, aux sum, calls
+    for name_index, moe in _indexed(parts):
+        st = moe.stats
+        tp = getattr(moe.context, "tp", 1)
+        pieces = getattr(moe.context, "token_pieces", 1)
+        if st.routed is not None:
+            # Statistics are per rank: tp replicas saw the same tokens; local counts add up over pieces.
+            counts[name_index] += st.routed.to(device=device, dtype=torch.float64) / tp
+        extra[0] += st.a2a_bytes
+        extra[1] += float(st.aux) / tp
+        extra[2] += st.calls / (tp * pieces)
+        st.reset()
+    dist.all_reduce(counts)
+    dist.all_reduce(extra)
+    if num_layers == 0 and not counts.any():
+        return None
+    moe_rows = [i for i in range(total) if counts[i].any()]
+    calls = max(1.0, float(extra[2]) / max(1, len(moe_rows)))
+    return {"tokens_per_expert": {str(i): [int(round(float(c))) for c in counts[i]] for i in moe_rows},
+            "a2a_bytes": float(extra[0]), "aux_loss": float(extra[1]) / calls}
+
+
+def _indexed(parts: list[nn.Module]):
+    """(block index, MoE) of every MoE layer in the parts."""
+    for part in parts:
+        for name, module in part.named_modules():
+            if isinstance(module, MoE):
+                keys = [k for k in name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+                        .split(".") if k.isdigit()]
+                yield int(keys[0]), module

@@ -1,0 +1,20 @@
+"""Expert parallelism equals one process (tests/dist/moe_equivalence.py lists the plans): one
+torchrun launch at 4 ranks, many checks."""
+from pathlib import Path
+
+import pytest
+
+from tests.torchrun_util import passed_checks, run_torchrun
+
+pytestmark = pytest.mark.dist
+
+SCRIPT = Path(__file__).parent / "dist" / "moe_equivalence.py"
+
+EXPECTED = {"aux_loss_visible", "ep2_dp2_zero2_mixtral", "ep4_zero1_qwen", "ep2_tp2_sp_qwen", "ep2_pp2_1f1b_mixtral",
+            "ep2_pp2_gpipe_tp2_qwen", "ep2_dp2_capacity_microbatch2_full_recompute",
+            "ep2_ulysses2_capacity_selective"}
+
+
+def test_expert_parallel_plans_match_one_process():
+    out = run_torchrun(SCRIPT, 4)
+    assert passed_checks(out) == EXPECTED
