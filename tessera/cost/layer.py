@@ -16,7 +16,8 @@ Per micro-batch (seconds):
              (Megatron SP: an all-gather + reduce-scatter pair instead, the same volume);
              embedding 1 forward; LM head 1 forward, 1 backward.
     Ulysses  4 all-to-alls forward (q, k, v, output) and 4 backward over the sp group (stride tp).
-    EP       MoE layers: dispatch + combine all-to-alls, 2 forward and 2 backward, over ep ranks.
+    EP       MoE layers: cost/moe.py (counts, dispatch and combine all-to-alls over ep ranks, routing
+             skew, node crossing, replay under recompute).
     ZeRO-3   all-gather params forward; all-gather + reduce-scatter grads backward, overlapped
              with the layer's compute: overlapped(c, x) = c + (slowdown - 1) min(c, x) + max(0, x - c)
              (`ClusterSpec.overlap_slowdown`: compute runs slower while NCCL kernels share the SMs).
@@ -48,6 +49,7 @@ from ..spec.model import LayerKind, LayerSpec
 from ..spec.workload import Workload
 from .comm import collective_times, p2p_time, spans_nodes
 from .compute import achieved_flops
+from .moe import moe_times
 from .memory import (RC_FULL, RC_NONE, RC_SELECTIVE, activation_bytes, buffer_bytes, expert_shard,
                      model_state_bytes)
 
@@ -202,11 +204,8 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
                + 2 * collective_times(cl, "all_to_all", q_msg * kv, t.sp, t.tp))
         comm_f = comm_f + a2a
         comm_b = comm_b + a2a
-    if layer.num_experts:
-        msg = tokens_dev / t.tp * layer.top_k * layer.capacity_factor * layer.hidden * ab
-        e2e = 2 * collective_times(cl, "all_to_all", msg, t.ep, t.tp)
-        comm_f = comm_f + e2e
-        comm_b = comm_b + e2e
+    if layer.num_experts:  # all-to-alls, routing skew, node crossing: cost/moe.py
+        comm_f, comm_b = (a + b for a, b in zip((comm_f, comm_b), moe_times(layer, t, cl, tokens_dev, ab, rate)))
 
     # Data parallel / ZeRO over S = shard ranks (stride tp * sp), replicas R = dp * sp / S.
     shard = t.shard

@@ -136,10 +136,12 @@ class LayerSpec(Frozen):
     expert_params: int = 0
     num_experts: int = 0
     top_k: int = 0
-    capacity_factor: float = 1.0
+    capacity_factor: float = 0.0  # 0: dropless
     # Routing skew: the most loaded expert-parallel rank's tokens over the mean (>= 1; 1 = balanced).
     # Given, or measured from a routing trace (`tessera.cost.moe.routing_skew`).
     routing_skew: float = Field(default=1.0, ge=1.0)
+    # Inter-node all-to-all bytes relative to uniform routing (< 1 with NetMoE sample placement).
+    a2a_internode_scale: float = Field(default=1.0, ge=0.0)
     # Measured/predicted compute time of the linear and attention-score terms on the target
     # device (1.0 = the FLOPs model as is); fitted by `tessera profile model`.
     linear_time_scale: float = Field(default=1.0, gt=0)
@@ -291,7 +293,7 @@ def block_layer(c: TransformerConfig, index: int) -> LayerSpec:
             act_bytes_input=2.0 * h, selective_flops_per_token=0.0, selective_attn_fraction=1.0,
             num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
             expert_params=c.num_experts * expert_params, num_experts=c.num_experts,
-            top_k=k, capacity_factor=cap)
+            top_k=k, capacity_factor=c.capacity_factor or 0.0)
     mlp_params = expert_params
     return LayerSpec(
         name=f"block{index}", kind=LayerKind.DECODER, hidden=h,
