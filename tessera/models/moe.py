@@ -172,6 +172,7 @@ class MoE(nn.Module):
         self.context: MoEContext = LOCAL
         self.aux_loss: torch.Tensor | None = None  # of the last forward (module docstring)
         self.stats = MoEStats(config.num_experts)
+        self.routing_log: list[torch.Tensor] | None = None  # a list: each forward appends its choices
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg, ctx = self.config, self.context
@@ -200,7 +201,10 @@ class MoE(nn.Module):
             out = _InjectAux.apply(out, aux, ctx.aux_grad_scale)
             aux = aux.detach()
         self.aux_loss = aux
-        self.stats.add(routed, len(slots), aux)
+        if torch._C._current_graph_task_id() == -1:  # not a recompute inside the backward
+            self.stats.add(routed, len(slots), aux)
+            if self.routing_log is not None:
+                self.routing_log.append(chosen.detach().view(shape[0], shape[1], -1))
         return out.view(shape)
 
     def _aux_loss(self, logits, probs, routed, tokens: int) -> torch.Tensor | None:

@@ -290,51 +290,42 @@ def shard_experts(module: nn.Module, s: LayerStrategy, plan: Plan, dims: Paralle
     return handled, ignored
 
 
-# --- reports --------------------------------------------------------------------------------------
+# --- reports ---------------------------------------------------------------------------------------
 
 
-def moe_step_stats(parts: list[nn.Module], device) -> dict | None:
-    """Routing of the steps since the last call, over all ranks (a collective: every rank calls it):
-    token-slots per expert of each MoE layer (before capacity drops), all-to-all bytes sent between
-    ranks, and the mean aux loss per forward call. None for a model without MoE layers."""
-    layers = [m for part in parts for m in moe_layers(part)]
-    if not dist.is_initialized():
+def moe_step_stats(parts: list[nn.Module], plan: Plan, device) -> dict | None:
+    """Routing per step since the last call, over all ranks (a collective: every rank calls it).
+
+    {"tokens_per_expert": {block index: token-slots routed to each expert per step (before
+    capacity drops)}, "a2a_bytes": bytes all ranks sent to other ranks in all-to-alls per step,
+    "aux_loss": the layers' router losses per step (mean over micro-batches)}; None without MoE."""
+    cfg = plan.model.config
+    if cfg is None or not cfg.num_experts or not dist.is_initialized():
         return None
-    num_layers = len(layers)
-    # Every rank contributes a fixed-size vector; layers are identified by their global index.
-    config = getattr(parts[0], "config", None) if parts else None
-    total = config.num_layers if config is not None else 0
-    experts = config.num_experts if config is not None else 0
-    if not experts:
-        return None
-    counts = torch.zeros(total, experts, dtype=torch.float64, device=device)
-    extra = torch.zeros(3, dtype=torch.float64, device=device)  # a2a bytes, aux sum, calls
-    for name_index, moe in _indexed(parts):
-        st = moe.stats
-        tp = getattr(moe.context, "tp", 1)
-        pieces = getattr(moe.context, "token_pieces", 1)
-        if st.routed is not None:
-            # Statistics are per rank: tp replicas saw the same tokens; local counts add up over pieces.
-            counts[name_index] += st.routed.to(device=device, dtype=torch.float64) / tp
-        extra[0] += st.a2a_bytes
-        extra[1] += float(st.aux) / tp
-        extra[2] += st.calls / (tp * pieces)
+    counts = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.float64, device=device)
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # a2a bytes, aux, forward calls per layer
+    for index, moe in _indexed(parts):
+        st, tp = moe.stats, getattr(moe.context, "tp", 1)
+        if st.routed is not None:  # tp replicas route the same tokens: count them once
+            counts[index] += st.routed.to(device=device, dtype=torch.float64) / tp
+        totals[0] += st.a2a_bytes
+        totals[1] += float(st.aux) / tp
+        totals[2] = max(float(totals[2]), st.calls)
         st.reset()
+    calls = totals[2].clone()
     dist.all_reduce(counts)
-    dist.all_reduce(extra)
-    if num_layers == 0 and not counts.any():
-        return None
-    moe_rows = [i for i in range(total) if counts[i].any()]
-    calls = max(1.0, float(extra[2]) / max(1, len(moe_rows)))
-    return {"tokens_per_expert": {str(i): [int(round(float(c))) for c in counts[i]] for i in moe_rows},
-            "a2a_bytes": float(extra[0]), "aux_loss": float(extra[1]) / calls}
+    dist.all_reduce(totals[:2])
+    dist.all_reduce(calls, op=dist.ReduceOp.MAX)
+    steps = max(1.0, float(calls) / plan.num_micro_batches)
+    layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+    return {"tokens_per_expert": {str(i): [round(float(c) / steps) for c in counts[i]] for i in layers},
+            "a2a_bytes": float(totals[0]) / steps, "aux_loss": float(totals[1]) / steps / plan.num_micro_batches}
 
 
 def _indexed(parts: list[nn.Module]):
-    """(block index, MoE) of every MoE layer in the parts."""
+    """(block index, MoE) of every MoE layer in the parts (names look through wrappers)."""
     for part in parts:
         for name, module in part.named_modules():
             if isinstance(module, MoE):
-                keys = [k for k in name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-                        .split(".") if k.isdigit()]
-                yield int(keys[0]), module
+                path = name.split(".")
+                yield int(path[path.index("layers") + 1]), module

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ..errors import TesseraError
 from ..models.transformer import build_model
 from ..plan import Plan
+from .expert_parallel import moe_step_stats
 from .materialize import materialize, param_shapes
 from .mesh import ParallelDims
 from .metrics import (MetricsWriter, PendingRecord, StepClock, StepRecord, model_flops_utilisation,
@@ -53,6 +54,7 @@ class TrainConfig:
     resume: str | None = None
     adaptive: bool = False  # per-step sequence-parallel groups for the batch's documents
     adaptive_time_budget_s: float = 0.1
+    moe_placement: bool = False  # NetMoE: place each step's samples on data ranks (runtime/moe_placement.py)
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -80,6 +82,11 @@ class Trainer:
             raise TesseraError("checkpointing a ZeRO-1 data-parallel run (ZeroRedundancyOptimizer state) is not "
                                "supported; use zero=2, whose sharded state reshards on load")
         self.build_optimizer()
+        self.placer = None
+        if config.moe_placement:
+            from .moe_placement import SamplePlacer
+
+            self.placer = SamplePlacer(self.plan, self.dims, self.rank, self.model_parts)
         self.loader = None
         self.data_iter = None
         self.metrics = MetricsWriter(config.metrics_path, config.tensorboard_dir) if self.rank == 0 else None
@@ -237,12 +244,16 @@ class Trainer:
         """`train_step` queued on the device without waiting for it: the global batch's mean loss
         as a 0-dim tensor, which `float()` reads once the step is done."""
         tokens, labels, positions, doc_ids = (self._to_device(t) for t in (tokens, labels, positions, doc_ids))
+        if self.placer is not None:
+            tokens, labels, positions, doc_ids = self.placer.place(tokens, labels, positions, doc_ids)
         if self.pipeline is not None:
             loss = self.forward_backward_pp(tokens, labels, positions, doc_ids)
         else:
             loss = self.forward_backward(tokens, labels, positions, doc_ids)
             self.parallel.rescale_grads()
         self.optimizer_step()
+        if self.placer is not None:
+            self.placer.observe(tokens)
         return torch.as_tensor(loss)
 
     def _to_device(self, t: torch.Tensor | None) -> torch.Tensor | None:
@@ -341,7 +352,7 @@ class Trainer:
         step_plan = self.adaptive.last_plan if self.adaptive is not None else None
         return PendingRecord(step=self.step, loss=loss, grad_norm=self.grad_norm,
                              lr=self.schedulers[0].get_last_lr()[0], span=span, peaks=peaks, work=work,
-                             step_plan=step_plan)
+                             step_plan=step_plan, moe=moe_step_stats(self.model_parts, self.plan, self.device))
 
     def log_step(self, pending: PendingRecord) -> StepRecord:
         """Read and report one step (waits for that step only)."""
@@ -354,7 +365,8 @@ class Trainer:
             mfu=model_flops_utilisation(self.plan, tokens_per_s, self.world_size,
                                         peak_dtype(self.dtype, self.device.type)),
             peak_memory_bytes=[float(t) for t in pending.peaks],
-            predicted_step_time_s=self.plan.prediction.step_time_s if self.plan.prediction else None)
+            predicted_step_time_s=self.plan.prediction.step_time_s if self.plan.prediction else None,
+            moe=pending.moe)
         if pending.step_plan is not None:
             record.predicted_step_time_s = pending.step_plan.predicted_time_s
             record.sp_groups = [[g.degree for g in mb.groups] for mb in pending.step_plan.micro_batches]

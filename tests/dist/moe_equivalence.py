@@ -91,10 +91,22 @@ def full_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
     return out
 
 
-def check(name: str, config: TransformerConfig, plan) -> None:
+def check(name: str, config: TransformerConfig, plan, placement: bool = False) -> None:
     batches = global_batches(config)
     want_losses, want_grads, want_norm = reference(config, plan, batches)
-    trainer = Trainer(TrainConfig(plan=plan, steps=STEPS, optim=OPTIM, seed=0))
+    trainer = Trainer(TrainConfig(plan=plan, steps=STEPS, optim=OPTIM, seed=0, moe_placement=placement))
+    moved = []
+    if placement:  # note each step's placement (rank 0 solves it)
+        place = trainer.placer.place
+
+        def noted(*rows):
+            out = place(*rows)
+            if trainer.placer.last is not None:
+                moved.append(trainer.placer.last.order() != sorted(trainer.placer.last.order()))
+                assert trainer.placer.last.cost <= trainer.placer.last.baseline + 1e-9
+            return out
+
+        trainer.placer.place = noted
     captured = {}
     step_fn = trainer.optimizer_step
 
@@ -130,6 +142,8 @@ def check(name: str, config: TransformerConfig, plan) -> None:
     for step, (got, want) in enumerate(zip(losses, want_losses)):
         if abs(got - want) > LOSS_RTOL * abs(want):
             raise AssertionError(f"{name}: step {step} loss {got:.8f} != one-process {want:.8f}")
+    if placement and rank == 0 and not any(moved[1:]):
+        raise AssertionError(f"{name}: the placement never moved a sample ({moved})")
     if rank == 0:
         print(f"  {name}: worst gradient error {worst[0]:.1e} ({worst[1]})", flush=True)
         print(f"CHECK {name} ok", flush=True)
@@ -178,6 +192,13 @@ def capacity_plans():
     ]
 
 
+def placement_plans():
+    """NetMoE placement with one rank per node: every ep2 group spans two nodes."""
+    plan = make_plan(MIXTRAL, 4, blocks(MIXTRAL, S(dp=4), S(dp=4, ep=2, zero=1)))
+    two_nodes = plan.cluster.model_copy(update=dict(num_nodes=4, gpus_per_node=1))
+    return [("ep2_dp2_netmoe_placement", MIXTRAL, plan.model_copy(update=dict(cluster=two_nodes)))]
+
+
 if __name__ == "__main__":
     assert SEQ == 16
     dist.init_process_group("gloo")
@@ -186,4 +207,7 @@ if __name__ == "__main__":
     for name, config, plan in plans() + capacity_plans():
         if not only or name in only:
             check(name, config, plan)
+    for name, config, plan in placement_plans():
+        if not only or name in only:
+            check(name, config, plan, placement=True)
     dist.destroy_process_group()
