@@ -94,20 +94,21 @@ def expert_loads(tokens: int, layer: LayerSpec, skew: float = 1.0) -> np.ndarray
 
 
 def pass_times(layer: LayerSpec, loads: np.ndarray, on_gpu: np.ndarray, gpu_flops: float, host: HostSpec,
-               attention_s: float, act_elt: int, param_elt: int) -> tuple[float, float]:
-    """(forward, backward) seconds of one layer for one placement (module docstring)."""
+               attention_s: float, act_elt: int, param_elt: int) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) seconds of one layer for placements `on_gpu` (M, E) bool (or one (E,))."""
+    g = np.atleast_2d(np.asarray(on_gpu, dtype=bool))
     w = param_elt * layer.expert_params / layer.num_experts
     f = 2.0 * layer.expert_params / layer.num_experts
-    rows = loads * layer.hidden * act_elt
-    g, c = on_gpu, ~on_gpu
     b = host.link_bandwidth
-    fill = max(0.0, w / b - attention_s) if g.any() else 0.0
-    gpu_fwd = attention_s + f * loads[g].sum() / gpu_flops
-    host_fwd = f * loads[c].sum() / host.flops
-    up = w * g.sum() + rows[c].sum()
-    fwd = max(up / b, rows[c].sum() / b, gpu_fwd, host_fwd) + fill
-    down = w * g.sum() + rows[c].sum()
-    bwd = max(up / b, down / b, 2 * gpu_fwd, 2 * host_fwd) + fill
+    rows = loads * layer.hidden * act_elt
+    brought = g.sum(1)
+    host_rows = (~g) @ rows
+    fill = np.where(brought > 0, max(0.0, w / b - attention_s), 0.0)
+    gpu_fwd = attention_s + f * (g @ loads) / gpu_flops
+    host_fwd = f * ((~g) @ loads) / host.flops
+    up = w * brought + host_rows
+    fwd = np.maximum.reduce([up / b, host_rows / b, gpu_fwd, host_fwd]) + fill
+    bwd = np.maximum.reduce([up / b, up / b, 2 * gpu_fwd, 2 * host_fwd]) + fill  # down = up in backward
     return fwd, bwd
 
 
@@ -115,23 +116,19 @@ def decide_layer(layer: LayerSpec, loads: np.ndarray, gpu_flops: float, host: Ho
                  act_elt: int, param_elt: int) -> LayerOffload:
     """The fastest placement of one layer's experts (module docstring)."""
     e = layer.num_experts
-
-    def cost(mask) -> float:
-        return sum(pass_times(layer, loads, np.asarray(mask, dtype=bool), gpu_flops, host, attention_s,
-                              act_elt, param_elt))
-
     if e <= 12:
-        masks = itertools.product((False, True), repeat=e)
+        masks = np.array(list(itertools.product((False, True), repeat=e)), dtype=bool)
     else:
         order = np.argsort(-loads, kind="stable")
-        masks = []
-        for j in range(e + 1):
-            m = np.zeros(e, dtype=bool)
-            m[order[:j]] = True
-            masks.append(m)
-    best = min(masks, key=cost)
-    return LayerOffload(where=tuple(GPU if b else HOST for b in best), seconds=cost(best),
-                        offload_all_s=cost(np.ones(e, dtype=bool)), host_all_s=cost(np.zeros(e, dtype=bool)))
+        masks = np.zeros((e + 1, e), dtype=bool)
+        for j in range(1, e + 1):
+            masks[j, order[:j]] = True
+    fwd, bwd = pass_times(layer, loads, masks, gpu_flops, host, attention_s, act_elt, param_elt)
+    total = fwd + bwd
+    best = int(np.argmin(total))
+    ends = [int(np.flatnonzero(masks.all(1))[0]), int(np.flatnonzero(~masks.any(1))[0])]
+    return LayerOffload(where=tuple(GPU if x else HOST for x in masks[best]), seconds=float(total[best]),
+                        offload_all_s=float(total[ends[0]]), host_all_s=float(total[ends[1]]))
 
 
 def plan_expert_offload(model: ModelSpec, cluster: ClusterSpec, workload: Workload, host: HostSpec,

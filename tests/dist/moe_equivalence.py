@@ -55,19 +55,24 @@ def micro_batches(tokens: torch.Tensor, data_ranks: int, m: int) -> list[torch.T
     return [torch.cat([rows.chunk(m)[j] for rows in per_rank]) for j in range(m)]
 
 
-def reference(config: TransformerConfig, plan, batches):
-    """(losses, gradients of step one by name, gradient norm of step one) of one process."""
+def reference(config: TransformerConfig, plan, batches, aux_out: list | None = None):
+    """(losses, gradients of step one by name, gradient norm of step one) of one process; the
+    router losses of each step (sum over layers, mean over micro-batches) go to `aux_out`."""
     model = build_model(config, seed=0)
     opt, sched = build_optimizer(model.parameters(), OPTIM), None
     sched = build_scheduler(opt, OPTIM)
     data_ranks, m = min(s.dp for s in plan.layers), plan.num_micro_batches
     losses, grads, norm = [], None, None
     for step, (tokens, labels) in enumerate(batches):
-        total = 0.0
+        total = aux_total = 0.0
         for t, l in zip(micro_batches(tokens, data_ranks, m), micro_batches(labels, data_ranks, m)):
             lm = F.cross_entropy(model(t).flatten(0, 1), l.flatten())
-            ((lm + moe_aux_loss(model)) / m).backward()
+            aux = moe_aux_loss(model)
+            ((lm + aux) / m).backward()
             total += lm.item() / m
+            aux_total += float(aux) / m
+        if aux_out is not None:
+            aux_out.append(aux_total)
         if step == 0:
             grads = {name: p.grad.clone() for name, p in model.named_parameters()}
         n = clip_grad_norm_(list(model.parameters()), OPTIM.grad_clip)
@@ -192,6 +197,34 @@ def capacity_plans():
     ]
 
 
+def check_train_report() -> None:
+    """`Trainer.train()` on an expert-parallel plan reports per-expert token-slots, all-to-all bytes and
+    router losses per step: slots add up to tokens x k, the router losses equal one process's, and
+    the bytes are what the cost model's all-to-all volume gives for near-uniform routing."""
+    from tessera.cost.moe import slot_bytes
+    from tessera.runtime.trainer import SyntheticLoader
+
+    plan = make_plan(MIXTRAL, 4, blocks(MIXTRAL, S(dp=4), S(dp=4, ep=4, zero=2)))
+    steps = 2
+    trainer = Trainer(TrainConfig(plan=plan, steps=steps, optim=OPTIM, seed=0, synthetic_data=True))
+    records = trainer.train()
+    trainer.close()
+    batches = [SyntheticLoader.global_batch_at(MIXTRAL.vocab_size, SEQ, 8, 0, step) for step in range(steps)]
+    aux: list[float] = []
+    reference(MIXTRAL, plan, batches, aux)
+    moe_block = plan.model.layers[1]
+    for r, want_aux in zip(records, aux):
+        counts = r.moe["tokens_per_expert"]
+        assert sorted(counts) == ["0", "1"] and all(sum(c) == 8 * SEQ * MIXTRAL.top_k for c in counts.values()), counts
+        assert abs(r.moe["aux_loss"] - want_aux) <= 1e-5 * want_aux, (r.moe["aux_loss"], want_aux)
+        # 4 token all-to-alls per layer and step (dispatch, combine, and their backward), 3/4 of each
+        # rank's slots leave it under uniform routing.
+        mean = 4 * MIXTRAL.num_layers * 4 * float(slot_bytes(moe_block, 2 * SEQ, 4)) * 3 / 4
+        assert 0.7 * mean < r.moe["a2a_bytes"] < 1.3 * mean, (r.moe["a2a_bytes"], mean)
+    if dist.get_rank() == 0:
+        print("CHECK train_reports_routing ok", flush=True)
+
+
 def placement_plans():
     """NetMoE placement with one rank per node: every ep2 group spans two nodes."""
     plan = make_plan(MIXTRAL, 4, blocks(MIXTRAL, S(dp=4), S(dp=4, ep=2, zero=1)))
@@ -210,4 +243,6 @@ if __name__ == "__main__":
     for name, config, plan in placement_plans():
         if not only or name in only:
             check(name, config, plan, placement=True)
+    if not only or "train_reports_routing" in only:
+        check_train_report()
     dist.destroy_process_group()
