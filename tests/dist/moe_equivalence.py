@@ -225,6 +225,27 @@ def check_train_report() -> None:
         print("CHECK train_reports_routing ok", flush=True)
 
 
+def check_checkpoint_across_ep(directory: str) -> None:
+    """Save under ep4 after two steps, resume under ep2 (experts on other ranks): the third step's
+    loss is the one of an uninterrupted one-process run."""
+    from tessera.runtime.trainer import SyntheticLoader
+
+    plans = [make_plan(MIXTRAL, 4, blocks(MIXTRAL, S(dp=4), S(dp=4, ep=ep, zero=zero))) for ep, zero in ((4, 2), (2, 3))]
+    first = Trainer(TrainConfig(plan=plans[0], steps=2, optim=OPTIM, seed=0, synthetic_data=True,
+                                checkpoint_dir=directory))
+    first.train()
+    first.close()
+    second = Trainer(TrainConfig(plan=plans[1], steps=3, optim=OPTIM, seed=0, synthetic_data=True, resume=directory))
+    records = second.train()
+    second.close()
+    batches = [SyntheticLoader.global_batch_at(MIXTRAL.vocab_size, SEQ, 8, 0, step) for step in range(3)]
+    want = reference(MIXTRAL, plans[0], batches)[0]
+    assert [r.step for r in records] == [3], [r.step for r in records]
+    assert abs(records[0].loss - want[2]) <= 1e-5 * want[2], (records[0].loss, want[2])
+    if dist.get_rank() == 0:
+        print("CHECK checkpoint_ep4_resume_ep2 ok", flush=True)
+
+
 def placement_plans():
     """NetMoE placement with one rank per node: every ep2 group spans two nodes."""
     plan = make_plan(MIXTRAL, 4, blocks(MIXTRAL, S(dp=4), S(dp=4, ep=2, zero=1)))
@@ -245,4 +266,6 @@ if __name__ == "__main__":
             check(name, config, plan, placement=True)
     if not only or "train_reports_routing" in only:
         check_train_report()
+    if os.environ.get("MOE_CHECKPOINT_DIR") and (not only or "checkpoint_ep4_resume_ep2" in only):
+        check_checkpoint_across_ep(os.environ["MOE_CHECKPOINT_DIR"])
     dist.destroy_process_group()
