@@ -122,3 +122,38 @@ def test_qwen_moe_preset_plans():
     # 2048 * 1408 * 3 per expert x 60, plus the shared expert and its gate, the router, attention, norms.
     assert moe.expert_params == 60 * 3 * 2048 * 1408
     assert 13e9 < model.num_params < 15e9  # Qwen1.5-MoE-A2.7B: 14.3B parameters
+
+
+def test_collective_list_matches_the_priced_all_to_alls():
+    """`ep_collectives` lists what `moe_times` prices (balanced routing): 3 all-to-alls forward, 2
+    backward, 3 more under recompute (the runtime issues exactly these, tests/dist)."""
+    from tessera.cost.moe import ep_collectives, moe_times
+
+    cluster = make_cluster("h100-80gb", 16)
+    moe = get_model("mixtral-8x7b").layers[1]
+    for s in (LayerStrategy(dp=16, ep=8), LayerStrategy(dp=8, tp=2, ep=4, recompute="selective"),
+              LayerStrategy(dp=16, ep=1)):
+        tokens = 4096.0
+        listed = ep_collectives(moe, s, tokens, 2, aux_loss=False)
+        fwd = sum(collective_time(cluster, c.op, c.nbytes, c.group, c.stride) for c in listed if c.phase == "forward")
+        bwd = sum(collective_time(cluster, c.op, c.nbytes, c.group, c.stride) for c in listed if c.phase == "backward")
+        f, b = moe_times(moe, StrategyTable.build([s]), cluster, tokens, 2, 1e15)
+        assert float(f[0]) == pytest.approx(fwd) and float(b[0]) == pytest.approx(bwd)
+        token_a2a = [c for c in listed if c.op == "all_to_all" and c.what not in ("counts", "counts (recompute)")]
+        assert len(token_a2a) == (0 if s.ep == 1 else 6 if s.recompute != "none" else 4)
+    aux = ep_collectives(moe, LayerStrategy(dp=16, ep=8), 4096.0, 2, aux_loss=True)
+    assert aux[0].op == "all_reduce" and aux[0].group == 16 and aux[0].nbytes == 8 * moe.num_experts
+
+
+def test_searched_mixtral_plan_builds_at_64_ranks():
+    """Under the fake process group, in a subprocess (tests/dist/moe_fake_build.py)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, str(root / "tests" / "dist" / "moe_fake_build.py")], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert "CHECK mixtral_64_searched_plan_builds ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -23,9 +23,12 @@ placement, adapt/moe_placement.py) scales that share:
     time = max(scale (p - m)/p * n s / B_inter, (m - 1)/p * n s / B_intra) + (p - 1) a_inter.
 A measured all-to-all curve (a profile) replaces the formula, times s.
 
-`routing_skew` measures s from a routing trace. No torch.
+`routing_skew` measures s from a routing trace; `ep_collectives` lists the collectives of one MoE
+layer and micro-batch, with their bytes, for a count of what the runtime issues. No torch.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -78,6 +81,40 @@ def moe_times(layer: LayerSpec, t, cluster: ClusterSpec, tokens, act_elt: int, r
     expert_flops = 2.0 * layer.top_k * layer.expert_params / max(1, layer.num_experts)  # per token, forward
     extra = (skew - 1.0) * np.asarray(tokens, dtype=float) * expert_flops * layer.linear_time_scale / rate
     return forward + extra, 2 * one + replay + 2 * extra
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective on one rank: `nbytes` it sends (all-to-all, its own share included) or reduces
+    (all-reduce), over `group` ranks `stride` apart, in the forward or the backward."""
+
+    op: str
+    nbytes: float
+    group: int
+    stride: int
+    phase: str
+    what: str
+
+
+def ep_collectives(layer: LayerSpec, strategy, tokens: float, act_elt: int, aux_loss: bool) -> list[Collective]:
+    """The collectives one MoE layer issues per micro-batch on one rank (module docstring), mean
+    routing: `tokens` the rank's tokens, `aux_loss` whether the load-balancing loss is on."""
+    s = strategy
+    out = []
+    forward = []
+    if aux_loss and s.dp * s.sp_degree > 1:
+        forward.append(Collective("all_reduce", COUNT_BYTES * layer.num_experts, s.dp * s.sp_degree, s.tp,
+                                  "forward", "routing counts (load-balancing loss)"))
+    if s.ep > 1:
+        n = float(slot_bytes(layer, tokens, act_elt))
+        forward += [Collective("all_to_all", COUNT_BYTES * layer.num_experts, s.ep, s.tp, "forward", "counts"),
+                    Collective("all_to_all", n, s.ep, s.tp, "forward", "dispatch"),
+                    Collective("all_to_all", n, s.ep, s.tp, "forward", "combine")]
+        out += [Collective("all_to_all", n, s.ep, s.tp, "backward", "combine gradient"),
+                Collective("all_to_all", n, s.ep, s.tp, "backward", "dispatch gradient")]
+    replay = [Collective(c.op, c.nbytes, c.group, c.stride, "backward", f"{c.what} (recompute)")
+              for c in forward] if str(getattr(s.recompute, "value", s.recompute)) != "none" else []
+    return forward + replay + out
 
 
 def routing_skew(counts, ep: int) -> float:
