@@ -61,7 +61,8 @@ def run_exactness() -> int:
            *EXACT_CHECKS]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200)
-    passed = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("CHECK ") and line.endswith(" ok")}
+    lines = proc.stdout.splitlines()
+    passed = {line.split()[1] for line in lines if line.startswith("CHECK ") and line.endswith(" ok")}
     for line in proc.stdout.splitlines():
         if line.startswith("  "):
             print(line)
@@ -218,7 +219,8 @@ def placement_section(trace: dict, console: Console) -> tuple[float, float, floa
     kinds = trace["kind"][warm:].ravel()
     share = pool_counts / pool_counts.sum(1, keepdims=True)
     print(f"recorded trace: {steps} steps x {TRACE_BATCH} samples x {TRACE_SEQ} tokens; expert shares "
-          f"prose {np.round(share[kinds == 0].mean(0), 3).tolist()}, code {np.round(share[kinds == 1].mean(0), 3).tolist()}; "
+          f"prose {np.round(share[kinds == 0].mean(0), 3).tolist()}, "
+          f"code {np.round(share[kinds == 1].mean(0), 3).tolist()}; "
           f"per-sample share std {np.round(share.std(0), 3).tolist()}")
     cut = 100 * (1 - rows[0]["predicted"] / rows[0]["base"])
     p99 = 1e3 * np.percentile(rows[0]["times"] + rows[2]["times"], 99)

@@ -230,7 +230,8 @@ def check_checkpoint_across_ep(directory: str) -> None:
     loss is the one of an uninterrupted one-process run."""
     from tessera.runtime.trainer import SyntheticLoader
 
-    plans = [make_plan(MIXTRAL, 4, blocks(MIXTRAL, S(dp=4), S(dp=4, ep=ep, zero=zero))) for ep, zero in ((4, 2), (2, 3))]
+    plans = [make_plan(MIXTRAL, 4, blocks(MIXTRAL, S(dp=4), S(dp=4, ep=ep, zero=zero)))
+             for ep, zero in ((4, 2), (2, 3))]
     first = Trainer(TrainConfig(plan=plans[0], steps=2, optim=OPTIM, seed=0, synthetic_data=True,
                                 checkpoint_dir=directory))
     first.train()
