@@ -425,8 +425,12 @@ def build_device(env: Environment, measured: dict[str, float], memory: float, me
         efficiency = 1.0
         name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
     peaks = {d: rate / efficiency for d, rate in measured.items()}
+    # A known GPU keeps its kernel description (SMs, GEMM tile, flash-attention throughput); the
+    # measured bandwidth is already the achieved one.
+    kernels = ({k: getattr(known, k) for k in ("sm_count", "gemm_tile", "attention_efficiency", "kernel_launch_s")}
+               if known is not None else {})
     device = DeviceSpec(name=name, memory_bytes=memory, peak_flops=peaks, memory_bandwidth=mem_bw,
-                        reserved_bytes=reserved)
+                        reserved_bytes=reserved, **kernels)
     return device, efficiency
 
 
@@ -478,7 +482,9 @@ def profile_hardware(options: HardwareOptions | None = None, progress: Progress 
     cluster = ClusterSpec(name=name, num_nodes=env.num_nodes, gpus_per_node=env.local_world, device=device,
                           intra_node=intra, inter_node=inter, compute_efficiency=efficiency,
                           overlap_slowdown=slowdown, host_bandwidth=host_bw, collectives=tuple(curves),
-                          oversubscription=oversubscription(env, cuda))
+                          oversubscription=oversubscription(env, cuda),
+                          # The fitted link latency is all the fixed cost; no caching allocator on CPU.
+                          collective_latency=8.4e-6 if cuda else 0.0, fragmentation=0.10 if cuda else 0.0)
     return cluster
 
 

@@ -134,7 +134,7 @@ def predicted_memory(plan: Plan) -> list[float]:
         layers = [i for c, (s, e) in enumerate(pipe.stages) if pipe.rank_of_chunk(c) == r for i in range(s, e)]
         bufs = [float(np.asarray(layer_costs(plan.model.layers[i], StrategyTable.build([plan.layers[i]]), ctx).buf)[0])
                 for i in layers]
-        out.append(mb.total - max(bufs, default=0.0) - plan.cluster.device.reserved_bytes)
+        out.append(mb.total - mb.fragmentation - max(bufs, default=0.0) - plan.cluster.device.reserved_bytes)
     return out
 
 
