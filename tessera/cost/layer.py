@@ -302,6 +302,11 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
     params, grads, optimizer = model_state_bytes(layer, wl, t.tp, t.ep, z, shard, es, t.offload,
                                                  dense_params=layer.dense_params - shared)
     host = offloaded_bytes(layer, wl, t.tp, t.ep, shard, es, t.offload, dense_params=layer.dense_params - shared)
+    if per_operation(layer, cl):
+        # Every micro-batch's weight gradients are added into the gradient buffer the device
+        # keeps (unsharded under ZeRO-0/1, the shard under ZeRO-2/3): read both, write one.
+        accumulate = 3.0 * grads / cl.device.streaming_bandwidth
+        cb, bwd = cb + accumulate, bwd + accumulate
     if ctx.host_layers:
         params = np.where(host * ctx.host_layers > cl.host_memory_bytes, INFEASIBLE_BYTES, params)
     local = pd / np.where(z >= 1, shard, 1) + pe / np.where(z >= 1, es, 1)
