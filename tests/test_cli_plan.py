@@ -239,3 +239,12 @@ def test_model_profile_changes_the_prediction_and_must_match_the_model(capsys, t
     assert 1.7 < profiled.prediction.compute_s / measured.prediction.compute_s < 2.0
     err = fails(capsys, ["plan", "--model", "llama2-13b", "--model-profile", str(path), "--tp", "2"])
     assert "model profile was measured on model 'llama2-7b', not 'llama2-13b'" in err
+
+
+def test_memory_margin_flag_sets_the_planners_free_share(capsys):
+    assert main(["plan", *SMALL, "--memory-margin", "0.3", "--json"]) == 0
+    plan = Plan.from_json(capsys.readouterr().out)
+    assert plan.cluster.memory_margin == 0.3
+    assert plan.prediction.peak_memory <= 0.7 * plan.cluster.device.memory_bytes
+    err = fails(capsys, ["plan", *SMALL, "--memory-margin", "1.5"])
+    assert "--memory-margin must be a fraction in [0, 1), got 1.5" in err

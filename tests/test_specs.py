@@ -75,3 +75,11 @@ def test_plan_checks_degrees_against_devices():
 def test_plan_refuses_other_model():
     with pytest.raises(PlanError, match="made for model 'llama2-7b'"):
         _plan().check_matches(model=get_model("gpt2"))
+
+
+@pytest.mark.parametrize("peak", [0.0, -1.0, float("nan"), float("inf")])
+def test_device_refuses_non_positive_or_non_finite_peaks(peak):
+    from tessera.spec.cluster import DeviceSpec
+
+    with pytest.raises(ValueError, match="peak_flops\\[bf16\\] must be a positive number"):
+        DeviceSpec(name="x", memory_bytes=1e9, memory_bandwidth=1e9, peak_flops={"bf16": peak})
