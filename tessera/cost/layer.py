@@ -3,35 +3,57 @@
 `layer_costs(layer, table, ctx)` returns, per candidate strategy, per device:
 
 Per micro-batch (seconds):
-    compute  f_c, b_c from FLOPs (compute.py): f_c = tokens * (linear + attn * s) / (tp * sp) / F
-             x (1 + [tp > 1] tp_slowdown + [Ulysses] sp_slowdown) (measured; TP's per degree,
-             `LayerSpec.tp_costs`),
-             b_c = 2 f_c + recompute (one forward for full, the attention core for selective);
-             wgrad = the weight-gradient half of the linear backward (zero-bubble's W).
+    compute  f_c, b_c per operation (compute.py: GEMMs by shape after TP sharding, attention by
+             its kernel, memory-bound bytes over bandwidth, launches), or, for a measured layer
+             or a device without a GEMM description, by FLOPs at the flat efficiency; the GEMM
+             and attention time x (1 + [tp > 1] tp_slowdown + [Ulysses] sp_slowdown) (measured;
+             TP's per degree, `LayerSpec.tp_costs`); b_c includes recompute (the forward for
+             full, the attention core for selective) and, per operation, adding the micro-batch's
+             weight gradients into the device's gradient buffer (3 x its bytes over bandwidth);
+             wgrad = the weight-gradient GEMMs (zero-bubble's W).
     fixed    measured per-call costs, per micro-batch, split as the compute (backward = 2x):
              f_c += (call_overhead_s + [tp > 1] tp_overhead_s + [Ulysses] sp_overhead_s
              + [ZeRO-3 over > 1 rank] zero3_overhead_s) / 3, b_c += 2/3 of the same
              (+ 1/3 more under full recompute, which replays the forward).
-    TP       blocks: 2 all-reduces forward and 2 backward of the t x h activation over the tp group
-             (Megatron SP: an all-gather + reduce-scatter pair instead, the same volume);
-             embedding 1 forward; LM head 1 forward, 1 backward.
-    Ulysses  4 all-to-alls forward (q, k, v, output) and 4 backward over the sp group (stride tp).
-    EP       MoE layers: dispatch + combine all-to-alls, 2 forward and 2 backward, over ep ranks.
-    ZeRO-3   all-gather params forward; all-gather + reduce-scatter grads backward, overlapped
-             with the layer's compute: overlapped(c, x) = c + (slowdown - 1) min(c, x) + max(0, x - c)
-             (`ClusterSpec.overlap_slowdown`: compute runs slower while NCCL kernels share the SMs).
-    ZeRO-2   reduce-scatter grads each backward (overlapped).
-Per step (seconds, once): ZeRO-0/1 gradient all-reduce (ZeRO-1: reduce-scatter + all-gather, the
-    same volume) and the HSDP / Ulysses replica all-reduce of the 1/S shard, overlapped with the
-    last micro-batch's backward of the layer after its ZeRO-2/3 traffic (DDP buckets and FSDP2's
-    post-backward issue them per layer on their own stream); ZeRO-2 parameter all-gather after the
-    update overlapped with the first forward; the optimizer update, memory-bound:
-    (3 pb + 2 ob) * local params / HBM bandwidth. With offload: gradients down and parameters up
-    (2 pb) plus the host update's own traffic (2 ob + 2 pb), all at `host_bandwidth`, not
-    overlapped — a GPU's share of its node's DRAM bandwidth is of the order of its PCIe link, so
-    one measured figure bounds both.
+
+Collectives charged (the list `cost/collectives.py` compares with the runtime). t = tokens per
+device, h = hidden, a = activation bytes per element, pb = parameter bytes, P = the layer's
+parameters / tp (experts / (tp ep)), S = ZeRO shard degree, m = micro-batches:
+    TP       on the critical path (DTensor TP issues them between dependent GEMMs and does not
+             overlap them; Megatron's --tp-comm-overlap is not what the runtime runs), over the tp
+             group (stride 1), message t h a:
+             blocks 2 all-reduces forward + 2 backward (Megatron SP: 2 all-gathers + 2
+             reduce-scatters each way, same volume); embedding 1 forward; LM head 1 forward +
+             1 backward. Full recompute replays the forward's in the backward (selective keeps
+             their outputs): per micro-batch.
+    Ulysses  4 all-to-alls forward (q, k, v, output; message t h a / tp per rank for q and the
+             output, x kv_heads r / heads for k and v, r = the runtime's KV repeats when the group
+             outnumbers the KV heads) and 4 backward over the sp group (stride tp); full
+             recompute replays the forward's.
+    EP       MoE layers: dispatch + combine all-to-alls (t top_k capacity h a / tp per rank),
+             2 forward and 2 backward over ep ranks; full recompute replays the forward's.
+    ZeRO     over the shard group (S ranks, stride tp sp), message pb P; overlapped with the
+             layer's compute: overlapped(c, x) = c + (slowdown - 1) min(c, x) + max(0, x - c):
+             ZeRO-0  1 all-reduce over dp sp ranks per step (after the last micro-batch);
+             ZeRO-1  1 reduce-scatter + 1 all-gather per step (gradients accumulate unsharded);
+             ZeRO-2  1 reduce-scatter per micro-batch; 1 all-gather per step (parameters kept
+                     unsharded over the step's micro-batches), under the first forward;
+             ZeRO-3  1 all-gather forward, 1 all-gather + 1 reduce-scatter backward, per
+                     micro-batch;
+             HSDP (S < dp sp) and Ulysses replicas: 1 all-reduce of the pb P / S shard over the
+                     replicas per step.
+             The once-per-step ones ride on the last micro-batch's backward after its ZeRO-2/3
+             traffic (DDP buckets and FSDP2's post-backward issue them per layer).
+    Offload  (FSDP2 CPUOffloadPolicy) the pb P / S parameter shard host-to-device before every
+             all-gather and the gradient shard device-to-host after every reduce-scatter, over
+             `host_bandwidth`, on the path of that collective; the AdamW step on the host,
+             (2 ob + 2 pb) P / S bytes at `host_memory_bandwidth`, not overlapped.
+    Tied     an LM head tied to the embedding on another pipeline rank (pp > 1): 1 all-reduce of
+             its pb V h / tp gradient with the embedding's rank per step.
+Per step (seconds, once) besides: the optimizer update, memory-bound, (3 pb + 2 ob) P / S
+    bytes at the device's streaming bandwidth.
 Group spans follow the rank layout (tp innermost, then sp, then dp): the tp group has stride 1,
-Ulysses stride tp, ZeRO shard groups stride tp * sp.
+Ulysses stride tp, ZeRO shard groups stride tp * sp (comm.py enumerates the groups).
 
 Memory: see memory.py. No torch.
 """
