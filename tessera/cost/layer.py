@@ -9,7 +9,8 @@ Per micro-batch (seconds):
              and attention time x (1 + [tp > 1] tp_slowdown + [Ulysses] sp_slowdown) (measured;
              TP's per degree, `LayerSpec.tp_costs`); b_c includes recompute (the forward for
              full, the attention core for selective) and, per operation, adding the micro-batch's
-             weight gradients into the device's gradient buffer (3 x its bytes over bandwidth);
+             weight gradients into the device's gradient buffer (3 x its bytes over bandwidth,
+             all micro-batches but the first: x (m - 1) / m);
              wgrad = the weight-gradient GEMMs (zero-bubble's W).
     fixed    measured per-call costs, per micro-batch, split as the compute (backward = 2x):
              f_c += (call_overhead_s + [tp > 1] tp_overhead_s + [Ulysses] sp_overhead_s
@@ -325,9 +326,11 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
                                                  dense_params=layer.dense_params - shared)
     host = offloaded_bytes(layer, wl, t.tp, t.ep, shard, es, t.offload, dense_params=layer.dense_params - shared)
     if per_operation(layer, cl):
-        # Every micro-batch's weight gradients are added into the gradient buffer the device
-        # keeps (unsharded under ZeRO-0/1, the shard under ZeRO-2/3): read both, write one.
-        accumulate = 3.0 * grads / cl.device.streaming_bandwidth
+        # Every micro-batch's weight gradients but the first's are added into the gradient buffer
+        # the device keeps (unsharded under ZeRO-0/1, the shard under ZeRO-2/3): read both, write
+        # one; charged to each micro-batch as (m - 1) / m of that.
+        m = max(1.0, wl.global_batch / ctx.micro_batch_seqs)
+        accumulate = 3.0 * grads / cl.device.streaming_bandwidth * (m - 1) / m
         cb, bwd = cb + accumulate, bwd + accumulate
     if ctx.host_layers:
         params = np.where(host * ctx.host_layers > cl.host_memory_bytes, INFEASIBLE_BYTES, params)
