@@ -112,9 +112,10 @@ def test_fragmentation_and_margin_are_explicit():
     # The planner's budget for allocated bytes: (80 GiB x 0.95 - 2 GiB) / 1.1.
     assert memory_budget(c) == pytest.approx((80 * 2**30 * 0.95 - 2 * 2**30) / 1.1)
     tight = c.model_copy(update={"device": c.device.model_copy(update={"memory_bytes": mem.total / 0.96})})
-    assert not manual_plan(get_model("llama2-7b"), tight, Workload(global_batch=8, seq_len=4096), zero=3).prediction.fits
+    wl = Workload(global_batch=8, seq_len=4096)
+    assert not manual_plan(get_model("llama2-7b"), tight, wl, zero=3).prediction.fits
     free = tight.model_copy(update={"memory_margin": 0.0})
-    assert manual_plan(get_model("llama2-7b"), free, Workload(global_batch=8, seq_len=4096), zero=3).prediction.fits
+    assert manual_plan(get_model("llama2-7b"), free, wl, zero=3).prediction.fits
 
 
 def test_searched_plans_keep_the_margin():

@@ -54,9 +54,11 @@ GB = 1e9
 SUSTAINED = 755 / 834  # MSMF / MAMF of the H200: the clock a saturated, power-limited chip keeps
 
 _A100 = dict(peak_flops={"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}, sm_count=108,
-             attention_efficiency=(0.60 * SUSTAINED, 0.52 * SUSTAINED), memory_efficiency=0.87, kernel_launch_s=3e-6)
+             attention_efficiency=(0.60 * SUSTAINED, 0.52 * SUSTAINED), memory_efficiency=0.87,
+             kernel_launch_s=3e-6)
 _H100 = dict(peak_flops={"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "tf32": 494.5e12, "fp32": 67e12},
-             sm_count=132, attention_efficiency=(0.33 * SUSTAINED, 0.29 * SUSTAINED), memory_efficiency=0.87, kernel_launch_s=3e-6)
+             sm_count=132, attention_efficiency=(0.33 * SUSTAINED, 0.29 * SUSTAINED), memory_efficiency=0.87,
+             kernel_launch_s=3e-6)
 
 DEVICES: dict[str, DeviceSpec] = {
     "a100-40gb": DeviceSpec(name="a100-40gb", memory_bytes=40 * GiB, memory_bandwidth=1555 * GB, **_A100),
