@@ -130,7 +130,7 @@ def predicted_memory(plan: Plan) -> list[float]:
         layers = [i for c, (s, e) in enumerate(pipe.stages) if pipe.rank_of_chunk(c) == r for i in range(s, e)]
         bufs = [float(np.asarray(layer_costs(plan.model.layers[i], StrategyTable.build([plan.layers[i]]), ctx).buf)[0])
                 for i in layers]
-        out.append(mb.total - max(bufs, default=0.0) - plan.cluster.device.reserved_bytes)
+        out.append(mb.total - mb.fragmentation - max(bufs, default=0.0) - plan.cluster.device.reserved_bytes)
     return out
 
 
@@ -140,7 +140,7 @@ def predicted_allocated(plan: Plan) -> list[float]:
     from ..cost.evaluate import evaluate
 
     pred = plan.prediction or evaluate(plan)
-    return [mb.total - plan.cluster.device.reserved_bytes for mb in pred.stage_memory]
+    return [mb.total - mb.fragmentation - plan.cluster.device.reserved_bytes for mb in pred.stage_memory]
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ import numpy as np
 
 from ..cost.compute import achieved_flops
 from ..cost.evaluate import evaluate
+from ..cost.memory import memory_budget, required_memory
 from ..cost.layer import StepContext, cost_key, layer_costs, pipeline_p2p_time, transition_matrix
 from ..cost.schedule import in_flight
 from ..errors import TesseraError
@@ -115,7 +116,7 @@ class _Search:
         keys: dict[tuple, int] = {}
         self.kind_of = [keys.setdefault(cost_key(layer), len(keys)) for layer in model.layers]
         self.kind_layer = {k: model.layers[i] for i, k in reversed(list(enumerate(self.kind_of)))}
-        self.budget = cluster.device.memory_bytes - cluster.device.reserved_bytes
+        self.budget = memory_budget(cluster)
         self.tables: dict[tuple[int, int], dict[int, Candidates] | None] = {}
         self.layouts: dict[tuple[int, int], tuple[dict, np.ndarray]] = {}
         self.scored: list[_Scored] = []
@@ -170,7 +171,8 @@ class _Search:
         key = (n, B)
         if key in self.tables:
             return self.tables[key]
-        ctx = StepContext(cluster=self.cluster, workload=self.workload, stage_size=n, micro_batch_seqs=B)
+        ctx = StepContext(cluster=self.cluster, workload=self.workload, stage_size=n, micro_batch_seqs=B,
+                          host_layers=len(self.model.layers) * n / self.world)
         out: dict[int, Candidates] = {}
         layouts: dict[tuple, int] = {}
         for kind, layer in self.kind_layer.items():
@@ -354,7 +356,7 @@ class _Search:
         """Remember the smallest memory any rank assignment of this context could need."""
         i = [int(np.argmin(s.mem + s.buf)) for s in slots]
         need = sum(float(s.mem[j]) for s, j in zip(slots, i)) + max(float(s.buf[j]) for s, j in zip(slots, i))
-        self._record_infeasible(need + self.cluster.device.reserved_bytes, c, cands)
+        self._record_infeasible(required_memory(need, self.cluster), c, cands)
 
     def _record_infeasible(self, need: float, c: _Context, cands) -> None:
         if self.best_infeasible is None or need < self.best_infeasible[0]:
@@ -431,7 +433,7 @@ class _Search:
                     j = int(np.argmin(x.fwd + x.bwd + x.step / max(plan.num_micro_batches, 1)))
                     mem += float(x.states[j] + k * x.act[j])
                     buf = max(buf, float(x.buf[j]))
-            total = mem + buf + self.cluster.device.reserved_bytes
+            total = required_memory(mem + buf, self.cluster)
             if total > worst[1]:
                 worst = (r, total)
         return worst
@@ -465,7 +467,7 @@ class _Search:
         return any(structure(x.plan) != mine for x in self.scored[1:])
 
     def _note_infeasible_lp(self, c: _Context, cands, kinds) -> None:
-        need = sum(n * pts[0][0] for n, pts in kinds) + self.cluster.device.reserved_bytes
+        need = required_memory(sum(n * pts[0][0] for n, pts in kinds), self.cluster)
         self._record_infeasible(need, c, cands)
 
     def _no_plan(self) -> NoFeasiblePlanError:
