@@ -391,8 +391,9 @@ class Trainer:
     # --- checkpoints ------------------------------------------------------------------------------
     def _checkpoint_manager(self, directory: str):
         from .checkpoint import CheckpointManager
+        from .export import model_files
 
-        return CheckpointManager(directory)
+        return CheckpointManager(directory, model_files=model_files(self.plan.model.config, self.config.init_from))
 
     def extra_state(self) -> dict:
         state = {"step": self.step, "schedulers": [s.state_dict() for s in self.schedulers]}
