@@ -113,3 +113,71 @@ def write_data(directory: Path, seed: int = 0, chats: int = 24, texts: int = 12)
                           {"role": "assistant", "content": rng.choice(SENTENCES)}]
             f.write(json.dumps({"messages": turns}) + "\n")
     return directory
+
+
+# ----------------------------------------------------------------------------- references
+
+SEQ, GLOBAL_BATCH, STEPS = 32, 8, 2
+
+
+def optim_config():
+    from tessera.runtime.optim import OptimConfig
+
+    return OptimConfig(lr=1e-3, warmup_steps=1, total_steps=STEPS, grad_clip=1.0)
+
+
+def global_batch(hf_dir: Path, data: Path, step: int, seed: int = 0):
+    """Step `step`'s whole global batch, as the trainer's loader makes it (the model's tokenizer)."""
+    from tessera.runtime.data import build_dataloader
+    from tessera.runtime.hf_tokenizer import HFTokenizer
+
+    loader = build_dataloader(data, SEQ, GLOBAL_BATCH, 0, 1, seed, tokenizer=HFTokenizer(hf_dir))
+    return loader.batch_at(step * GLOBAL_BATCH)
+
+
+def _segments(batch):
+    for row in range(batch.tokens.shape[0]):
+        lens = torch.unique_consecutive(batch.doc_ids[row], return_counts=True)[1].tolist()
+        start = 0
+        for n in lens:
+            yield row, start, start + n
+            start += n
+
+
+def transformers_loss(hf_dir: Path, batch) -> float:
+    """transformers' mean cross-entropy over the batch's targets, each packed document run alone."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    logits = torch.empty(*batch.tokens.shape, model.config.vocab_size)
+    with torch.no_grad():
+        for row, lo, hi in _segments(batch):
+            logits[row, lo:hi] = model(batch.tokens[row:row + 1, lo:hi]).logits[0]
+    return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.labels.flatten()))
+
+
+def tessera_loss(model, batch) -> torch.Tensor:
+    """The trainer's objective on the whole global batch, in one process: sum over targets / their count."""
+    logits = model(batch.tokens, batch.positions, batch.doc_ids)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(), reduction="sum")
+    return loss / max(batch.num_targets, 1)
+
+
+def one_process_losses(hf_dir: Path, data: Path) -> list[float]:
+    """STEPS steps of the trainer's AdamW, schedule and clipping on one process, from the checkpoint."""
+    from tessera.models import hf
+    from tessera.runtime.optim import build_optimizer, build_scheduler, clip_grad_norm_
+
+    model = hf.load_pretrained(hf_dir)
+    opt = build_optimizer(model.parameters(), optim_config())
+    sched = build_scheduler(opt, optim_config())
+    losses = []
+    for step in range(STEPS):
+        loss = tessera_loss(model, global_batch(hf_dir, data, step))
+        loss.backward()
+        clip_grad_norm_(list(model.parameters()), optim_config().grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses

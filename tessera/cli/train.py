@@ -157,8 +157,8 @@ def run(args) -> int:
 
 
 def _check_init_from(plan, args) -> None:
-    """Before any process starts: the plan is for this checkpoint, its shards are all there, and
-    its tokenizer fits the embedding (when text is to be tokenized)."""
+    """Before any process starts: the plan is for this checkpoint, its shards are all there, its
+    tokenizer fits the embedding, and the data tokenizes (the ranks then read the token cache)."""
     from ..models.hf_load import hf_model_config, same_architecture, stored_tensors
 
     cfg = hf_model_config(args.init_from)
@@ -167,9 +167,12 @@ def _check_init_from(plan, args) -> None:
                            f"{args.init_from} (its config.json describes another architecture)")
     stored_tensors(args.init_from)
     if not args.synthetic_data:
+        from ..runtime.finetune_data import finetune_stream
         from ..runtime.hf_tokenizer import HFTokenizer
 
-        HFTokenizer(args.init_from).check_fits(cfg.vocab_size)
+        tokenizer = HFTokenizer(args.init_from)
+        tokenizer.check_fits(cfg.vocab_size)
+        finetune_stream(args.data, tokenizer)  # tokenized (and cached) once, bad samples refused, here
 
 
 def _meta_build(plan, args) -> bool:
