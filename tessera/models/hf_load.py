@@ -4,9 +4,12 @@
 
 Each parameter of each part (a plain tensor, or a DTensor with `device_mesh` / `placements`; names
 may carry checkpoint / compile / DDP wrapper segments, `canonical_name`) is written with the values
-the full model would have, reading only this rank's box of each tensor from the files
-(`safe_open(...).get_slice(name)[box]`): no rank ever holds the full model, and the peak extra
-host memory is one local shard of one parameter. A part still on the meta device is allocated
+the full model would have, reading only this rank's box of each tensor from the files: no rank
+ever holds the full model, and the peak extra host memory is one local shard of one parameter. A
+box that is one run of the stored tensor (a row shard, a whole tensor, one expert) is one
+positioned read into its own buffer; other boxes (column shards of tensor parallelism) go through
+`safe_open(...).get_slice(name)[box]`. Nothing keeps the files mapped, so the pages read do not
+stay in the rank's resident memory. A part still on the meta device is allocated
 first (`to_empty`) and its RoPE table recomputed, as `runtime.materialize` does for a random init.
 
 Names and layouts go through the converter of `tessera.models.hf` applied to *lazy views*: an
@@ -88,6 +91,44 @@ class StoredTensor:
     file: Path
     shape: tuple[int, ...]
     dtype: torch.dtype
+    data_start: int  # byte offset of the tensor's data in the file
+
+
+def _contiguous_run(shape: tuple[int, ...], box: tuple[slice, ...]) -> tuple[int, int] | None:
+    """(first element, element count) when `box` is one run of the row-major tensor, else None:
+    single indices on the leading dims, one range, then whole dims (row shards, one expert...)."""
+    j = 0
+    while j < len(shape) and box[j].stop - box[j].start == 1:
+        j += 1
+    if any((box[i].start, box[i].stop) != (0, shape[i]) for i in range(j + 1, len(shape))):
+        return None
+    first, stride = 0, 1
+    for i in reversed(range(len(shape))):
+        first += box[i].start * stride
+        stride *= shape[i]
+    count = 1
+    for b in box:
+        count *= b.stop - b.start
+    return first, count
+
+
+def read_box(key: str, stored: StoredTensor, box: tuple[slice, ...]) -> torch.Tensor:
+    """The box of a stored tensor, and nothing more: a contiguous run with one positioned read
+    into its own buffer (no mapping of the file); any other box through `safe_open(...).get_slice`."""
+    run = _contiguous_run(stored.shape, box)
+    if run is None:
+        from safetensors import safe_open
+
+        with safe_open(str(stored.file), framework="pt") as handle:
+            return handle.get_slice(key)[box]
+    first, count = run
+    out = torch.empty(count, dtype=stored.dtype)
+    buffer = out.view(torch.uint8).numpy()
+    with open(stored.file, "rb") as f:
+        f.seek(stored.data_start + first * out.element_size())
+        if f.readinto(buffer) != buffer.nbytes:
+            raise TesseraError(f"shard '{stored.file}' is truncated: tensor '{key}' runs past its end")
+    return out.reshape([b.stop - b.start for b in box])
 
 
 def _read_header(path: Path) -> dict:
@@ -104,6 +145,7 @@ def _read_header(path: Path) -> dict:
     except (OSError, ValueError, struct.error) as e:
         raise TesseraError(f"shard '{path}' is not a readable safetensors file ({e})") from None
     header.pop("__metadata__", None)
+    header = {k: dict(v, data_start=8 + n + int(v["data_offsets"][0])) for k, v in header.items()}
     end = 8 + n + max((int(v["data_offsets"][1]) for v in header.values()), default=0)
     if size < end:
         raise TesseraError(f"shard '{path}' is truncated: {size:,} bytes, its header needs {end:,}")
@@ -129,7 +171,7 @@ def stored_tensors(hf_dir: str | Path) -> dict[str, StoredTensor]:
         for key, entry in _read_header(path).items():
             if entry["dtype"] not in _DTYPES:
                 raise TesseraError(f"shard '{path}': tensor '{key}' has dtype {entry['dtype']}, which is not supported")
-            out[key] = StoredTensor(path, tuple(entry["shape"]), _DTYPES[entry["dtype"]])
+            out[key] = StoredTensor(path, tuple(entry["shape"]), _DTYPES[entry["dtype"]], entry["data_start"])
     if weight_map is not None:
         absent = sorted(k for k, f in weight_map.items() if k not in out)
         if absent:
@@ -198,10 +240,9 @@ class HFView:
                 box.append(slice(start, start + sizes[v]))
         return tuple(box)
 
-    def read(self, offsets, sizes, handle) -> torch.Tensor:
-        """The view's box read from an open safetensors file (only that box is read)."""
-        data = handle.get_slice(self.key)[self.stored_box(offsets, sizes)] if len(self.stored.shape) else \
-            handle.get_tensor(self.key)
+    def read(self, offsets, sizes) -> torch.Tensor:
+        """The view's box (offsets, sizes), read from the file (only that box is read)."""
+        data = read_box(self.key, self.stored, self.stored_box(offsets, sizes))
         kept = [d for d in range(len(self.stored.shape)) if d not in dict(self.fixed)]
         data = data.reshape([data.shape[d] for d in kept])
         return data.permute([kept.index(d) for d in self.dims]) if len(kept) > 1 else data
@@ -264,8 +305,6 @@ def load_hf_shards(parts: nn.Module | list[nn.Module], hf_dir: str | Path, confi
 
     `config` is the model the parts were built for; the checkpoint must have exactly its tensors.
     Parts on the meta device are allocated on `device` first."""
-    from safetensors import safe_open
-
     start = time.perf_counter()
     parts = [parts] if isinstance(parts, nn.Module) else list(parts)
     d = check_hf_dir(hf_dir)
@@ -277,16 +316,15 @@ def load_hf_shards(parts: nn.Module | list[nn.Module], hf_dir: str | Path, confi
             _allocate(part, config, torch.device(device))
     stats = LoadStats()
     targets = _targets(parts)
-    # File by file, each tensor read through its own handle: a handle kept open would keep every
-    # page this rank touched mapped (counted in its resident memory) until the end.
-    targets.sort(key=lambda t: str(_view_for(t[0], views, config).stored.file))
+    # File by file, in file order (each read opens the file: no mapping that would keep the pages
+    # this rank touched resident until the end).
+    targets.sort(key=lambda t: (str((v := _view_for(t[0], views, config)).stored.file), v.stored.data_start))
     for name, p in targets:
         view = _view_for(name, views, config)
         local, offsets, sizes = _local_box(p)
         if local.numel() == 0:
             continue  # an uneven FSDP2 shard with no rows on this rank
-        with safe_open(str(view.stored.file), framework="pt") as handle:
-            value = view.read(offsets, sizes, handle)
+        value = view.read(offsets, sizes)
         if tuple(value.shape) != tuple(local.shape):
             raise TesseraError(f"'{name}': read a {tuple(value.shape)} box for a {tuple(local.shape)} shard")
         local.copy_(value)
