@@ -15,6 +15,11 @@ document (`tessera.models.attention`: block-sparse or per-document kernels, no S
 packed row computes exactly what its documents would compute one by one. With `pack=False`,
 windows are plain causal sequences.
 
+Streams tokenized with a model's own tokenizer (`tokenizer=`, `runtime/finetune_data.py`) carry a
+flag per token instead: documents start where flagged `DOC_START`, and a label is -100 where the
+next token starts a document or is flagged `NO_LOSS` (a chat's prompt); `Batch.num_targets`
+counts the other labels of the whole global batch, by which the trainer divides the summed loss.
+
 Order: global sample g is window perm_e[g mod W] with e = g // W and perm_e a permutation seeded
 by (seed, e). Each step takes the next `global_batch` samples; rank r of dp takes rows
 [r*B, (r+1)*B) with B = global_batch // dp. The stream of global batches therefore does not depend
