@@ -184,7 +184,7 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, dtype: torch.dtype 
         if dtype is not None:
             hf_config["torch_dtype"] = hf_config["dtype"] = str(dtype).removeprefix("torch.")
         (tmp / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
-        _write_tokenizer(step, tmp)
+        _write_tokenizer(step, tmp, config)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -202,7 +202,7 @@ def _special_token_ids(step: Path) -> dict:
     return {k: original[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in original}
 
 
-def _write_tokenizer(step: Path, out: Path) -> None:
+def _write_tokenizer(step: Path, out: Path, config: TransformerConfig | None = None) -> None:
     """The checkpoint's tokenizer files, or GPT-2's (built-in runs) as a tokenizer.json."""
     saved = step / MODEL_DIR / "tokenizer"
     meta_path = step / MODEL_DIR / "meta.json"
@@ -211,7 +211,12 @@ def _write_tokenizer(step: Path, out: Path) -> None:
         for f in sorted(saved.iterdir()):
             shutil.copyfile(f, out / f.name)
     elif meta.get("tokenizer") == "gpt2":
-        from .tokenizer import gpt2_tokenizer
+        from .tokenizer import GPT2_VOCAB_SIZE, gpt2_tokenizer
+
+        if config is not None and config.vocab_size < GPT2_VOCAB_SIZE:  # trained on synthetic tokens
+            log.warning("%s: the model's %d-token vocabulary is not GPT-2's; the export has no tokenizer",
+                        step, config.vocab_size)
+            return
 
         gpt2_tokenizer().save(str(out / "tokenizer.json"))
         special = "<|endoftext|>"
