@@ -157,6 +157,11 @@ class ParallelLoss:
         self.vocab_parallel = head.tp > 1
         self.act = _seq_only(ctx.layer_acts[-1])
         self.pieces = head.dp * head.sp_degree
+        # Batches with masked labels (-100): the trainer sets, per step, pieces x micro-batches /
+        # (targets in the global batch), and the loss is the sum over this piece's targets times
+        # that, so that the averaged gradients are those of the global batch's mean over targets
+        # (a piece without targets then adds 0, not NaN). None: the mean over the piece.
+        self.target_scale: float | None = None
 
     def context(self):
         if self.vocab_parallel:
@@ -171,4 +176,6 @@ class ParallelLoss:
         labels = self.ctx.data_block(labels, self.act)
         # fp32 logits (bf16 runs): the log-softmax over the vocabulary loses too much in bf16. The
         # vocabulary-sharded DTensor of loss parallelism casts its shards alike.
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        if self.target_scale is None:
+            return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") * self.target_scale

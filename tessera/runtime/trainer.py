@@ -48,6 +48,7 @@ class TrainConfig:
     log_every: int = 1
     compile: bool = False
     meta_init: bool = False  # experimental: build on meta, initialise shards only (FSDP2 path, no pp)
+    init_from: str | None = None  # a Hugging Face directory: its weights (and tokenizer, for text data)
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     resume: str | None = None
@@ -59,6 +60,13 @@ class TrainConfig:
             raise TesseraError(f"steps must be >= 0, got {self.steps}")
         if self.data is not None and not Path(self.data).exists():
             raise TesseraError(f"data directory {self.data} does not exist")
+        if self.init_from is not None:
+            from ..models.hf_load import hf_model_config, same_architecture
+
+            hf_cfg = hf_model_config(self.init_from)
+            if self.plan.model.config is not None and not same_architecture(hf_cfg, self.plan.model.config):
+                raise TesseraError(f"the plan is for the model {self.plan.model.name}, not for the checkpoint "
+                                   f"in {self.init_from} (its config.json describes another architecture)")
 
 
 def _pipeline_available() -> bool:
@@ -165,12 +173,17 @@ class Trainer:
         if self.meta_init:
             raise TesseraError("--adaptive runs a replicated model; it cannot be built on the meta device")
         self.parallel = None
+        self.maybe_materialize(self.model)
         self.adaptive = AdaptiveSteps(self.model, self.plan, self.config.adaptive_time_budget_s)
         self.model_parts = [self.model]
         self.autocast = nullcontext()
 
     def maybe_materialize(self, part) -> None:
-        if self.meta_init:
+        if self.config.init_from:  # each rank reads its shards of the checkpoint (models/hf_load.py)
+            from ..models.hf_load import load_hf_shards
+
+            load_hf_shards(part, self.config.init_from, self.plan.model.config, self.device)
+        elif self.meta_init:
             materialize(part, self.param_shapes, self.plan.model.config, self.config.seed, self.device)
 
     def build_optimizer(self) -> None:
@@ -201,10 +214,16 @@ class Trainer:
                                    self.data_rank, self.data_size, self.config.seed)
         from .data import build_dataloader
 
+        tokenizer = None
+        if self.config.init_from:  # the model's own tokenizer, not GPT-2's
+            from .hf_tokenizer import HFTokenizer
+
+            tokenizer = HFTokenizer(self.config.init_from)
+            tokenizer.check_fits(self.plan.model.config.vocab_size)
         # An adaptive run hands every rank the whole global batch (the step plan splits it).
         rank, size = (0, 1) if self.adaptive is not None else (self.data_rank, self.data_size)
         loader = build_dataloader(self.config.data, w.seq_len, w.global_batch, rank, size,
-                                  self.config.seed, pack=True)
+                                  self.config.seed, pack=True, tokenizer=tokenizer)
         if loader.vocab_size > self.plan.model.config.vocab_size:
             raise TesseraError(f"the data's tokenizer has {loader.vocab_size} tokens, more than the model's "
                                f"vocabulary of {self.plan.model.config.vocab_size}")
@@ -233,9 +252,12 @@ class Trainer:
         return float(self.run_step(tokens, labels, positions, doc_ids))
 
     def run_step(self, tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None,
-                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                 doc_ids: torch.Tensor | None = None, num_targets: int | None = None) -> torch.Tensor:
         """`train_step` queued on the device without waiting for it: the global batch's mean loss
-        as a 0-dim tensor, which `float()` reads once the step is done."""
+        as a 0-dim tensor, which `float()` reads once the step is done. `num_targets`: the labels
+        that are not -100 in the whole global batch, when some are (the loss is then their mean)."""
+        self.loss_fn.target_scale = (None if num_targets is None else
+                                     self.loss_fn.pieces * self.plan.num_micro_batches / max(num_targets, 1))
         tokens, labels, positions, doc_ids = (self._to_device(t) for t in (tokens, labels, positions, doc_ids))
         if self.pipeline is not None:
             loss = self.forward_backward_pp(tokens, labels, positions, doc_ids)
@@ -315,7 +337,7 @@ class Trainer:
                 loss = self.adaptive_step(batch)
             else:
                 loss = self.run_step(batch.tokens, batch.labels, batch.positions if packed else None,
-                                     batch.doc_ids if packed else None)
+                                     batch.doc_ids if packed else None, getattr(batch, "num_targets", None))
             self.step += 1
             span = clock.stop()
             if pending is not None:  # the previous step's, now that this one is queued
@@ -369,8 +391,9 @@ class Trainer:
     # --- checkpoints ------------------------------------------------------------------------------
     def _checkpoint_manager(self, directory: str):
         from .checkpoint import CheckpointManager
+        from .export import model_files
 
-        return CheckpointManager(directory)
+        return CheckpointManager(directory, model_files=model_files(self.plan.model.config, self.config.init_from))
 
     def extra_state(self) -> dict:
         state = {"step": self.step, "schedulers": [s.state_dict() for s in self.schedulers]}
