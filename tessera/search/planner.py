@@ -71,6 +71,7 @@ from ..spec.workload import Workload
 from .baselines import balanced_stages
 from .dp import Slot, solve_rank
 from .explain import explain, structure
+from .limits import check_search_size
 from .space import (Candidates, SearchOptions, candidate_table, divisors, dominated_on_rank,
                     lower_hull, lp_time_bound, prune_dominated)
 
@@ -483,5 +484,7 @@ class _Search:
 def search(model: ModelSpec, cluster: ClusterSpec, workload: Workload, options: SearchOptions | None = None) -> Plan:
     """The fastest plan of the search space that fits in memory (see the module docstring).
 
-    Raises NoFeasiblePlanError when no plan fits."""
+    Raises NoFeasiblePlanError when no plan fits, TesseraError when the problem is larger than the
+    search supports (`limits.py`)."""
+    check_search_size(num_gpus=cluster.num_gpus, num_layers=len(model.layers), global_batch=workload.global_batch)
     return _Search(model, cluster, workload, options or SearchOptions()).run()

@@ -23,7 +23,8 @@ so replacing A by B in any plan, on any rank, never makes it slower or larger.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from math import gcd
+from functools import lru_cache
+from math import gcd, isqrt
 
 import numpy as np
 
@@ -70,8 +71,15 @@ class SearchOptions:
         return self.recompute if self.allow_recompute else ("none",)
 
 
+@lru_cache(maxsize=4096)
+def _divisors(n: int) -> tuple[int, ...]:
+    small = [d for d in range(1, isqrt(n) + 1) if n % d == 0]
+    return tuple(small + [n // d for d in reversed(small) if d * d != n])
+
+
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n >= 1, ascending (trial division up to sqrt(n): O(sqrt n), cached)."""
+    return list(_divisors(n))
 
 
 def candidate_table(layer: LayerSpec, stage_size: int, micro_batch_seqs: int, cluster: ClusterSpec,

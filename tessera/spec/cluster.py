@@ -7,7 +7,7 @@ overrides the preset's educated guess. No torch import.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -16,21 +16,23 @@ from .model import Frozen
 Dtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
 Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"]
 Span = Literal["intra_node", "inter_node"]
+# A rate or size that a cost is divided by: zero, negative, NaN or infinite would answer nonsense.
+PositiveFinite = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
 class DeviceSpec(Frozen):
     name: str
-    memory_bytes: float = Field(gt=0)
+    memory_bytes: float = Field(gt=0, allow_inf_nan=False)
     # Dense peak FLOP/s per dtype (no sparsity).
-    peak_flops: dict[str, float]
-    memory_bandwidth: float = Field(gt=0, description="HBM bytes/s")
+    peak_flops: dict[str, PositiveFinite]
+    memory_bandwidth: float = Field(gt=0, allow_inf_nan=False, description="HBM bytes/s")
     # Memory the framework and NCCL hold that the model cannot use (CUDA context, buffers).
-    reserved_bytes: float = Field(default=2.0 * 2**30, ge=0)
+    reserved_bytes: float = Field(default=2.0 * 2**30, ge=0, allow_inf_nan=False)
 
 
 class LinkSpec(Frozen):
-    bandwidth: float = Field(gt=0, description="unidirectional bytes/s per device")
-    latency: float = Field(ge=0, description="seconds per message hop")
+    bandwidth: float = Field(gt=0, allow_inf_nan=False, description="unidirectional bytes/s per device")
+    latency: float = Field(ge=0, allow_inf_nan=False, description="seconds per message hop")
 
 
 class CollectiveCurve(Frozen):
@@ -62,7 +64,7 @@ class ClusterSpec(Frozen):
     # (1.0 = perfect overlap; ~1.1 on GPUs, where NCCL takes some SMs; 2.0 = none, as on CPUs).
     overlap_slowdown: float = Field(default=1.1, ge=1)
     # Host link used to offload optimizer state (PCIe gen5 x16 ~ 50 GB/s unidirectional).
-    host_bandwidth: float = Field(default=50e9, gt=0)
+    host_bandwidth: float = Field(default=50e9, gt=0, allow_inf_nan=False)
     # Ranks per set of cores their compute needs, when a node runs more ranks x threads than it
     # has cores (a CPU profile; 1 on GPUs). Measured rates are those with every rank busy, so a
     # rank waiting in a pipeline bubble lends its cores to the others (see `cost.evaluate`).
