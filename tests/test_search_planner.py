@@ -5,7 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tessera.errors import TesseraError
-from tessera.search import NoFeasiblePlanError, SearchOptions, baseline_plans, search
+from tessera.search import NoFeasiblePlanError, SearchOptions, baseline_plans, manual_plan, search
 from tessera.spec import ModelSpec, TransformerConfig, Workload
 from tessera.spec.presets import get_model, make_cluster
 
@@ -80,3 +80,48 @@ def test_more_gpus_never_give_lower_throughput(gpus, seq):
     few = search(model, make_cluster("h100-80gb", gpus[0]), wl)
     many = search(model, make_cluster("h100-80gb", gpus[1]), wl)
     assert many.prediction.tokens_per_s >= few.prediction.tokens_per_s * (1 - 1e-9)
+
+
+# --- the search space ---------------------------------------------------------------------------
+def test_interleave_depths_are_every_even_split_of_the_blocks():
+    from tessera.search.space import virtual_stage_options
+
+    opts = SearchOptions()
+    # GPT-3 175B, 96 blocks (98 layers) on pp = 8: 96 / 8 = 12 blocks per rank.
+    assert virtual_stage_options(8, 98, 96, opts) == [2, 3, 4, 6, 12]
+    # Llama 3 405B: 126 blocks + embedding + head = 128 layers; pp = 16 runs v = 2, 4 or 8.
+    assert virtual_stage_options(16, 128, 126, opts) == [2, 4, 8]
+    assert virtual_stage_options(16, 128, 126, SearchOptions(virtual_stages=(2, 3, 9))) == [2, 3]
+
+
+def test_tp_groups_that_would_straddle_nodes_are_left_out_and_the_plan_says_so():
+    model = get_model("gpt3-175b")  # 96 heads: tp 3 and 6 divide them, not the 8 GPUs of a node
+    plan = search(model, make_cluster("h100-80gb", 48), Workload(global_batch=48, seq_len=2048),
+                  SearchOptions(schedules=("1f1b",)))
+    assert all(8 % s.tp == 0 and 8 % (s.tp * s.sp_degree) == 0 for s in plan.layers)
+    assert "space: tp 3, 6 left out: such groups straddle 8-GPU nodes" in "\n".join(plan.search.explanation)
+    with pytest.raises(ValueError, match=r"^tp=6 does not divide the 8 GPUs of a node, so some tensor-parallel "
+                                         r"groups would straddle two nodes"):
+        manual_plan(model, make_cluster("h100-80gb", 48), Workload(global_batch=48, seq_len=2048), tp=6)
+
+
+def test_ulysses_is_bounded_by_the_kv_heads():
+    model = get_model("llama3-70b")  # 64 heads, 8 KV heads
+    cluster = make_cluster("h100-80gb", 32, 16)  # 16 GPUs per node: a 16-way Ulysses group would fit
+    wl = Workload(global_batch=32, seq_len=8192)
+    plan = search(model, cluster, wl, SearchOptions(schedules=("1f1b",), max_pp=2))
+    assert all((8 // s.tp) % s.sp_degree == 0 for s in plan.layers)
+    assert "space: Ulysses degrees beyond the 8 KV heads (16) left out" in "\n".join(plan.search.explanation)
+    with pytest.raises(ValueError, match=r"^ulysses=16 must divide the 8 KV heads of a tensor-parallel rank"):
+        manual_plan(model, cluster, wl, sp="ulysses", sp_degree=16)
+    with pytest.raises(ValueError, match=r"^ulysses=8 must divide the 4 KV heads of a tensor-parallel rank"):
+        manual_plan(model, cluster, wl, tp=2, sp="ulysses", sp_degree=8)
+    manual_plan(model, cluster, wl, tp=2, sp="ulysses", sp_degree=4)  # 8 / 2 = 4 KV heads per rank
+
+
+def test_a_hand_plan_the_space_refuses_is_refused_in_one_line(capsys):
+    from tessera.cli import main
+
+    assert main(["plan", "--model", "gpt3-175b", "--gpus", "48", "--global-batch", "48", "--tp", "6"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("tessera plan: error: tp=6 does not divide the 8 GPUs of a node")

@@ -68,12 +68,12 @@ from ..plan import PipelineSpec, Plan, Schedule, SearchInfo
 from ..spec.cluster import ClusterSpec
 from ..spec.model import ModelSpec
 from ..spec.workload import Workload
-from .baselines import balanced_stages
+from .partition import balanced_stages
 from .dp import Slot, solve_rank
 from .explain import explain, structure
 from .limits import check_search_size
 from .space import (Candidates, SearchOptions, candidate_table, divisors, dominated_on_rank,
-                    lower_hull, lp_time_bound, prune_dominated)
+                    lower_hull, lp_time_bound, prune_dominated, space_notes, virtual_stage_options)
 
 log = logging.getLogger(__name__)
 GiB = 2**30
@@ -139,6 +139,10 @@ class _Search:
                 out.append(pp)
         return out
 
+    def _notes(self) -> list[str]:
+        sizes = [self.world // pp for pp in self._pp_options()]
+        return space_notes(list(self.kind_layer.values()), sizes, self.cluster.gpus_per_node, self.opts)
+
     def _contexts(self) -> list[_Context]:
         G, seq = self.workload.global_batch, self.workload.seq_len
         # FLOPs as the cost model times them (measured time scales included), so that the estimate
@@ -156,9 +160,9 @@ class _Search:
                 else:
                     for s in self.opts.schedules:
                         if s == "interleaved_1f1b":
-                            for v in self.opts.virtual_stages:
-                                if v > 1 and m % pp == 0 and pp * v <= len(self.model.layers):
-                                    scheds.append((s, v, (pp - 1) / v))
+                            if m % pp == 0:  # the simulator's (and torch's) interleaved order needs it
+                                scheds += [(s, v, (pp - 1) / v) for v in virtual_stage_options(
+                                    pp, len(self.model.layers), self.model.num_blocks, self.opts)]
                         elif s == "zero_bubble":
                             scheds.append((s, 1, (pp - 1) / 3))
                         else:
@@ -411,7 +415,7 @@ class _Search:
         best = self.scored[0].plan
         info = SearchInfo(search_time_s=time.perf_counter() - t0, candidates=self.stats["candidates"],
                           explanation=tuple(explain(best, [(x.step, x.plan) for x in self.scored], self.stats,
-                                                    self._unconstrained(best))))
+                                                    self._unconstrained(best), self._notes())))
         return best.model_copy(update={"search": info})
 
     def _unconstrained(self, plan: Plan) -> tuple[int, float]:

@@ -1,16 +1,25 @@
 """The search space: options, candidate layer strategies, and dominance pruning.
 
 Candidates for one layer on a stage of n devices, given B sequences per micro-batch:
-    tp  divides n, <= GPUs per node (and `max_tp`), divides the attention and KV heads;
+    tp  divides n, <= GPUs per node (and `max_tp`), divides the attention and KV heads, and
+        divides the GPUs of a node (groups are consecutive ranks: tp = 6 on 8-GPU nodes would put
+        ranks 6-11 in one group across two nodes; `TP_ACROSS_NODES_COSTED`);
         tp > 1 always with Megatron sequence parallelism (TP without SP has the same time and
         more memory: the norms' activations are replicated instead of sharded).
-    sp  Ulysses degree u (attention layers): divides n / tp, tp * u divides the heads and fits in
-        a node (its four all-to-alls per layer and direction would otherwise cross the network).
+    sp  Ulysses degree u (attention layers): divides n / tp, tp * u divides the heads and the
+        GPUs of a node (its four all-to-alls per layer and direction would otherwise cross the
+        network), and u divides the KV heads per TP rank (beyond them the runtime repeats KV
+        heads; `KV_REPEAT_COSTED`).
     dp  = n / (tp * u), must divide B (whole sequences per replica).
     zero 0..3 (dp > 1), with HSDP sharding inside a node (dp_shard = GPUs per node / (tp u))
         when that is a proper divisor of dp; offload of the optimizer state with zero >= 1.
     recompute none / selective / full (attention layers).
     ep  MoE layers: divides the experts and dp * u.
+
+`layout_refusal` states these rules once: the candidate tables and hand-made plans
+(`baselines.manual_plan`) both use it, so a hand plan the space would refuse is refused with the
+rule's reason. Interleaved 1F1B tries every depth v whose pp * v chunks split the blocks (or the
+blocks with the embedding and head) evenly (`virtual_stage_options`).
 
 Dominance (`prune_dominated`): within strategies of the same layout (dp, tp, sp, SP kind), which
 therefore pay identical re-sharding costs to any neighbour, strategy A is dropped when another
@@ -33,9 +42,80 @@ from ..cost.layer import LayerCosts, StrategyTable
 from ..plan import LayerStrategy
 from ..spec.cluster import ClusterSpec
 from ..spec.model import LayerSpec
-from .baselines import has_attention
 
 ALL_SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble", "gpipe")
+
+# Parts of the space the cost model does not price yet; flip a switch when it does.
+# Tensor-parallel groups that straddle two nodes (a TP degree that does not divide the GPUs of a
+# node): cost/comm.py prices a group at intra-node speed whenever its size fits in a node.
+TP_ACROSS_NODES_COSTED = False
+# Ulysses degrees beyond the KV heads of a TP rank: the runtime repeats the KV heads
+# (runtime/attention.py `kv_repeats`); cost/layer.py does not charge the larger all-to-alls.
+KV_REPEAT_COSTED = False
+
+
+def has_attention(layer: LayerSpec) -> bool:
+    return layer.num_heads > 0 and layer.attn_flops_coeff > 0
+
+
+def layout_refusal(layer: LayerSpec, tp: int, ulysses: int, gpus_per_node: int) -> str | None:
+    """Why (tp, Ulysses degree) is outside the search space for `layer`, or None (module docstring)."""
+    attention = has_attention(layer)
+    heads, kv = layer.num_heads, layer.num_kv_heads
+    if attention and (heads % tp or kv % tp):
+        return f"tp={tp} must divide the {heads} attention heads and the {kv} KV heads"
+    if tp > gpus_per_node:
+        return f"tp={tp} is larger than a node ({gpus_per_node} GPUs): tensor parallelism stays inside a node"
+    if gpus_per_node % tp and not TP_ACROSS_NODES_COSTED:
+        return (f"tp={tp} does not divide the {gpus_per_node} GPUs of a node, so some tensor-parallel groups "
+                f"would straddle two nodes, which the cost model does not price yet")
+    if ulysses == 1:
+        return None
+    width = tp * ulysses
+    if not attention:
+        return "Ulysses sequence parallelism splits attention layers only"
+    if heads % width:
+        return f"tp x ulysses = {width} must divide the {heads} attention heads"
+    if width > gpus_per_node or (gpus_per_node % width and not TP_ACROSS_NODES_COSTED):
+        return f"tp x ulysses = {width} must divide the {gpus_per_node} GPUs of a node"
+    if (kv // tp) % ulysses and not KV_REPEAT_COSTED:
+        return (f"ulysses={ulysses} must divide the {kv // tp} KV heads of a tensor-parallel rank "
+                f"({kv} KV heads / tp {tp}): repeating KV heads is not priced yet")
+    return None
+
+
+def space_notes(layers: list[LayerSpec], stage_sizes: list[int], gpus_per_node: int,
+                options: "SearchOptions") -> list[str]:
+    """What the switches above leave out of this search, in words (for the plan's explanation)."""
+    attention = [x for x in layers if has_attention(x)]
+    probe = attention[0] if attention else layers[0]
+    notes = []
+    straddle = sorted({d for n in stage_sizes for d in divisors(n)
+                       if 1 < d < gpus_per_node and gpus_per_node % d and d <= (options.max_tp or d)
+                       and layout_refusal(probe, d, 1, gpus_per_node * d) is None})
+    if straddle and not TP_ACROSS_NODES_COSTED:
+        notes.append(f"space: tp {', '.join(map(str, straddle))} left out: such groups straddle "
+                     f"{gpus_per_node}-GPU nodes, which the cost model does not price yet")
+    if attention and options.allow_ulysses and not KV_REPEAT_COSTED:
+        kv = probe.num_kv_heads
+        beyond = sorted({u for n in stage_sizes for u in divisors(n) if u > 1 and kv % u
+                         and layout_refusal(probe, 1, u, gpus_per_node) is not None
+                         and probe.num_heads % u == 0 and gpus_per_node % u == 0})
+        if beyond:
+            notes.append(f"space: Ulysses degrees beyond the {kv} KV heads ({', '.join(map(str, beyond))}) left out: "
+                         f"repeating KV heads is not priced yet")
+    return notes
+
+
+def virtual_stage_options(pp: int, num_layers: int, num_blocks: int, options: "SearchOptions") -> list[int]:
+    """Interleave depths v >= 2 tried at pipeline degree pp: `options.virtual_stages` if given, else
+    every v whose pp * v chunks split the blocks evenly (Megatron's rule) or the blocks with the
+    embedding and the LM head counted as one block each (Llama 3 405B: 126 blocks + 2 = 128
+    layers on pp = 16 x v = 8)."""
+    if options.virtual_stages is not None:
+        return [v for v in options.virtual_stages if v > 1 and pp * v <= num_layers]
+    return [v for v in range(2, num_layers // pp + 1)
+            if num_blocks % (pp * v) == 0 or num_layers % (pp * v) == 0]
 
 
 @dataclass(frozen=True)
@@ -50,7 +130,7 @@ class SearchOptions:
     tp: int | None = None  # fixes every layer's tensor-parallel degree
     dp: int | None = None  # fixes the data-parallel degree of the batch (dp_of_batch)
     schedules: tuple[str, ...] = ALL_SCHEDULES
-    virtual_stages: tuple[int, ...] = (2, 4)  # tried for interleaved 1F1B
+    virtual_stages: tuple[int, ...] | None = None  # interleave depths; None: `virtual_stage_options`
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     recompute: tuple[str, ...] = ("none", "selective", "full")
     allow_recompute: bool = True
@@ -92,12 +172,10 @@ def candidate_table(layer: LayerSpec, stage_size: int, micro_batch_seqs: int, cl
     for tp in divisors(stage_size):
         if tp > max_tp or (options.tp is not None and tp != options.tp):
             continue
-        if attn and (layer.num_heads % tp or layer.num_kv_heads % tp):
-            continue
         for u in divisors(stage_size // tp):
-            if u > 1 and not (attn and options.allow_ulysses and u <= (options.max_sp or u)
-                              and layer.num_heads % (tp * u) == 0
-                              and tp * u <= cluster.gpus_per_node):
+            if u > 1 and not (options.allow_ulysses and u <= (options.max_sp or u)):
+                continue
+            if layout_refusal(layer, tp, u, cluster.gpus_per_node) is not None:
                 continue
             dp = stage_size // (tp * u)
             if micro_batch_seqs % dp or (options.dp is not None and dp != options.dp):
