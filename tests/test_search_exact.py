@@ -14,10 +14,9 @@ from tessera.spec.presets import make_cluster
 
 SMALL = TransformerConfig(name="small", hidden=1024, num_layers=3, num_heads=16, num_kv_heads=8,
                           ffn_hidden=2816, vocab_size=32000, max_seq_len=4096)
-# A small space: tp 1 or 2, ZeRO 0 or 3, recompute none or full; exact DP settings.
+# A small space: tp 1 or 2, ZeRO 0 or 3, recompute none or full; the shipped DP settings.
 OPTIONS = dict(max_tp=2, zero_stages=(0, 3), recompute=("none", "full"), allow_offload=False,
-               allow_hsdp=False, allow_ulysses=False, schedules=("1f1b",), memory_bins=8192,
-               max_buffer_caps=64)
+               allow_hsdp=False, allow_ulysses=False, schedules=("1f1b",))
 
 
 def _with_memory(cluster, gib):

@@ -292,8 +292,10 @@ class _Search:
             if hit is None or (hit[0] is None and best_step > hit[2]):  # None under a tighter bound
                 slots = self._slots(cands, chunks, layouts, weight, k, trans)
                 # weight * (f + b) + step <= (weight / m) * (busy + tail) <= (weight / m) * step
-                sol = solve_rank(slots, trans, self.budget, self.opts.memory_bins, self.opts.max_buffer_caps,
-                                 upper_bound=best_step * weight / c.m)
+                res = solve_rank(slots, trans, self.budget, self.opts.memory_bins, self.opts.max_memory_bins,
+                                 upper_bound=best_step * weight / c.m / (1 + self.opts.optimality_gap),
+                                 gap=self.opts.optimality_gap)
+                sol = res.solution
                 if sol is not None:
                     self.stats["states"] += sol.states_explored
                 elif not self.scored:

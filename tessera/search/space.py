@@ -141,10 +141,13 @@ class SearchOptions:
     # Exhaustive stage boundaries when there are at most this many splits, else balanced.
     max_splits: int = 64
     shifted_splits_up_to: int = 16
-    # Memory resolution of the dynamic program (bins of the per-rank budget) and how many
-    # distinct buffer caps it enumerates (dp.py).
+    # Memory resolution of the dynamic program (bins of the per-rank budget): where its rounded-down
+    # and rounded-up programs disagree, the bins grow 4x up to `max_memory_bins` (dp.py).
     memory_bins: int = 256
-    max_buffer_caps: int = 2
+    max_memory_bins: int = 4096
+    # Relative tolerance of the branch and bound: a choice is dropped once its lower bound shows it
+    # cannot beat the best plan by more than this factor (0: prove the optimum).
+    optimality_gap: float = 1e-3
     runner_ups: int = 3
 
     def recompute_levels(self) -> tuple[str, ...]:
