@@ -27,27 +27,33 @@ Method (which function does what)
     `_candidates`    builds each distinct layer's candidates once per (n, B) — all decoder blocks of
                      a dense model are one layer spec — costs them vectorised (cost/layer.py) and
                      drops dominated ones (space.prune_dominated, with its proof).
-    `_splits`        all stage boundaries when there are few, else the balanced split; when that
-                     cannot fit (up to `shifted_splits_up_to` chunks), each boundary moved by one.
-    `_chunk_bound`   a valid lower bound per split: rank r cannot finish before micro-batch 0
-                     crossed the chunks before it, it ran m micro-batches, and the last gradient
-                     went back (each term with per-layer minimal times); splits it cannot improve
-                     on are skipped.
-    `_split_bound`   adds, per rank, the LP relaxation of its memory knapsack (space.lp_time_bound):
-                     a valid bound that already prices the memory constraint. (context, split)
-                     pairs are processed best-first by these bounds.
-    dp.solve_rank    the layer-wise dynamic program per rank (memory in bins, buffer caps)
+    `_splits`        all stage boundaries when there are at most `max_splits`, else the split that
+                     balances compute; with one chunk per rank also a "partition" item:
+    `_partition`     the split minimising the largest `_rank_bound` over all splits
+                     (partition.min_max_partition, exact): each stage's layers are chosen with the
+                     memory their strategies need, not only their compute (Galvatron-BMW). Interleaved
+                     pipelines keep Megatron's even split (each boundary moved by one if it cannot fit).
+    `_rank_bound`    a valid lower bound on the step from one pipeline rank: the first micro-batch
+                     must reach it and the last gradient leave it (fastest layer times), and it runs
+                     m micro-batches of its layers and its tail, at least the LP relaxation of its
+                     memory knapsack (space.lp_time_bound).
+    `_split_bound`   the largest `_rank_bound` of a split, and the path bound of `_chunk_bound`;
+                     (context, split) pairs are processed best-first by these bounds and the search
+                     stops when none can beat the best plan by more than `optimality_gap`.
+    dp.solve_rank    the layer-wise dynamic program per rank (exact memory certificate, see dp.py)
                      minimising (m + bubble) (f + b + re-sharding) + step under the rank's memory
                      budget; for pp = 1 this is exactly the step time.
     `evaluate`       scores the assembled plan with the simulator; the fastest feasible wins.
-    explain.explain  why this plan, the runner-up with another structure and by how much, and
-                     which constraint binds.
+    explain.explain  why this plan, the runner-up with another structure and by how much, which
+                     constraint binds, and what the space left out.
 
-Exactness. With pp = 1 the rank program's objective is the step time itself, so the search is
-exact up to the memory resolution (`memory_bins`; the test suite checks it against enumeration).
-With pipelines the ranks are solved one by one: the coupling through the makespan and through the
-largest once-per-step tail is approximated by the (m + bubble) weight, so a plan can be a little
-slower than the enumerated optimum (within 1% on the test instances).
+Exactness. With pp = 1 the rank program's objective is the step time itself and dp.py certifies
+its optimum, so the plan is within `optimality_gap` (0.1%) of the best plan of the space: every
+context, split and cap left unexplored has a lower bound at least best / (1 + gap) (the test suite
+checks the optimum against enumeration at 96 memory budgets). With pipelines the ranks are solved
+one by one: the coupling through the makespan and through the largest once-per-step tail is
+approximated by the (m + bubble) weight, so a plan can be a little slower than the enumerated
+optimum (0.2% on the test instances).
 """
 from __future__ import annotations
 
@@ -68,7 +74,7 @@ from ..plan import PipelineSpec, Plan, Schedule, SearchInfo
 from ..spec.cluster import ClusterSpec
 from ..spec.model import ModelSpec
 from ..spec.workload import Workload
-from .partition import balanced_stages
+from .partition import balanced_stages, min_max_partition
 from .dp import Slot, solve_rank
 from .explain import explain, structure
 from .limits import check_search_size
@@ -123,6 +129,11 @@ class _Search:
         self.best_infeasible: tuple[float, str] | None = None
         self.dp_cache: dict[tuple, tuple] = {}
         self.hulls: dict[tuple, list] = {}
+        self.paths: dict[tuple, tuple] = {}
+        self.lp_cache: dict[tuple, float] = {}
+        self.kinds = sorted(set(self.kind_of))
+        onehot = np.eye(len(self.kinds), dtype=np.int64)[[self.kinds.index(k) for k in self.kind_of]]
+        self.kind_prefix = np.vstack([np.zeros(len(self.kinds), dtype=np.int64), np.cumsum(onehot, axis=0)])
         self.stats = dict(contexts=0, skipped=0, splits=0, plans=0, states=0, candidates=0, pruned=0)
 
     # --- the space ------------------------------------------------------------------------------
@@ -201,16 +212,18 @@ class _Search:
         self.tables[key] = out
         return out
 
-    def _splits(self, cands: dict[int, Candidates], chunks: int) -> list[tuple[tuple[int, int], ...]]:
+    def _splits(self, cands: dict[int, Candidates], chunks: int) -> tuple[list[tuple], bool]:
+        """(splits, complete): every split when there are at most `max_splits`, else the split that
+        balances each layer's fastest forward + backward (completed by `_partition` and `_shifted`)."""
         L = len(self.model.layers)
         if chunks == 1:
-            return [((0, L),)]
+            return [((0, L),)], True
         if comb(L - 1, chunks - 1) <= self.opts.max_splits:
             from itertools import combinations
 
-            return [tuple(zip((0,) + cut, cut + (L,))) for cut in combinations(range(1, L), chunks - 1)]
+            return [tuple(zip((0,) + cut, cut + (L,))) for cut in combinations(range(1, L), chunks - 1)], True
         weights = [float(np.min(cands[k].costs.fwd + cands[k].costs.bwd)) for k in self.kind_of]
-        return [balanced_stages(weights, chunks)]
+        return [balanced_stages(weights, chunks)], False
 
     def _shifted(self, split) -> list[tuple[tuple[int, int], ...]]:
         """`split` with each boundary moved by one layer (memory is uneven across ranks:
@@ -224,6 +237,43 @@ class _Search:
                 if all(a < b for a, b in zip(cuts, cuts[1:])):
                     out.append(tuple(zip(cuts[:-1], cuts[1:])))
         return out
+
+    # --- lower bounds -----------------------------------------------------------------------------
+    def _paths(self, c: _Context, cands) -> tuple[np.ndarray, float]:
+        """(P, hop): P[s] = fastest forward of layers [0, s), plus their fastest full backward except
+        for zero-bubble (its ranks end with deferred Ws, which may overlap the drain); hop = p2p."""
+        key = (self.world // c.pp, c.m, c.schedule == "zero_bubble")
+        if key not in self.paths:
+            f = {k: float(np.min(x.costs.fwd)) for k, x in cands.items()}
+            b = {k: float(np.min(x.costs.bwd)) for k, x in cands.items()}
+            drain = c.schedule != "zero_bubble"
+            per = [f[k] + (b[k] if drain else 0.0) for k in self.kind_of]
+            hop = 0.0
+            if c.pp > 1:
+                ctx = StepContext(cluster=self.cluster, workload=self.workload, stage_size=self.world // c.pp,
+                                  micro_batch_seqs=self.workload.global_batch // c.m)
+                hop = (2.0 if drain else 1.0) * pipeline_p2p_time(max(x.hidden for x in self.model.layers), ctx)
+            self.paths[key] = (np.concatenate([[0.0], np.cumsum(per)]), hop)
+        return self.paths[key]
+
+    def _rank_bound(self, c: _Context, cands, counts: tuple[int, ...], start: int, r: int) -> float:
+        """Lower bound on the step from pipeline rank r holding `counts` layers of each kind, its
+        first chunk starting at layer `start`: the first micro-batch must reach it and the last
+        gradient leave it (`_paths`), and in between it runs m micro-batches of its layers and then
+        its tail, at least the LP relaxation of its memory knapsack (space.lp_time_bound) with its
+        largest unavoidable buffer set aside. Infinite when the rank cannot fit."""
+        k = in_flight(c.schedule, c.pp, r, c.m, c.v)
+        key = (self.world // c.pp, c.m, k, counts)  # `_partition` reads this cache directly
+        if key not in self.lp_cache:
+            kinds = [(n, kd) for kd, n in zip(self.kinds, counts) if n]
+            room = self.budget - max(float(np.min(cands[kd].costs.buf)) for _, kd in kinds)
+            hulls = [(n, self._hull(c, kd, k, cands)) for n, kd in kinds]
+            self.lp_cache[key] = lp_time_bound(hulls, room)
+        P, hop = self._paths(c, cands)
+        return float(P[start]) + r * hop + self.lp_cache[key]
+
+    def _counts(self, ranges) -> tuple[int, ...]:
+        return tuple(int(x) for x in sum(self.kind_prefix[e] - self.kind_prefix[s] for s, e in ranges))
 
     # --- one context ----------------------------------------------------------------------------
     def _chunk_bound(self, cands, split, c: _Context, p2p: float) -> float:
@@ -242,7 +292,8 @@ class _Search:
         for r in range(pp):
             mine = range(r, len(split), pp)
             work = c.m * sum(F[i] + Bk[i] + W[i] for i in mine)
-            before = sum(F[i] + Bk[i] for i in range(r)) + 2 * r * p2p
+            drain = c.schedule != "zero_bubble"  # zero-bubble ranks may drain under deferred Ws
+            before = sum(F[i] + (Bk[i] if drain else 0.0) for i in range(r)) + (2 if drain else 1) * r * p2p
             best = max(best, before + work)
             tail = max(tail, sum(S[i] for i in mine))
         return best + tail
@@ -251,21 +302,48 @@ class _Search:
         return [split[i] for i in range(r, len(split), c.pp)]
 
     def _split_bound(self, c: _Context, cands, split, p2p: float) -> float:
-        """max(path bound of `_chunk_bound`, per-rank LP relaxation of the memory knapsack)."""
+        """max(path bound of `_chunk_bound`, the largest `_rank_bound`)."""
         bound = self._chunk_bound(cands, split, c, p2p)
         for r in range(c.pp):
-            k = in_flight(c.schedule, c.pp, r, c.m, c.v)
-            counts: dict[int, int] = {}
-            for s, e in self._rank_layers(c, split, r):
-                for i in range(s, e):
-                    counts[self.kind_of[i]] = counts.get(self.kind_of[i], 0) + 1
-            kinds = [(cnt, self._hull(c, kd, k, cands)) for kd, cnt in counts.items()]
-            bound = max(bound, lp_time_bound(kinds, self.budget))
+            ranges = self._rank_layers(c, split, r)
+            counts = self._counts(ranges)
+            bound = max(bound, self._rank_bound(c, cands, counts, ranges[0][0], r))
             if bound == np.inf:
                 if not self.scored:
-                    self._note_infeasible_lp(c, cands, kinds)
+                    self._note_infeasible_lp(c, cands, counts, r)
                 break
         return bound
+
+    def _partition(self, c: _Context) -> list[tuple[float, tuple]]:
+        """The split minimising the largest `_rank_bound` (partition.min_max_partition): stage
+        boundaries chosen with the memory each stage's strategies need, not only its compute.
+        Only splits that beat the balanced one (already queued) and the best plan are looked for."""
+        n, B = self.world // c.pp, self.workload.global_batch // c.m
+        cands = self._candidates(n, B)
+        upper = self.scored[0].step / (1 + self.opts.optimality_gap) if self.scored else np.inf
+        weights = [float(np.min(cands[k].costs.fwd + cands[k].costs.bwd)) for k in self.kind_of]
+        balanced = balanced_stages(weights, c.pp)
+        upper = min(upper, max(self._rank_bound(c, cands, self._counts([se]), se[0], r)
+                               for r, se in enumerate(balanced)))
+        P, hop = self._paths(c, cands)
+        prefix = [tuple(int(x) for x in row) for row in self.kind_prefix]
+        ks = [in_flight(c.schedule, c.pp, r, c.m, c.v) for r in range(c.pp)]
+        lp = self.lp_cache
+
+        def cost(r: int, s: int, e: int) -> float:
+            counts = tuple(a - b for a, b in zip(prefix[e], prefix[s]))
+            value = lp.get((n, c.m, ks[r], counts))
+            if value is None:
+                return self._rank_bound(c, cands, counts, s, r)
+            return float(P[s]) + r * hop + value
+
+        _, split = min_max_partition(len(self.model.layers), c.pp, cost, upper)
+        if split is None or split == balanced:
+            return []
+        self.stats["splits"] += 1
+        ctx = StepContext(cluster=self.cluster, workload=self.workload, stage_size=n, micro_batch_seqs=B)
+        p2p = pipeline_p2p_time(max(x.hidden for x in self.model.layers), ctx)
+        return [(self._split_bound(c, cands, split, p2p), split)]
 
     def _hull(self, c: _Context, kind: int, k: float, cands) -> list[tuple[float, float]]:
         key = (self.world // c.pp, self.workload.global_batch // c.m, c.m, kind, k)
@@ -393,8 +471,8 @@ class _Search:
                 heapq.heappush(heap, (bound, seq, c, split))  # kept for the runner-up
                 seq += 1
                 break
-            if split is None:
-                for lb, sp in self._expand(c, hidden):
+            if split is None or split == "partition":
+                for lb, sp in (self._expand(c, hidden) if split is None else self._partition(c)):
                     heapq.heappush(heap, (lb, seq, c, sp))
                     seq += 1
             else:
@@ -406,9 +484,8 @@ class _Search:
         while heap and extra < self.opts.runner_ups and popped < 50 and not self._has_runner_up():
             popped += 1
             _, _, c, split = heapq.heappop(heap)
-            if split is None:
-                heap_items = self._expand(c, hidden)
-                for lb, sp in heap_items:
+            if split is None or split == "partition":
+                for lb, sp in (self._expand(c, hidden) if split is None else self._partition(c)):
                     heapq.heappush(heap, (lb, seq, c, sp))
                     seq += 1
             else:
@@ -443,8 +520,10 @@ class _Search:
                 worst = (r, total)
         return worst
 
-    def _expand(self, c: _Context, hidden: int) -> list[tuple[float, tuple]]:
-        """A context's splits with their lower bounds (infeasible ones dropped)."""
+    def _expand(self, c: _Context, hidden: int) -> list[tuple[float, object]]:
+        """A context's splits with their lower bounds (infeasible ones dropped); where there are
+        too many to list, the balanced one and a "partition" item (`_partition`, run when its
+        bound comes up) for pipelines of one chunk per rank."""
         self.stats["contexts"] += 1
         n, B = self.world // c.pp, self.workload.global_batch // c.m
         cands = self._candidates(n, B)
@@ -452,14 +531,21 @@ class _Search:
             return []
         ctx = StepContext(cluster=self.cluster, workload=self.workload, stage_size=n, micro_batch_seqs=B)
         p2p = pipeline_p2p_time(hidden, ctx) if c.pp > 1 else 0.0
-        splits = self._splits(cands, c.pp * c.v)
-        out = []
+        splits, complete = self._splits(cands, c.pp * c.v)
+        out: list[tuple[float, object]] = []
         for sp in splits:
             self.stats["splits"] += 1
             lb = self._split_bound(c, cands, sp, p2p)
             if lb < np.inf:
                 out.append((lb, sp))
-        if not out and len(splits) == 1 and c.pp * c.v <= self.opts.shifted_splits_up_to:
+        if complete:
+            return out
+        if c.v == 1:
+            # Any split: the ranks' total work and tails shared by pp ranks, and the compute estimate.
+            work = sum(float(np.min(c.m * (cands[k].costs.fwd + cands[k].costs.bwd) + cands[k].costs.step))
+                       for k in self.kind_of)
+            out.append((max(c.estimate, work / c.pp), "partition"))
+        elif not out and c.pp * c.v <= self.opts.shifted_splits_up_to:
             for sp in self._shifted(splits[0]):  # the balanced cut does not fit: move a boundary
                 self.stats["splits"] += 1
                 lb = self._split_bound(c, cands, sp, p2p)
@@ -471,8 +557,12 @@ class _Search:
         mine = structure(self.scored[0].plan)
         return any(structure(x.plan) != mine for x in self.scored[1:])
 
-    def _note_infeasible_lp(self, c: _Context, cands, kinds) -> None:
-        need = sum(n * pts[0][0] for n, pts in kinds) + self.cluster.device.reserved_bytes
+    def _note_infeasible_lp(self, c: _Context, cands, counts: tuple[int, ...], r: int) -> None:
+        """Remember the smallest memory rank r could need with these layers."""
+        k = in_flight(c.schedule, c.pp, r, c.m, c.v)
+        kinds = [(n, kd) for kd, n in zip(self.kinds, counts) if n]
+        need = (sum(n * self._hull(c, kd, k, cands)[0][0] for n, kd in kinds)
+                + max(float(np.min(cands[kd].costs.buf)) for _, kd in kinds) + self.cluster.device.reserved_bytes)
         self._record_infeasible(need, c, cands)
 
     def _no_plan(self) -> NoFeasiblePlanError:
