@@ -395,8 +395,10 @@ class _Search:
         if not pred.fits:  # cannot happen: the DP enforces the same memory model
             log.warning("search produced a plan that does not fit; skipped")
             return
-        plan = plan.model_copy(update={"prediction": pred})
-        self.scored.append(_Scored(pred.step_time_s, plan))
+        self._record(plan.model_copy(update={"prediction": pred}))
+
+    def _record(self, plan: Plan) -> None:
+        self.scored.append(_Scored(plan.prediction.step_time_s, plan))
         self.scored.sort(key=lambda x: x.step)
         del self.scored[50:]
 
@@ -422,6 +424,10 @@ class _Search:
         return slots
 
     def _assemble(self, c, B, split, choice, cands) -> Plan | None:
+        pipe = PipelineSpec(degree=c.pp, schedule=Schedule(c.schedule), virtual_stages=c.v, stages=split)
+        return self._assemble_plan(pipe, c.m, B, choice, cands)
+
+    def _assemble_plan(self, pipe: PipelineSpec, m: int, B: int, choice, cands) -> Plan | None:
         layers = tuple(cands[self.kind_of[i]].table.get(j) for i, j in enumerate(choice))
         dp_batch = max(s.dp for s in layers)
         mbs = B // dp_batch
@@ -430,10 +436,7 @@ class _Search:
         if any(dp_batch % s.dp for s in layers):  # e.g. dp 4 and 6 in a stage of 12: no common batch split
             return None
         return Plan(name="tessera", model=self.model, cluster=self.cluster, workload=self.workload,
-                    micro_batch_size=mbs, num_micro_batches=c.m,
-                    pipeline=PipelineSpec(degree=c.pp, schedule=Schedule(c.schedule), virtual_stages=c.v,
-                                          stages=split),
-                    layers=layers)
+                    micro_batch_size=mbs, num_micro_batches=m, pipeline=pipe, layers=layers)
 
     def _note_infeasible(self, slots: list[Slot], c: _Context, cands) -> None:
         """Remember the smallest memory any rank assignment of this context could need."""
