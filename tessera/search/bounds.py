@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..cost.layer import StepContext, pipeline_p2p_time
-from ..cost.schedule import in_flight
+from ..cost.schedule import in_flight, simulate
 from .partition import balanced_stages, min_max_partition
 from .space import lower_hull, lp_time_bound
 
@@ -29,7 +29,6 @@ class Context:
     schedule: str = field(compare=False)
     v: int = field(compare=False)
     bubble: float = field(compare=False, default=0.0)
-
 
 
 class SplitBounds:
@@ -95,11 +94,27 @@ class SplitBounds:
             tail = max(tail, sum(S[i] for i in mine))
         return best + tail
 
+    def _simulated_bound(self, cands, split, c: Context, p2p: float) -> float:
+        """The schedule simulated with every layer at its fastest forward, backward and weight
+        gradient, plus the largest rank's fastest tail: a valid lower bound (the makespan only
+        grows with any operation's duration) that, unlike the path bounds, sees the bubbles."""
+        f = {k: float(np.min(x.costs.fwd)) for k, x in cands.items()}
+        b = {k: float(np.min(x.costs.bwd - x.costs.wgrad)) for k, x in cands.items()}
+        w = {k: float(np.min(x.costs.wgrad)) for k, x in cands.items()}
+        st = {k: float(np.min(x.costs.step)) for k, x in cands.items()}
+        F = [sum(f[self.kind_of[i]] for i in range(s, e)) for s, e in split]
+        W = [sum(w[self.kind_of[i]] for i in range(s, e)) for s, e in split]
+        Bk = [sum(b[self.kind_of[i]] for i in range(s, e)) + x for (s, e), x in zip(split, W)]
+        tail = max(sum(st[self.kind_of[i]] for s, e in self._rank_layers(c, split, r) for i in range(s, e))
+                   for r in range(c.pp))
+        return simulate(c.schedule, F, Bk, c.m, c.pp, c.v, p2p, W).step_time + tail
+
     def _rank_layers(self, c: Context, split, r: int) -> list[tuple[int, int]]:
         return [split[i] for i in range(r, len(split), c.pp)]
 
     def _split_bound(self, c: Context, cands, split, p2p: float) -> float:
-        """max(path bound of `_chunk_bound`, the largest `_rank_bound`)."""
+        """max(path bound of `_chunk_bound`, the largest `_rank_bound`), of the step as evaluate()
+        gives it (the simulated step divided by the oversubscription of time-shared cores)."""
         bound = self._chunk_bound(cands, split, c, p2p)
         for r in range(c.pp):
             ranges = self._rank_layers(c, split, r)
@@ -109,7 +124,7 @@ class SplitBounds:
                 if not self.scored:
                     self._note_infeasible_lp(c, cands, counts, r)
                 break
-        return bound
+        return bound / self.over
 
     def _partition(self, c: Context) -> list[tuple[float, tuple]]:
         """The split minimising the largest `_rank_bound` (partition.min_max_partition): stage
@@ -117,7 +132,7 @@ class SplitBounds:
         Only splits that beat the balanced one (already queued) and the best plan are looked for."""
         n, B = self.world // c.pp, self.workload.global_batch // c.m
         cands = self._candidates(n, B)
-        upper = self.scored[0].step / (1 + self.opts.optimality_gap) if self.scored else np.inf
+        upper = self.scored[0].step * self.over / (1 + self.opts.optimality_gap) if self.scored else np.inf
         weights = [float(np.min(cands[k].costs.fwd + cands[k].costs.bwd)) for k in self.kind_of]
         balanced = balanced_stages(weights, c.pp)
         upper = min(upper, max(self._rank_bound(c, cands, self._counts([se]), se[0], r)
@@ -134,7 +149,8 @@ class SplitBounds:
                 return self._rank_bound(c, cands, counts, s, r)
             return float(P[s]) + r * hop + value
 
-        _, split = min_max_partition(len(self.model.layers), c.pp, cost, upper)
+        value, split = min_max_partition(len(self.model.layers), c.pp, cost, upper)
+        self.proven = min(self.proven, min(value, upper) / self.over)  # every split of the context (planner.run)
         if split is None or split == balanced:
             return []
         self.stats["splits"] += 1

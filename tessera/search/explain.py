@@ -45,6 +45,12 @@ def explain(best: Plan, scored: list[tuple[float, Plan]], stats: dict, unconstra
         nb = stats["next_bound"]
         lines.append(f"runner-up: no other structure came close; every remaining choice is bounded at "
                      f">= {nb:.3f} s/step (+{(nb / scored[0][0] - 1):.1%})")
+    if "lower_bound" in stats:
+        lb = stats["lower_bound"]
+        within = scored[0][0] / lb - 1 if lb > 0 else float("inf")
+        lines.append("optimality: proved optimal in the search space" if within <= 1e-9 else
+                     f"optimality: within {within:.2%} of the best plan of the search space, proved: no plan "
+                     f"of it is faster than {lb:.4g} s/step")
     peak = p.peak_memory
     rank = int(np.argmax([m.total for m in p.stage_memory]))
     dev = best.cluster.device.memory_bytes
