@@ -40,8 +40,8 @@ class SplitBounds:
         for zero-bubble (its ranks end with deferred Ws, which may overlap the drain); hop = p2p."""
         key = (self.world // c.pp, c.m, c.schedule == "zero_bubble")
         if key not in self.paths:
-            f = {k: float(np.min(x.costs.fwd)) for k, x in cands.items()}
-            b = {k: float(np.min(x.costs.bwd)) for k, x in cands.items()}
+            f = {k: x.fastest["fwd"] for k, x in cands.items()}
+            b = {k: x.fastest["bwd"] for k, x in cands.items()}
             drain = c.schedule != "zero_bubble"
             per = [f[k] + (b[k] if drain else 0.0) for k in self.kind_of]
             hop = 0.0
@@ -62,7 +62,7 @@ class SplitBounds:
         key = (self.world // c.pp, c.m, k, counts)  # `_partition` reads this cache directly
         if key not in self.lp_cache:
             kinds = [(n, kd) for kd, n in zip(self.kinds, counts) if n]
-            room = self.budget - max(float(np.min(cands[kd].costs.buf)) for _, kd in kinds)
+            room = self.budget - max(cands[kd].fastest["buf"] for _, kd in kinds)
             hulls = [(n, self._hull(c, kd, k, cands)) for n, kd in kinds]
             self.lp_cache[key] = lp_time_bound(hulls, room)
         P, hop = self._paths(c, cands)
@@ -74,10 +74,7 @@ class SplitBounds:
     # --- one context ----------------------------------------------------------------------------
     def _chunk_bound(self, cands, split, c: Context, p2p: float) -> float:
         """Valid lower bound on the step for this split (per-layer minimal times)."""
-        f = {k: float(np.min(x.costs.fwd)) for k, x in cands.items()}
-        b = {k: float(np.min(x.costs.bwd - x.costs.wgrad)) for k, x in cands.items()}
-        w = {k: float(np.min(x.costs.wgrad)) for k, x in cands.items()}
-        st = {k: float(np.min(x.costs.step)) for k, x in cands.items()}
+        f, b, w, st = ({k: x.fastest[t] for k, x in cands.items()} for t in ("fwd", "bonly", "wgrad", "step"))
         F = [sum(f[self.kind_of[i]] for i in range(s, e)) for s, e in split]
         Bk = [sum(b[self.kind_of[i]] for i in range(s, e)) for s, e in split]
         W = [sum(w[self.kind_of[i]] for i in range(s, e)) for s, e in split]
@@ -98,16 +95,20 @@ class SplitBounds:
         """The schedule simulated with every layer at its fastest forward, backward and weight
         gradient, plus the largest rank's fastest tail: a valid lower bound (the makespan only
         grows with any operation's duration) that, unlike the path bounds, sees the bubbles."""
-        f = {k: float(np.min(x.costs.fwd)) for k, x in cands.items()}
-        b = {k: float(np.min(x.costs.bwd - x.costs.wgrad)) for k, x in cands.items()}
-        w = {k: float(np.min(x.costs.wgrad)) for k, x in cands.items()}
-        st = {k: float(np.min(x.costs.step)) for k, x in cands.items()}
+        f, b, w, st = ({k: x.fastest[t] for k, x in cands.items()} for t in ("fwd", "bonly", "wgrad", "step"))
         F = [sum(f[self.kind_of[i]] for i in range(s, e)) for s, e in split]
         W = [sum(w[self.kind_of[i]] for i in range(s, e)) for s, e in split]
         Bk = [sum(b[self.kind_of[i]] for i in range(s, e)) + x for (s, e), x in zip(split, W)]
         tail = max(sum(st[self.kind_of[i]] for s, e in self._rank_layers(c, split, r) for i in range(s, e))
                    for r in range(c.pp))
         return simulate(c.schedule, F, Bk, c.m, c.pp, c.v, p2p, W).step_time + tail
+
+    def _balanced(self, cands, chunks: int) -> tuple[tuple[int, int], ...]:
+        """The split balancing each layer's fastest forward + backward (cached per candidate set)."""
+        key = (id(cands), chunks)
+        if key not in self.balanced:
+            self.balanced[key] = balanced_stages([cands[k].fastest["fb"] for k in self.kind_of], chunks)
+        return self.balanced[key]
 
     def _rank_layers(self, c: Context, split, r: int) -> list[tuple[int, int]]:
         return [split[i] for i in range(r, len(split), c.pp)]
@@ -133,8 +134,7 @@ class SplitBounds:
         n, B = self.world // c.pp, self.workload.global_batch // c.m
         cands = self._candidates(n, B)
         upper = self.scored[0].step * self.over / (1 + self.opts.optimality_gap) if self.scored else np.inf
-        weights = [float(np.min(cands[k].costs.fwd + cands[k].costs.bwd)) for k in self.kind_of]
-        balanced = balanced_stages(weights, c.pp)
+        balanced = self._balanced(cands, c.pp)
         upper = min(upper, max(self._rank_bound(c, cands, self._counts([se]), se[0], r)
                                for r, se in enumerate(balanced)))
         P, hop = self._paths(c, cands)
@@ -170,5 +170,5 @@ class SplitBounds:
         k = in_flight(c.schedule, c.pp, r, c.m, c.v)
         kinds = [(n, kd) for kd, n in zip(self.kinds, counts) if n]
         need = (sum(n * self._hull(c, kd, k, cands)[0][0] for n, kd in kinds)
-                + max(float(np.min(cands[kd].costs.buf)) for _, kd in kinds) + self.cluster.device.reserved_bytes)
+                + max(cands[kd].fastest["buf"] for _, kd in kinds) + self.cluster.device.reserved_bytes)
         self._record_infeasible(need, c, cands)

@@ -87,9 +87,8 @@ from .bounds import SplitBounds
 from .dp import Slot, solve_rank
 from .explain import explain, structure
 from .limits import check_search_size
-from .partition import balanced_stages
-from .space import (Candidates, SearchOptions, candidate_table, divisors, dominated_on_rank, prune_dominated,
-                    space_notes, virtual_stage_options)
+from .space import (Candidates, SearchOptions, candidate_table, divisors, dominated_on_rank, fastest_costs,
+                    prune_dominated, space_notes, virtual_stage_options)
 
 log = logging.getLogger(__name__)
 GiB = 2**30
@@ -125,6 +124,7 @@ class _Search(SplitBounds):
         self.dp_cache: dict[tuple, tuple] = {}
         self.hulls: dict[tuple, list] = {}
         self.paths: dict[tuple, tuple] = {}
+        self.balanced: dict[tuple, tuple] = {}
         self.lp_cache: dict[tuple, float] = {}
         self.kinds = sorted(set(self.kind_of))
         onehot = np.eye(len(self.kinds), dtype=np.int64)[[self.kinds.index(k) for k in self.kind_of]]
@@ -203,7 +203,8 @@ class _Search(SplitBounds):
                    zip(table.dp, table.tp, table.sp, table.megatron)]
             for x in lay:
                 layouts.setdefault(x, len(layouts))
-            out[kind] = Candidates(table=table, costs=costs, layout=lay)
+            out[kind] = Candidates(table=table, costs=costs, layout=lay,
+                                   fastest=fastest_costs(costs, self.workload.global_batch // B))
         hidden = max(layer.hidden for layer in self.model.layers)
         names = list(layouts)
         trans = transition_matrix(hidden, names, ctx)
@@ -221,8 +222,7 @@ class _Search(SplitBounds):
             from itertools import combinations
 
             return [tuple(zip((0,) + cut, cut + (L,))) for cut in combinations(range(1, L), chunks - 1)], True
-        weights = [float(np.min(cands[k].costs.fwd + cands[k].costs.bwd)) for k in self.kind_of]
-        return [balanced_stages(weights, chunks)], False
+        return [self._balanced(cands, chunks)], False
 
     def _shifted(self, split) -> list[tuple[tuple[int, int], ...]]:
         """`split` with each boundary moved by one layer (memory is uneven across ranks:
@@ -451,8 +451,7 @@ class _Search(SplitBounds):
             return out
         # Any split: the ranks' total work and tails shared by pp ranks (evaluate's step is at least their
         # mean even on time-shared cores), and the compute estimate.
-        work = sum(float(np.min(c.m * (cands[k].costs.fwd + cands[k].costs.bwd) + cands[k].costs.step))
-                   for k in self.kind_of)
+        work = sum(cands[k].fastest["work"] for k in self.kind_of)
         if c.v == 1:
             out.append((max(c.estimate / self.over, work / c.pp), "partition"))
             return out

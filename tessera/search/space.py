@@ -226,6 +226,15 @@ class Candidates:
     costs: LayerCosts
     layout: list[tuple[int, int, int, bool]] = field(default_factory=list)
     pruned: int = 0
+    fastest: dict[str, float] = field(default_factory=dict)  # smallest value of each cost (`fastest_costs`)
+
+
+def fastest_costs(costs: LayerCosts, m: int) -> dict[str, float]:
+    """The smallest value of every cost term over the candidates (each alone, for lower bounds)."""
+    return {"fwd": float(np.min(costs.fwd)), "bwd": float(np.min(costs.bwd)),
+            "bonly": float(np.min(costs.bwd - costs.wgrad)), "wgrad": float(np.min(costs.wgrad)),
+            "step": float(np.min(costs.step)), "buf": float(np.min(costs.buf)),
+            "fb": float(np.min(costs.fwd + costs.bwd)), "work": float(np.min(m * (costs.fwd + costs.bwd) + costs.step))}
 
 
 def prune_dominated(table: StrategyTable, costs: LayerCosts) -> np.ndarray:
