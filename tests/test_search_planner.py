@@ -106,10 +106,11 @@ def test_tp_groups_that_would_straddle_nodes_are_left_out_and_the_plan_says_so()
 
 
 def test_ulysses_is_bounded_by_the_kv_heads():
-    model = get_model("llama3-70b")  # 64 heads, 8 KV heads
-    cluster = make_cluster("h100-80gb", 32, 16)  # 16 GPUs per node: a 16-way Ulysses group would fit
-    wl = Workload(global_batch=32, seq_len=8192)
-    plan = search(model, cluster, wl, SearchOptions(schedules=("1f1b",), max_pp=2))
+    cfg = MID.model_copy(update={"num_heads": 32, "num_kv_heads": 8, "num_layers": 4})  # 32 heads, 8 KV heads
+    model = ModelSpec.from_config(cfg)
+    cluster = make_cluster("h100-80gb", 16, 16)  # 16 GPUs per node: a 16-way Ulysses group would fit
+    wl = Workload(global_batch=16, seq_len=8192)
+    plan = search(model, cluster, wl, SearchOptions(max_pp=1))
     assert all((8 // s.tp) % s.sp_degree == 0 for s in plan.layers)
     assert "space: Ulysses degrees beyond the 8 KV heads (16) left out" in "\n".join(plan.search.explanation)
     with pytest.raises(ValueError, match=r"^ulysses=16 must divide the 8 KV heads of a tensor-parallel rank"):
