@@ -103,6 +103,17 @@ class SplitBounds:
                    for r in range(c.pp))
         return simulate(c.schedule, F, Bk, c.m, c.pp, c.v, p2p, W).step_time + tail
 
+    def _any_split_bound(self, c: Context, cands) -> float:
+        """A lower bound for every split of the context: the ranks' busy time and tails are at
+        least their mean (evaluate's step is at least that mean even on time-shared cores), and
+        their sum is at least the LP relaxation of all layers' knapsack over the pp ranks' memory
+        together, each layer costed at the fewest in-flight micro-batches of any rank."""
+        k = min(in_flight(c.schedule, c.pp, r, c.m, c.v) for r in range(c.pp))
+        counts = self._counts([(0, len(self.model.layers))])
+        kinds = [(n, kd) for kd, n in zip(self.kinds, counts) if n]
+        room = self.budget - max(cands[kd].fastest["buf"] for _, kd in kinds)
+        return lp_time_bound([(n, self._hull(c, kd, k, cands)) for n, kd in kinds], c.pp * room) / c.pp
+
     def _balanced(self, cands, chunks: int) -> tuple[tuple[int, int], ...]:
         """The split balancing each layer's fastest forward + backward (cached per candidate set)."""
         key = (id(cands), chunks)

@@ -449,13 +449,11 @@ class _Search(SplitBounds):
                 out.append((lb, sp))
         if complete:
             return out
-        # Any split: the ranks' total work and tails shared by pp ranks (evaluate's step is at least their
-        # mean even on time-shared cores), and the compute estimate.
-        work = sum(cands[k].fastest["work"] for k in self.kind_of)
+        anywhere = max(c.estimate / self.over, self._any_split_bound(c, cands))
         if c.v == 1:
-            out.append((max(c.estimate / self.over, work / c.pp), "partition"))
+            out.append((anywhere, "partition"))
             return out
-        self.proven = min(self.proven, max(c.estimate / self.over, work / c.pp))  # the splits not queued
+        self.proven = min(self.proven, anywhere)  # the splits not queued
         if not out and c.pp * c.v <= self.opts.shifted_splits_up_to:
             for sp in self._shifted(splits[0]):  # the balanced cut does not fit: move a boundary
                 self.stats["splits"] += 1
