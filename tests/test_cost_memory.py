@@ -98,3 +98,77 @@ def test_expert_parallelism_divides_expert_states_only():
     p8, _, _ = model_state_bytes(layer, wl, 1, 8, 0, 1, 1, False)
     assert p1 == pytest.approx(2 * layer.params)
     assert p8 == pytest.approx(2 * (layer.dense_params + layer.expert_params / 8))
+
+
+def test_fragmentation_and_margin_are_explicit():
+    from tessera.cost.memory import memory_budget, required_memory
+
+    c = make_cluster("h100-80gb", 8)
+    plan = manual_plan(get_model("llama2-7b"), c, Workload(global_batch=8, seq_len=4096), zero=3)
+    mem = plan.prediction.stage_memory[0]
+    allocated = mem.params + mem.grads + mem.optimizer + mem.activations + mem.buffers - c.device.reserved_bytes
+    assert mem.fragmentation == pytest.approx(0.10 * allocated)
+    assert mem.total == pytest.approx(required_memory(allocated, c)) == pytest.approx(1.1 * allocated + 2 * 2**30)
+    # The planner's budget for allocated bytes: (80 GiB x 0.95 - 2 GiB) / 1.1.
+    assert memory_budget(c) == pytest.approx((80 * 2**30 * 0.95 - 2 * 2**30) / 1.1)
+    tight = c.model_copy(update={"device": c.device.model_copy(update={"memory_bytes": mem.total / 0.96})})
+    wl = Workload(global_batch=8, seq_len=4096)
+    assert not manual_plan(get_model("llama2-7b"), tight, wl, zero=3).prediction.fits
+    free = tight.model_copy(update={"memory_margin": 0.0})
+    assert manual_plan(get_model("llama2-7b"), free, wl, zero=3).prediction.fits
+
+
+def test_searched_plans_keep_the_margin():
+    from tessera.search import search
+
+    for gpus, batch in ((8, 64), (64, 512)):
+        c = make_cluster("h100-80gb", gpus)
+        plan = search(get_model("llama2-7b"), c, Workload(global_batch=batch, seq_len=4096))
+        assert plan.prediction.peak_memory <= 0.95 * c.device.memory_bytes
+
+
+def test_tied_embeddings_are_counted_once_per_rank_that_holds_them():
+    m = get_model("gpt2")
+    head = m.layers[-1]
+    assert head.tied_params == 50257 * 768 and head.params == head.tied_params + 2 * 768
+    assert m.num_params == 124_439_808
+    wl = Workload(global_batch=8, seq_len=1024)
+    one = manual_plan(m, make_cluster("h100-80gb", 1), wl).prediction.stage_memory
+    assert one[0].params == pytest.approx(2 * m.num_params)  # pp = 1: the shared weight once
+    two = manual_plan(m, make_cluster("h100-80gb", 2), wl, pp=2).prediction.stage_memory
+    assert two[0].params + two[1].params == pytest.approx(2 * (m.num_params + head.tied_params))  # a copy
+
+
+def test_offload_keeps_shards_on_the_host():
+    layer = get_model("llama2-7b").layers[1]
+    wl = Workload(global_batch=8, seq_len=4096)
+    n, S = layer.params, 8
+    p, g, o = model_state_bytes(layer, wl, tp=np.array([1] * 3), ep=np.array([1] * 3), zero=np.array([1, 2, 3]),
+                                shard=np.array([S] * 3), expert_shard_deg=np.array([S] * 3),
+                                offload=np.ones(3, bool))
+    # Unsharded copies only: parameters below ZeRO-3, gradients below ZeRO-2; no optimizer state.
+    assert list(p) == pytest.approx([2 * n, 2 * n, 0.0])
+    assert list(g) == pytest.approx([2 * n, 0.0, 0.0])
+    assert list(o) == pytest.approx([0.0, 0.0, 0.0])
+    c = make_cluster("h100-80gb", 8)
+    ctx = StepContext(cluster=c, workload=wl, stage_size=8, micro_batch_seqs=8)
+    t = StrategyTable.build([LayerStrategy(dp=8, zero=3), LayerStrategy(dp=8, zero=3, offload_optimizer=True)])
+    costs = layer_costs(layer, t, ctx)
+    assert costs.host[0] == 0 and costs.host[1] == pytest.approx((2 + 2 + 12) * n / S)
+    # The AdamW step on the host: (2 ob + 2 pb) bytes per local parameter at host DRAM bandwidth.
+    assert costs.optimizer_time[1] == pytest.approx(28 * n / S / c.host_memory_bandwidth)
+    # H2D before each all-gather (2 per micro-batch), D2H after the reduce-scatter: on the backward.
+    assert costs.bwd[1] > costs.bwd[0]
+
+
+def test_offload_beyond_host_memory_does_not_fit():
+    from tessera.search import NoFeasiblePlanError, search
+
+    wl = Workload(global_batch=8, seq_len=4096)
+    plan = manual_plan(get_model("llama3-405b"), make_cluster("h100-80gb", 8), wl, zero=3, offload=True,
+                       recompute="full")
+    mem = plan.prediction.stage_memory[0]
+    assert mem.params == 0 and mem.host == pytest.approx(16 * get_model("llama3-405b").num_params / 8, rel=1e-3)
+    assert not plan.prediction.fits  # 810 GB per GPU against 256 GiB of host memory
+    with pytest.raises(NoFeasiblePlanError):
+        search(get_model("llama3-405b"), make_cluster("h100-80gb", 8), wl)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tessera.errors import TesseraError
+from tessera.models.attention import document_causal_mask
 from tessera.models.transformer import build_model
 from tessera.runtime import data
 from tessera.runtime.data import build_dataloader, play_scenes
@@ -106,7 +107,7 @@ def test_packed_batch_equals_documents_one_by_one(short_docs_dir):
                                                             ffn_hidden=48, num_layers=2))
         model = build_model(cfg, seed=1).eval()
         with torch.no_grad():
-            packed = model(batch.tokens, positions=batch.positions, mask=batch.doc_mask())
+            packed = model(batch.tokens, positions=batch.positions, doc_ids=batch.doc_ids)
             for row in range(batch.tokens.shape[0]):
                 for doc in batch.doc_ids[row].unique():
                     cols = (batch.doc_ids[row] == doc).nonzero().squeeze(1)
@@ -114,7 +115,7 @@ def test_packed_batch_equals_documents_one_by_one(short_docs_dir):
                     torch.testing.assert_close(packed[row, cols], alone[0], atol=2e-5, rtol=1e-5)
 
 
-def test_positions_mask_and_lengths():
+def test_positions_doc_ids_and_lengths():
     stream = data.TokenStream([np.array([5, EOT_ID, 7, 8, EOT_ID, 9, 10, 11, 12], dtype=np.uint16),
                                np.array([1, 2, 3, 4, 5, 6, 7], dtype=np.uint16)], "t")
     loader = data.TokenLoader(stream, seq_len=15, global_batch=1, shuffle=False)
@@ -123,12 +124,13 @@ def test_positions_mask_and_lengths():
     assert b.positions.tolist() == [[0, 0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5]]
     assert b.seq_lens == [[1, 3, 5, 6]]
     assert b.cu_seqlens().tolist() == [0, 1, 4, 9, 15]
-    mask = b.doc_mask()[0, 0]
+    assert b.doc_ids.tolist() == [[0, 1, 1, 1, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3]]
+    mask = document_causal_mask(b.doc_ids)[0, 0]
     assert mask.shape == (15, 15) and mask[3, 1] and not mask[4, 3] and not mask[1, 2]
     assert mask.sum() == sum(n * (n + 1) // 2 for n in [1, 3, 5, 6])
     plain = data.TokenLoader(stream, seq_len=15, global_batch=1, shuffle=False, pack=False).batch_at(0)
     assert plain.positions.tolist() == [list(range(15))] and plain.seq_lens == [[15]] and not plain.packed
-    assert torch.equal(plain.doc_mask()[0, 0], torch.ones(15, 15, dtype=torch.bool).tril())
+    assert torch.equal(document_causal_mask(plain.doc_ids)[0, 0], torch.ones(15, 15, dtype=torch.bool).tril())
 
 
 def test_same_global_batches_at_any_dp_size_and_exact_resume(short_docs_dir):

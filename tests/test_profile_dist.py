@@ -157,6 +157,12 @@ def test_validate_runs_plans_and_measures_what_the_cost_model_predicts(profiles,
     for r in data["results"]:
         assert len(r["ranks"]) == 2 and len(r["step_times"]) == 1 and r["measured_step_s"] > 0
         assert abs(r["peak_memory_error"]) < 0.05, r
+    # The allocator's peak for each plan: at least its states, and of the cost model's order.
+    for r in data["results"]:
+        for rank in r["ranks"]:
+            states = rank["params"] + rank["grads"] + rank["optimizer"]
+            assert states < rank["allocator_peak"] < 10 * max(r["predicted_allocated"]), r
+    assert "allocator peak predicted" in " ".join(log.split())
     zero3 = data["results"][1]["ranks"][0]
     dp = data["results"][0]["ranks"][0]
     assert zero3["params"] == pytest.approx(dp["params"] / 2, rel=0.05)  # ZeRO-3 shards over 2 ranks

@@ -3,7 +3,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from tessera.profile.memory import SavedActivationMeter, model_state_bytes
+from tessera.profile.measure.memory import SavedActivationMeter, model_state_bytes
 
 
 def test_saved_activations_are_counted_once_and_released_after_backward():
@@ -45,3 +45,21 @@ def test_model_state_bytes_counts_params_grads_and_optimizer_state():
     opt.step()
     n = sum(p.numel() for p in model.parameters()) * 4
     assert model_state_bytes([model], [opt]) == {"params": n, "grads": n, "optimizer": 2 * n}
+
+
+def test_allocator_window_counts_what_is_built_inside_and_its_peak_in_the_measured_step():
+    from tessera.profile.measure.validate import AllocatorWindow
+
+    before = torch.ones(1 << 20)  # 4 MiB allocated before the window: not the plan's
+    n = 256 * 1024  # 1 MiB of fp32
+    with AllocatorWindow(torch.device("cpu")) as window:
+        kept = torch.zeros(n)  # built inside: counted throughout
+        transient = torch.zeros(4 * n)  # freed before the measured step: not in its peak
+        del transient
+        with window.measured():
+            scratch = [torch.zeros(2 * n), torch.zeros(n)]  # 3 MiB on top of `kept`
+            del scratch
+            small = torch.zeros(n // 4)
+        del small, before
+    assert window.peak_bytes == 4 * n * 4
+    assert kept.numel() == n

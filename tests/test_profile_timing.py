@@ -1,7 +1,7 @@
 """How the model profiler times a run: windows of runs in a row, on a fake clock (one process)."""
 import pytest
 
-from tessera.profile import model as profiler
+from tessera.profile.measure import model as profiler
 
 
 class _FakeRunner:

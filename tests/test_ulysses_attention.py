@@ -4,9 +4,10 @@ import pytest
 from tests.torchrun_util import ROOT, passed_checks, run_torchrun
 
 EXPECTED = {
-    "kv_repeats", "model_logits", "model_grads",
-    *(f"{case}_{what}" for case in ("mha_causal", "gqa_causal", "gqa_repeat_kv", "packed_mask",
-                                    "group_of_one", "swapped_to_pair")
+    "kv_repeats", "model_logits", "model_grads", "model_packed_logits", "model_packed_grads",
+    "sliced_doc_ids_refused", "flex_packed_docs_output", "trainer_ulysses_packed", "trainer_ulysses_dp_mix_packed",
+    *(f"{case}_{what}" for case in ("mha_causal", "gqa_causal", "gqa_repeat_kv", "packed_docs",
+                                    "many_docs_repeat_kv", "group_of_one", "swapped_to_pair")
       for what in ("output", "grad_q", "grad_k", "grad_v")),
 }
 

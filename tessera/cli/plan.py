@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     where.add_argument("--gpus-per-node", type=int, metavar="N", default=None,
                        help=f"GPUs per node (default {DEFAULT_GPUS_PER_NODE})")
     where.add_argument("--gpu", default=None, help=f"GPU kind (default {DEFAULT_GPU})")
+    where.add_argument("--memory-margin", type=float, metavar="FRACTION", default=None,
+                       help="share of device memory the planner leaves free (default 0.05, "
+                            "on top of the allocator's fragmentation and the framework reserve)")
     where.add_argument("--cluster", metavar="JSON", help="cluster spec JSON (tessera profile hardware); "
                                                          "--gpus resizes it")
     manual = p.add_argument_group("a hand-made plan (any of these skips the search)")
@@ -73,10 +76,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_cluster(args: argparse.Namespace):
     from ..search.limits import check_search_size
-    from ..spec.loaders import load_cluster
-    from ..spec.presets import make_cluster
 
     check_search_size(num_gpus=args.gpus)  # before anything counts them
+    cluster = _base_cluster(args)
+    margin = getattr(args, "memory_margin", None)
+    if margin is not None:
+        if not 0.0 <= margin < 1.0:
+            raise TesseraError(f"--memory-margin must be a fraction in [0, 1), got {margin}")
+        cluster = cluster.model_copy(update={"memory_margin": margin})
+    return cluster
+
+
+def _base_cluster(args: argparse.Namespace):
+    from ..spec.loaders import load_cluster
+    from ..spec.presets import make_cluster
 
     if args.cluster:
         if args.gpu or args.gpus_per_node:

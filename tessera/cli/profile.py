@@ -140,7 +140,7 @@ def _hardware(args) -> int:
     import torch.distributed as dist
 
     from ..profile.apply import write_atomic
-    from ..profile.hardware import HardwareOptions, detect_environment, planned_units, profile_hardware
+    from ..profile.measure.hardware import HardwareOptions, detect_environment, planned_units, profile_hardware
 
     opts = HardwareOptions(min_bytes=args.min_bytes, max_bytes=args.max_bytes, reps=args.reps,
                            matmul_size=args.matmul_size, name=args.name, statistic=args.statistic,
@@ -167,7 +167,7 @@ def _model(args) -> int:
     import torch.distributed as dist
 
     from ..profile.apply import load_cluster_profile, write_atomic
-    from ..profile.model import planned_units, profile_model
+    from ..profile.measure.model import planned_units, profile_model
 
     spec = resolve_model(args.model)
     sizes = _parse_sizes(args.sizes)

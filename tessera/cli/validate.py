@@ -2,8 +2,10 @@
 
     torchrun --nproc-per-node 4 -m tessera validate --plan plan.json --steps 20 [--plot out.png]
 
-Memory is model states + saved activations, measured by instrumentation (see
-`tessera.profile.validate`); step time is the median over the timed steps of the slowest rank.
+Memory, two ways (see `tessera.profile.results`): model states + saved activations, measured by
+instrumentation, against the cost model without its transient buffers; and the allocator's peak
+for the plan (everything it allocated) against the cost model's whole peak without the framework
+reserve. Step time is the median over the timed steps of the slowest rank.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     gauge = None
     if args.model_profile:
         from ..profile.apply import load_model_profile
-        from ..profile.validate import Gauge
+        from ..profile.results import Gauge
 
         profile = load_model_profile(args.model_profile)
         for plan in plans:  # refused unless every plan trains the profile's model
@@ -51,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from ..profile.apply import write_atomic
-    from ..profile.validate import run_validations
+    from ..profile.measure.validate import run_validations
     from ..runtime.parallelize import check_plan_supported
 
     runnable, skipped = [], []
@@ -103,8 +105,17 @@ def print_results(results) -> None:
         console.print(f"step (slowest rank, median): predicted {v.predicted_step_s:.3f} s, measured "
                       f"{v.measured_step_s:.3f} s ({_pct(v.time_error)}); peak memory predicted {p / 2**20:.1f} MiB, "
                       f"measured {m / 2**20:.1f} MiB ({_pct(v.peak_memory_error)})"
+                      + _allocator(v)
                       + (f"; machine speed during the runs {v.speed_ratio:.2f}x the model profile's"
                          if v.speed_ratio is not None else "") + _at_profiled_speed(v))
+
+
+def _allocator(v) -> str:
+    pair = v.peak_allocated
+    if pair is None:
+        return ""
+    p, m = pair
+    return f"; allocator peak predicted {p / 2**20:.1f} MiB, measured {m / 2**20:.1f} MiB ({_pct((p - m) / m)})"
 
 
 def _at_profiled_speed(v) -> str:

@@ -17,10 +17,12 @@ MFU = 3 * model forward FLOPs of the step (attention included, recompute exclude
       an fp32 run on CPUs is measured against the fp32 peak, not the much lower bf16 one)
 
 Memory of pipeline rank r (chunks r, r + pp, ...):
-    sum of layer model states + in_flight(schedule, r) * sum of layer activations
-    + max layer buffer + device reserved bytes
+    allocated = sum of layer model states + in_flight(schedule, r) * sum of layer activations
+                + max layer buffer
+    total     = allocated + fragmentation * allocated + device reserved bytes
 where the LM head's activation (fp32 logits) is reported under buffers. `fits` = the largest
-rank total <= device memory.
+rank total <= device memory * (1 - memory_margin) (cost/memory.py: `memory_budget`) and its
+offloaded states (`host`) <= the device's share of host memory.
 """
 from __future__ import annotations
 
@@ -31,6 +33,11 @@ from ..spec.model import LayerKind
 from .layer import (LayerCosts, cost_key, StepContext, StrategyTable, layer_costs, pipeline_p2p_time, shape_key,
                     transition_time)
 from .schedule import ScheduleResult, in_flight, simulate
+
+
+def usable_memory(cluster) -> float:
+    """Device bytes a plan may use: memory less the planner's margin."""
+    return cluster.device.memory_bytes * (1.0 - cluster.memory_margin)
 
 
 def plan_context(plan: Plan) -> StepContext:
@@ -100,13 +107,16 @@ def stage_memory(plan: Plan, costs: list[LayerCosts] | None = None) -> tuple[Mem
                 logits += a
             else:
                 acts += a
+        params = sum(_scalar(costs[i], "params") for i in layers)
+        grads = sum(_scalar(costs[i], "grads") for i in layers)
+        optimizer = sum(_scalar(costs[i], "optimizer") for i in layers)
+        buffers = logits + max((_scalar(costs[i], "buf") for i in layers), default=0.0)
+        allocated = params + grads + optimizer + acts + buffers
         out.append(MemoryBreakdown(
-            params=sum(_scalar(costs[i], "params") for i in layers),
-            grads=sum(_scalar(costs[i], "grads") for i in layers),
-            optimizer=sum(_scalar(costs[i], "optimizer") for i in layers),
-            activations=acts,
-            buffers=logits + max((_scalar(costs[i], "buf") for i in layers), default=0.0)
-            + plan.cluster.device.reserved_bytes,
+            params=params, grads=grads, optimizer=optimizer, activations=acts,
+            buffers=buffers + plan.cluster.device.reserved_bytes,
+            fragmentation=plan.cluster.fragmentation * allocated,
+            host=sum(_scalar(costs[i], "host") for i in layers),
         ))
     return tuple(out)
 
@@ -139,4 +149,5 @@ def evaluate(plan: Plan) -> Prediction:
     return Prediction(
         step_time_s=step, tokens_per_s=plan.workload.tokens_per_step / step, mfu=mfu,
         stage_memory=memory, compute_s=compute, exposed_comm_s=max(0.0, step - compute - bubble),
-        bubble_s=bubble, fits=max(mb.total for mb in memory) <= plan.cluster.device.memory_bytes)
+        bubble_s=bubble, fits=(max(mb.total for mb in memory) <= usable_memory(plan.cluster)
+                               and max(mb.host for mb in memory) <= plan.cluster.host_memory_bytes))

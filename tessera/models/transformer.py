@@ -7,7 +7,8 @@ drop the blocks it does not own), `norm`, `output`. In a block: `attention_norm`
 `attention.{wq,wk,wv,wo}`, `ffn_norm`, `feed_forward.{w1,w2,w3}` or `moe`.
 
 Attention reshapes with `view(B, S, -1, head_dim)` so the local head count follows a TP degree,
-and calls `self.attention.core` (replaceable: Ulysses wraps it with all-to-alls).
+and calls `self.attention.core` (replaceable: Ulysses wraps it with all-to-alls). Packed documents
+arrive as document ids, never as a dense mask (`tessera.models.attention`).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..spec.model import TransformerConfig
+from .attention import Documents, attend
 
 
 def build_norm(config: TransformerConfig) -> nn.Module:
@@ -50,13 +52,11 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 
 
 class CoreAttention(nn.Module):
-    """softmax(QK^T/sqrt(d)) V on (B, H, S, D) tensors; causal, or with a boolean mask
-    (True = attend) for packed documents."""
+    """softmax(QK^T/sqrt(d)) V on (B, H, S, D) tensors; causal, or document-causal for packed
+    documents (`docs`: a `Documents`, or doc ids (B, S); see `tessera.models.attention.attend`)."""
 
-    def forward(self, q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
-        if mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    def forward(self, q, k, v, docs: Documents | torch.Tensor | None = None) -> torch.Tensor:
+        return attend(q, k, v, docs)
 
 
 class Attention(nn.Module):
@@ -72,14 +72,14 @@ class Attention(nn.Module):
         self.wo = nn.Linear(q_dim, config.hidden, bias=config.linear_bias)
         self.core = CoreAttention()
 
-    def forward(self, x, freqs=None, mask=None):
+    def forward(self, x, freqs=None, docs=None):
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
         if freqs is not None:
             q, k = apply_rope(q, freqs), apply_rope(k, freqs)
-        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), docs)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -137,8 +137,8 @@ class Block(nn.Module):
         else:
             self.feed_forward = FeedForward(config)
 
-    def forward(self, x, freqs=None, mask=None):
-        x = x + self.attention(self.attention_norm(x), freqs, mask)
+    def forward(self, x, freqs=None, docs=None):
+        x = x + self.attention(self.attention_norm(x), freqs, docs)
         mlp = self.moe if hasattr(self, "moe") else self.feed_forward
         return x + mlp(self.ffn_norm(x))
 
@@ -174,9 +174,14 @@ class Transformer(nn.Module):
             self.freqs = rope_frequencies(self.config.head_dim, self.config.max_seq_len, self.config.rope_theta)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens (B, S) -> logits (B, S, vocab). `positions` (B, S) restart per packed document;
-        `mask` (B, 1, S, S) boolean, True = attend (block-diagonal causal for packed documents)."""
+                doc_ids: torch.Tensor | Documents | None = None) -> torch.Tensor:
+        """tokens (B, S) -> logits (B, S, vocab). Packed documents: `positions` (B, S) restart at
+        each document; `doc_ids` (B, S) number the documents of each row (0, 0, 1, 1, 1, 2, ...), and
+        attention stays inside each document. A `Documents` may be passed instead (e.g. with
+        backend="dense" for a reference run); None is plain causal attention."""
+        docs = Documents.of(doc_ids)
+        if docs is not None:
+            docs.prepare()  # once per forward, shared by every layer
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         freqs = None
         if self.config.position == "learned":
@@ -186,7 +191,7 @@ class Transformer(nn.Module):
         else:
             freqs = self.freqs[positions] if positions is not None else self.freqs[: h.shape[1]]
         for layer in self.layers.values():
-            h = layer(h, freqs, mask)
+            h = layer(h, freqs, docs)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -27,7 +27,7 @@ and sp2, fitted over sizes as overhead + slowdown x (T1 - c) / 2 (`variant_overh
 its median, floored at 0. With 4 ranks on a node, blocks also run at tp4 (with 8, tp8 too), fitted
 as tp2 with (T1 - c) / 4 per rank (`TPWideMeasurement`, `LayerSpec.tp_wider`): tp2's terms do not
 carry over to wider groups. tp2, wider tp and sp2 are timed per block in a chain of blocks (see
-`tessera.profile.model.CHAIN`), and their T1 is then the same chain's on one rank
+`tessera.profile.measure.model.CHAIN`), and their T1 is then the same chain's on one rank
 (`chain_reference_seconds`), timed alongside. The LM head has a tp2 variant too (vocabulary-parallel
 projection and loss-parallel cross-entropy, X = the one all-reduce forward and one backward the
 cost model charges it), set against the plain head timed alongside.

@@ -5,7 +5,8 @@ Each of the P ranks of a sequence-parallel group holds a contiguous 1/P slice of
 sequence, so one all-to-all trades the sequence split for a head split:
 
     (B, H, S/P, D) on each rank  --all-to-all-->  (B, H/P, S, D) on each rank
-    attention on H/P heads over the full sequence (causal, or the given full-sequence mask)
+    attention on H/P heads over the full sequence (causal, or document-causal from the doc ids
+    of the FULL sequence: `tessera.models.attention.attend`, no dense mask)
     (B, H/P, S, D)               --all-to-all-->  (B, H, S/P, D)
 
 Grouped-query attention: when the key/value heads do not divide over the group, each kv head is
@@ -20,8 +21,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
+
+from ..models.attention import Documents, attend
 
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
@@ -73,22 +75,14 @@ def kv_repeats(num_heads: int, num_kv_heads: int, size: int) -> int:
     return group_size  # unreachable: r = group_size gives num_heads kv heads
 
 
-def attend(q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
-    """Scaled dot-product attention on (B, H, S, D); causal when `mask` is None."""
-    gqa = q.shape[1] != k.shape[1]
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-
-
 class UlyssesAttention(nn.Module):
     """Drop-in replacement of `tessera.models.transformer.CoreAttention` for a sequence sharded
     over `group`.
 
-    forward(q, k, v, mask=None): q (B, H, S/P, D), k and v (B, Hkv, S/P, D), holding this rank's
-    contiguous slice of the sequence; `mask` is None (causal) or a boolean (B or 1, 1, S, S) mask
-    over the FULL sequence (True = attend), e.g. block-diagonal causal for packed documents.
-    Returns (B, H, S/P, D).
+    forward(q, k, v, docs=None): q (B, H, S/P, D), k and v (B, Hkv, S/P, D), holding this rank's
+    contiguous slice of the sequence; `docs` is None (causal) or the packed documents over the
+    FULL sequence: doc ids (B, S) or a `Documents` (built once per batch and shared by every layer,
+    so the block mask or length buckets are not rebuilt per layer). Returns (B, H, S/P, D).
 
     `group`: the sequence-parallel process group, in sequence-slice order (group rank i holds
     slice i). None means the default (world) group when torch.distributed is initialised, and a
@@ -104,17 +98,17 @@ class UlyssesAttention(nn.Module):
             return 1
         return dist.get_world_size(self.group)
 
-    def forward(self, q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, q, k, v, docs: Documents | torch.Tensor | None = None) -> torch.Tensor:
         size = self.group_size()
         if size == 1:
-            return attend(q, k, v, mask)
+            return attend(q, k, v, docs)
+        if docs is not None and docs.shape[-1] != q.shape[2] * size:
+            raise ValueError(f"Ulysses attention needs the doc ids of the full sequence of {q.shape[2] * size} "
+                             f"tokens, got ids of {docs.shape[-1]}")
         repeats = kv_repeats(q.shape[1], k.shape[1], size)
         if repeats > 1:
             k = k.repeat_interleave(repeats, dim=1)
             v = v.repeat_interleave(repeats, dim=1)
         q, k, v = (sequence_to_heads(t, self.group, size) for t in (q, k, v))
-        if mask is not None and mask.shape[-1] != q.shape[2]:
-            raise ValueError(f"Ulysses attention needs the mask over the full sequence of {q.shape[2]} "
-                             f"tokens, got one over {mask.shape[-1]}")
-        out = attend(q, k, v, mask)
+        out = attend(q, k, v, docs)
         return heads_to_sequence(out, self.group, size)

@@ -10,8 +10,10 @@ Sources (`build_dataloader(source=...)`):
 Windows: the stream of N tokens gives W = (N - 1) // S windows; window w is tokens[w*S : w*S + S]
 with labels tokens[w*S + 1 : w*S + S + 1]. A document starts at each end-of-text token and at the
 start of each file. With `pack=True`, positions restart at every document start inside a window
-and attention is block-diagonal causal (`Batch.doc_mask`), so a packed row computes exactly what
-its documents would compute one by one. With `pack=False`, windows are plain causal sequences.
+and `Batch.doc_ids` numbers the documents of each row, with which attention stays inside each
+document (`tessera.models.attention`: block-sparse or per-document kernels, no S x S mask), so a
+packed row computes exactly what its documents would compute one by one. With `pack=False`,
+windows are plain causal sequences.
 
 Order: global sample g is window perm_e[g mod W] with e = g // W and perm_e a permutation seeded
 by (seed, e). Each step takes the next `global_batch` samples; rank r of dp takes rows
@@ -63,15 +65,8 @@ class Batch:
     tokens: torch.Tensor
     labels: torch.Tensor
     positions: torch.Tensor  # restart at 0 at each document start
-    doc_ids: torch.Tensor  # 0, 1, 2, ... per document within a row
-    packed: bool = True  # False: one causal sequence per row, no mask needed
-
-    def doc_mask(self) -> torch.Tensor:
-        """(B, 1, S, S) boolean, True = attend: same document and not in the future."""
-        s = self.tokens.shape[1]
-        causal = torch.ones(s, s, dtype=torch.bool, device=self.tokens.device).tril()
-        same_doc = self.doc_ids[:, :, None] == self.doc_ids[:, None, :]
-        return (same_doc & causal)[:, None]
+    doc_ids: torch.Tensor  # 0, 1, 2, ... per document within a row (what attention needs, no mask)
+    packed: bool = True  # False: one causal sequence per row, doc_ids all 0
 
     @property
     def seq_lens(self) -> list[list[int]]:

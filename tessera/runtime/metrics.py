@@ -14,6 +14,7 @@ import json
 import logging
 import resource
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -59,6 +60,64 @@ def model_flops_utilisation(plan: Plan, tokens_per_s: float, world_size: int, dt
     if not peak:
         return None
     return train_flops_per_token(plan) * tokens_per_s / (world_size * peak)
+
+
+@dataclass
+class PendingRecord:
+    """A logged step whose figures may still be on their way (`Trainer.pending_record`)."""
+
+    step: int
+    loss: torch.Tensor | float
+    grad_norm: torch.Tensor | float
+    lr: float
+    span: StepSpan
+    peaks: list[torch.Tensor]
+    work: object  # the peak-memory all-gather in flight
+    step_plan: object = None  # an adaptive run's step plan
+
+
+class StepSpan:
+    """One step's duration: wall seconds on CPU; on CUDA the time between CUDA events at the end
+    of the previous step and of this one (the device's timeline, host stalls included), read
+    once the device has passed the second."""
+
+    def __init__(self, seconds: float | None = None, events: tuple | None = None):
+        self._seconds, self.events = seconds, events
+
+    def seconds(self) -> float:
+        if self._seconds is None:
+            start, end = self.events
+            end.synchronize()
+            self._seconds = start.elapsed_time(end) / 1e3
+        return self._seconds
+
+
+class StepClock:
+    """`start()` before a step, `stop()` after it is queued: its `StepSpan`, without a host wait."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.last = None  # CUDA: the event at the end of the previous step
+
+    def restart(self) -> None:
+        """Forget the previous step's end: the next step is timed from its own start."""
+        self.last = None
+
+    def start(self) -> None:
+        if self.cuda:
+            if self.last is None:
+                self.last = torch.cuda.Event(enable_timing=True)
+                self.last.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self) -> StepSpan:
+        if not self.cuda:
+            return StepSpan(seconds=time.perf_counter() - self.t0)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        span, self.last = StepSpan(events=(self.last, end)), end
+        return span
 
 
 class MetricsWriter:

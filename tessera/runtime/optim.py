@@ -4,6 +4,14 @@ A parallelised model mixes plain tensors and DTensors on several meshes (one per
 so the optimizer keeps two parameter groups (decay or not: a checkpoint's groups then match any
 other plan's), and the global gradient norm adds the squared norms of the gradients of each
 (mesh, placements), summed over the mesh axes they are sharded on.
+
+AdamW's implementation (`implementation`): fused (one kernel per device and dtype) where every
+parameter is on CUDA and the parameters are all plain tensors or all DTensors on one mesh (the
+fused kernel cannot take a list mixing the two; DTensors on several meshes are left to foreach,
+which older torch releases support for them); foreach (a few kernels per parameter list) where
+the list does not mix plain tensors and DTensors; else one parameter at a time. Clipping never
+waits for the device: the norm stays a device tensor and the factor min(1, max / norm) multiplies
+every gradient (by 1.0 when the norm is under the bound, which leaves it unchanged).
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ class OptimConfig:
     total_steps: int = 1000
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0  # 0 disables clipping
+    fused: bool | None = None  # None: fused where `implementation` allows it (CUDA); False: never
 
 
 def _mesh_key(p: torch.Tensor):
@@ -45,20 +54,38 @@ def _foreach_ok(params) -> bool:
     return len({hasattr(p, "device_mesh") for p in params}) <= 1
 
 
+def implementation(params, fused: bool | None = None) -> dict:
+    """AdamW's `fused` / `foreach` arguments for `params` (see the module docstring).
+
+    `fused=None` chooses; `False` never fuses; `True` fuses wherever the kernel can take the list
+    (also on CPU, whose fused kernel exists as well)."""
+    params = list(params)
+    meshes = {getattr(p, "device_mesh", None) for p in params}  # equal meshes may be distinct objects
+    on_cuda = bool(params) and all(p.device.type == "cuda" for p in params)
+    can_fuse = (bool(params) and len(meshes) == 1 and all(torch.is_floating_point(p) for p in params)
+                and all(p.device.type in ("cuda", "cpu") for p in params))
+    if can_fuse and (fused or (fused is None and on_cuda)):
+        return {"fused": True, "foreach": False}
+    return {"fused": False, "foreach": _foreach_ok(params)}
+
+
 def build_optimizer(params, cfg: OptimConfig, zero1_group=None) -> torch.optim.Optimizer:
     """AdamW; with `zero1_group`, ZeRO-1 (`ZeroRedundancyOptimizer`) shards its state over the group."""
     params = list(params)
     kwargs = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    impl = implementation(params, cfg.fused)
     if zero1_group is not None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         groups = param_groups(params, cfg.weight_decay)
+        # The local shard's AdamW: fused where chosen, else torch's own default (as before).
         opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
-                                      process_group=zero1_group, weight_decay=groups[0]["weight_decay"], **kwargs)
+                                      process_group=zero1_group, weight_decay=groups[0]["weight_decay"],
+                                      **kwargs, **({"fused": True} if impl["fused"] else {}))
         for g in groups[1:]:
             opt.add_param_group(g)
         return opt
-    return torch.optim.AdamW(param_groups(params, cfg.weight_decay), foreach=_foreach_ok(params), **kwargs)
+    return torch.optim.AdamW(param_groups(params, cfg.weight_decay), **kwargs, **impl)
 
 
 def lr_lambda(cfg: OptimConfig):
@@ -115,23 +142,26 @@ def grad_norm(params, pp_group=None) -> torch.Tensor:
     return total.sqrt()
 
 
-def clip_grad_norm_(params, max_norm: float, pp_group=None, skip_in_norm: set[int] = frozenset()) -> float:
-    """Scale gradients so their global norm is at most `max_norm`; return the norm before.
+def clip_grad_norm_(params, max_norm: float, pp_group=None, skip_in_norm: set[int] = frozenset()) -> torch.Tensor:
+    """Scale gradients so their global norm is at most `max_norm`; return the norm before, as a
+    0-dim tensor on the gradients' device (`float()` of it waits for the backward; the step need not).
 
-    `skip_in_norm`: ids of parameters that are copies of another stage's (a pipeline's tied head),
-    scaled like the rest but counted once in the norm."""
+    The factor min(1, max_norm / (norm + 1e-6)) multiplies every gradient's local shard, so no
+    value comes back to the host. `skip_in_norm`: ids of parameters that are copies of another
+    stage's (a pipeline's tied head), scaled like the rest but counted once in the norm."""
     params = [p for p in params if p.grad is not None]
-    norm = float(grad_norm([p for p in params if id(p) not in skip_in_norm], pp_group))
-    if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        by_mesh: dict = {}
+    norm = grad_norm([p for p in params if id(p) not in skip_in_norm], pp_group)
+    if max_norm > 0 and params:
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        by_device: dict = {}  # foreach kernels take one device and dtype per list
         for p in params:
-            by_mesh.setdefault((_mesh_key(p.grad), p.grad.device), []).append(p.grad)
-        for grads in by_mesh.values():
-            torch._foreach_mul_(grads, scale)
+            g = _local(p.grad)
+            by_device.setdefault((g.device, g.dtype), []).append(g)
+        for (device, dtype), grads in by_device.items():
+            torch._foreach_mul_(grads, scale.to(device=device, dtype=dtype))
     return norm
 
 
 def reference_clip(model: nn.Module, max_norm: float) -> float:
     """Single-process clipping with the same formula (for equivalence tests)."""
-    return clip_grad_norm_(list(model.parameters()), max_norm)
+    return float(clip_grad_norm_(list(model.parameters()), max_norm))

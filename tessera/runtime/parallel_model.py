@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.attention import Documents
 from ..models.transformer import Transformer
 from ..plan import Plan
 from .layout import ActLayout, reshard, take_block
@@ -42,7 +43,8 @@ class StageContext:
                    data_layout=data, layer_acts=acts)
 
     def data_block(self, x: torch.Tensor | None, want: ActLayout, with_seq: bool = True):
-        """This rank's `want` block of a per-rank data tensor (tokens, positions, labels, masks)."""
+        """This rank's `want` block of a per-rank data tensor (tokens, positions, labels, doc ids).
+        `with_seq=False` keeps the whole sequence (doc ids for attention over the full sequence)."""
         if x is None:
             return None
         batch = x.shape[0] * self.data_layout.dp
@@ -60,11 +62,14 @@ class ParallelTransformer(nn.Module):
     """A chunk of a Transformer (plan layers [start, end)) executing the plan's layouts.
 
     Keeps the submodule names of `Transformer` (state dicts match a single-device model).
-    `forward(x, positions=None, mask=None)`: `x` is this rank's block of tokens (B_d, S) in the
+    `forward(x, positions=None, doc_ids=None)`: `x` is this rank's block of tokens (B_d, S) in the
     plan's data layout when the chunk holds the embedding, otherwise the activation in the
-    layout of layer `start - 1`; positions (B_d, S) and mask (B_d, 1, S, S) are in the data
-    layout. Returns the logits (a vocabulary-sharded DTensor under tensor parallelism) when the
-    chunk holds the LM head, else the activation in the layout of layer `end - 1`.
+    layout of layer `start - 1`; positions and doc ids (B_d, S) are in the data layout. Each
+    layer's attention gets the doc ids of its batch rows over the FULL sequence (Ulysses attends
+    over all of it), wrapped once per layout and forward in a `Documents` that every layer of that
+    layout shares (its block mask or length buckets are built once). Returns the logits (a
+    vocabulary-sharded DTensor under tensor parallelism) when the chunk holds the LM head, else the
+    activation in the layout of layer `end - 1`.
     """
 
     def __init__(self, model: Transformer, ctx: StageContext, layers: range):
@@ -104,8 +109,18 @@ class ParallelTransformer(nn.Module):
                 cache[key] = self.freqs[self._positions(positions, act, seq, device)]
         return cache[key]
 
+    def _documents(self, doc_ids, act: ActLayout, cache: dict) -> Documents | None:
+        """The packed documents of this rank's batch rows (full sequence), once per layout and forward."""
+        if doc_ids is None:
+            return None
+        key = ("docs", ActLayout(dp=act.dp, sp=1, tp=1))  # the rows depend on the batch split only
+        if key not in cache:
+            rows = self.ctx.data_block(doc_ids, _seq_only(act), with_seq=False)
+            cache[key] = Documents(rows).prepare()
+        return cache[key]
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         ctx, acts, cache = self.ctx, self.ctx.layer_acts, {}
         seq = x.shape[1] * (1 if self.has_embedding else acts[self.start - 1].seq_parts)
         if self.has_embedding:
@@ -121,7 +136,7 @@ class ParallelTransformer(nn.Module):
             act = acts[int(key) + 1]
             h = reshard(h, prev, act, ctx.stage_rank, ctx.group)
             freqs = self._freqs(positions, act, seq, h.device, cache) if self.config.position != "learned" else None
-            h = block(h, freqs, ctx.data_block(mask, _seq_only(act), with_seq=False))
+            h = block(h, freqs, self._documents(doc_ids, act, cache))
             prev = act
         if not self.has_head:
             return h
@@ -154,5 +169,6 @@ class ParallelLoss:
 
     def __call__(self, logits, labels: torch.Tensor) -> torch.Tensor:
         labels = self.ctx.data_block(labels, self.act)
-        return F.cross_entropy(logits.flatten(0, 1).float() if not self.vocab_parallel else logits.flatten(0, 1),
-                               labels.flatten())
+        # fp32 logits (bf16 runs): the log-softmax over the vocabulary loses too much in bf16. The
+        # vocabulary-sharded DTensor of loss parallelism casts its shards alike.
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())

@@ -13,7 +13,7 @@ gradients by the number of micro-batches m (`scale_grads=True`), so the gradient
     L = (1/m) * sum_j loss_j,
 which is the full batch's mean loss when micro-batches hold equally many tokens. `step` returns L
 on the ranks that hold the last stage. Packed documents: every rank holds the batch, so the
-positions and the block-diagonal mask reach every chunk as keyword arguments of the schedule
+positions and the document ids (B, S) reach every chunk as keyword arguments of the schedule
 (split into micro-batches like the tokens) instead of travelling between stages.
 
 Tied embeddings (GPT-2): when the embedding and the LM head land in different chunks, the head
@@ -213,17 +213,17 @@ class PipelineRunner:
         return [p for p, is_copy in zip(self.tied_params, self._tied_is_copy) if is_copy]
 
     def step(self, tokens: torch.Tensor | None, labels: torch.Tensor | None,
-             positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor | None:
+             positions: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """Forward and backward of one batch, split into the plan's micro-batches.
 
         Every rank of the pipeline calls this; `tokens` are used on the first stage, `labels` on
-        the last (pass None elsewhere). Packed documents: `positions` (B, S) and the boolean
-        `mask` (B, 1, S, S) go to every stage's chunks (as keyword arguments, split into
+        the last (pass None elsewhere). Packed documents: `positions` and `doc_ids` (B, S)
+        go to every stage's chunks (as keyword arguments, split into
         micro-batches like the tokens), so every rank must pass them. Returns the mean
         micro-batch loss (detached) on ranks with the last stage, None on the others. Gradients
         are left in `.grad` for the optimizer."""
         m = self.num_micro_batches
-        extra = {k: v for k, v in (("positions", positions), ("mask", mask)) if v is not None}
+        extra = {k: v for k, v in (("positions", positions), ("doc_ids", doc_ids)) if v is not None}
         for name, t in (("tokens", tokens), ("labels", labels), *extra.items()):
             if t is not None and t.shape[0] % m:
                 raise TesseraError(f"{name} batch of {t.shape[0]} sequences does not split into {m} micro-batches")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -27,9 +26,11 @@ from ..models.transformer import build_model
 from ..plan import Plan
 from .materialize import materialize, param_shapes
 from .mesh import ParallelDims
-from .metrics import MetricsWriter, StepRecord, model_flops_utilisation, peak_memory_bytes
+from .metrics import (MetricsWriter, PendingRecord, StepClock, StepRecord, model_flops_utilisation,
+                      peak_memory_bytes)
 from .optim import OptimConfig, build_optimizer, build_scheduler, clip_grad_norm_
 from .parallelize import Parallelized, check_plan_supported, parallelize, uses_ddp
+from .precision import autocast, compute_dtype, configure_matmul, fsdp_mixed_precision, peak_dtype
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,9 @@ class Trainer:
         self.loader = None
         self.data_iter = None
         self.metrics = MetricsWriter(config.metrics_path, config.tensorboard_dir) if self.rank == 0 else None
+        # Read a logged step's figures after the next step is queued (`train`): on CUDA reading
+        # them right away would leave the device idle while the host queues the next step.
+        self.defer_records = self.device.type == "cuda"
 
     # --- build --------------------------------------------------------------------------------
     def build_distributed(self) -> None:
@@ -99,8 +103,9 @@ class Trainer:
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dims = ParallelDims.from_plan(self.plan, self.world_size, self.device.type)
-        # bf16 compute only on accelerators: CPUs here have no fast bf16 matmul.
-        self.dtype = self.plan.workload.dtype if self.device.type == "cuda" else "fp32"
+        # bf16 compute only on accelerators: CPUs here have no fast bf16 matmul (runtime/precision.py).
+        self.dtype = compute_dtype(self.plan.workload.dtype, self.device.type)
+        configure_matmul(self.device.type, self.dtype)
         if self.dtype != self.plan.workload.dtype:
             log.info("workload dtype %s runs as fp32 on CPU", self.plan.workload.dtype)
 
@@ -116,12 +121,7 @@ class Trainer:
         cfg = self.plan.model.config
         self.model = build_model(cfg, seed=self.config.seed, device="meta" if self.meta_init else self.device)
         self.param_shapes = param_shapes(self.model)
-        mp_policy = None
-        if self.dtype in ("bf16", "fp16"):
-            from torch.distributed.fsdp import MixedPrecisionPolicy
-
-            mp_policy = MixedPrecisionPolicy(param_dtype=getattr(torch, {"bf16": "bfloat16"}.get(self.dtype, "float16")),
-                                             reduce_dtype=torch.float32)
+        mp_policy = fsdp_mixed_precision(self.dtype)
         self.pipeline = None
         self.adaptive = None
         if self.config.adaptive:
@@ -137,8 +137,7 @@ class Trainer:
         self.model_parts = [self.parallel.module]
         self.loss_fn = self.parallel.loss
         # FSDP2 casts through its MixedPrecisionPolicy; the DDP path autocasts.
-        self.autocast = (torch.autocast(self.device.type, dtype=mp_policy.param_dtype)
-                         if mp_policy is not None and uses_ddp(self.plan) else nullcontext())
+        self.autocast = autocast(self.device.type, self.dtype) if uses_ddp(self.plan) else nullcontext()
 
     def build_pipeline(self, mp_policy) -> None:
         """Cut the model into the plan's stages; each local chunk is parallelised like a model."""
@@ -227,18 +226,33 @@ class Trainer:
 
     # --- one step ---------------------------------------------------------------------------------
     def train_step(self, tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None,
-                   mask: torch.Tensor | None = None) -> float:
-        """One optimizer step on this rank's data block; returns the mean loss of the global batch."""
-        tokens, labels = tokens.to(self.device), labels.to(self.device)
-        positions = positions.to(self.device) if positions is not None else None
-        mask = mask.to(self.device) if mask is not None else None
+                   doc_ids: torch.Tensor | None = None) -> float:
+        """One optimizer step on this rank's data block; returns the mean loss of the global batch
+        (waiting for the device; `run_step` does not). Packed documents: `positions` and `doc_ids`
+        (B, S), see `Transformer.forward`."""
+        return float(self.run_step(tokens, labels, positions, doc_ids))
+
+    def run_step(self, tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None,
+                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`train_step` queued on the device without waiting for it: the global batch's mean loss
+        as a 0-dim tensor, which `float()` reads once the step is done."""
+        tokens, labels, positions, doc_ids = (self._to_device(t) for t in (tokens, labels, positions, doc_ids))
         if self.pipeline is not None:
-            loss = self.forward_backward_pp(tokens, labels, positions, mask)
+            loss = self.forward_backward_pp(tokens, labels, positions, doc_ids)
         else:
-            loss = self.forward_backward(tokens, labels, positions, mask)
+            loss = self.forward_backward(tokens, labels, positions, doc_ids)
             self.parallel.rescale_grads()
         self.optimizer_step()
-        return loss
+        return torch.as_tensor(loss)
+
+    def _to_device(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """A host batch to the device without a host wait: pinned, then copied asynchronously (a
+        copy from pageable memory would wait for the device to finish the previous step)."""
+        if t is None or t.device == self.device:
+            return t
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
 
     def adaptive_step(self, batch) -> float:
         """One optimizer step of an adaptive run; the next batch is planned while this one trains."""
@@ -258,11 +272,11 @@ class Trainer:
             sched.step()
             opt.zero_grad(set_to_none=True)
 
-    def forward_backward(self, tokens, labels, positions, mask) -> float:
+    def forward_backward(self, tokens, labels, positions, doc_ids) -> float:
         n = self.plan.num_micro_batches
         module = self.parallel.module
         total = torch.zeros((), device=self.device)
-        chunks = [t.chunk(n) if t is not None else [None] * n for t in (tokens, labels, positions, mask)]
+        chunks = [t.chunk(n) if t is not None else [None] * n for t in (tokens, labels, positions, doc_ids)]
         for i in range(n):
             sync = i == n - 1
             no_sync = module.no_sync() if (hasattr(module, "no_sync") and not sync) else nullcontext()
@@ -273,12 +287,12 @@ class Trainer:
                 (loss / n).backward()
             total += _plain(loss).detach() / n
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        return float(total) / self.world_size
+        return total / self.world_size  # a device tensor: reading it here would stall the device
 
-    def forward_backward_pp(self, tokens, labels, positions, mask) -> float:
-        # Every rank holds the batch: positions and masks reach each stage as keyword arguments.
+    def forward_backward_pp(self, tokens, labels, positions, doc_ids) -> float:
+        # Every rank holds the batch: positions and doc ids reach each stage as keyword arguments.
         with self.loss_fn.context():
-            loss = self.pipeline.step(tokens, labels, positions, mask)
+            loss = self.pipeline.step(tokens, labels, positions, doc_ids)
         for part in self.pipeline_parts:
             part.rescale_grads()
         return self.pipeline.global_loss(loss)
@@ -291,34 +305,59 @@ class Trainer:
             self.loader = self.build_data()
             self.data_iter = iter(self.loader)
         records = []
+        clock = StepClock(self.device)
+        pending: PendingRecord | None = None
         while self.step < self.config.steps:
             batch = next(self.data_iter)
             packed = getattr(batch, "packed", False)
-            start = time.perf_counter()
+            clock.start()
             if self.adaptive is not None:
                 loss = self.adaptive_step(batch)
             else:
-                loss = self.train_step(batch.tokens, batch.labels, batch.positions if packed else None,
-                                       batch.doc_mask() if packed else None)
+                loss = self.run_step(batch.tokens, batch.labels, batch.positions if packed else None,
+                                     batch.doc_ids if packed else None)
             self.step += 1
+            span = clock.stop()
+            if pending is not None:  # the previous step's, now that this one is queued
+                records.append(self.log_step(pending))
+                pending = None
             if self.step % self.config.log_every == 0 or self.step == self.config.steps:
-                records.append(self.log_step(loss, time.perf_counter() - start))
-            self.maybe_checkpoint()
+                pending = self.pending_record(loss, span)
+                if not self.defer_records:
+                    records.append(self.log_step(pending))
+                    pending = None
+            if self.maybe_checkpoint():
+                clock.restart()  # the save is not the next step's time
+        if pending is not None:
+            records.append(self.log_step(pending))
         return records
 
-    def log_step(self, loss: float, elapsed: float) -> StepRecord:
-        """Measure and report one step (collective: peak memory is gathered from every rank)."""
+    def pending_record(self, loss, span) -> PendingRecord:
+        """What `log_step` will report about the step just queued, without waiting for it: its
+        loss and norm as device tensors, and every rank's peak memory being gathered (collective)."""
+        mine = torch.full((1,), peak_memory_bytes(self.device), dtype=torch.float64, device=self.device)
+        peaks = [torch.empty_like(mine) for _ in range(self.world_size)]
+        work = dist.all_gather(peaks, mine, async_op=True)
+        step_plan = self.adaptive.last_plan if self.adaptive is not None else None
+        return PendingRecord(step=self.step, loss=loss, grad_norm=self.grad_norm,
+                             lr=self.schedulers[0].get_last_lr()[0], span=span, peaks=peaks, work=work,
+                             step_plan=step_plan)
+
+    def log_step(self, pending: PendingRecord) -> StepRecord:
+        """Read and report one step (waits for that step only)."""
+        pending.work.wait()
+        elapsed = pending.span.seconds()
         tokens_per_s = self.plan.workload.tokens_per_step / elapsed
         record = StepRecord(
-            step=self.step, loss=loss, lr=self.schedulers[0].get_last_lr()[0], grad_norm=self.grad_norm,
+            step=pending.step, loss=float(pending.loss), lr=pending.lr, grad_norm=float(pending.grad_norm),
             step_time_s=elapsed, tokens_per_s=tokens_per_s,
-            mfu=model_flops_utilisation(self.plan, tokens_per_s, self.world_size, self.dtype),
-            peak_memory_bytes=self.gather_peak_memory(),
+            mfu=model_flops_utilisation(self.plan, tokens_per_s, self.world_size,
+                                        peak_dtype(self.dtype, self.device.type)),
+            peak_memory_bytes=[float(t) for t in pending.peaks],
             predicted_step_time_s=self.plan.prediction.step_time_s if self.plan.prediction else None)
-        if self.adaptive is not None and self.adaptive.last_plan is not None:
-            step_plan = self.adaptive.last_plan
-            record.predicted_step_time_s = step_plan.predicted_time_s
-            record.sp_groups = [[g.degree for g in mb.groups] for mb in step_plan.micro_batches]
+        if pending.step_plan is not None:
+            record.predicted_step_time_s = pending.step_plan.predicted_time_s
+            record.sp_groups = [[g.degree for g in mb.groups] for mb in pending.step_plan.micro_batches]
         if self.rank == 0:
             log.info("step %d loss %.4f %.0f tok/s", record.step, record.loss, record.tokens_per_s)
             if self.metrics is not None:
@@ -326,12 +365,6 @@ class Trainer:
             if self.on_step is not None:
                 self.on_step(record)
         return record
-
-    def gather_peak_memory(self) -> list[float]:
-        mine = torch.tensor([peak_memory_bytes(self.device)], dtype=torch.float64, device=self.device)
-        out = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(out, mine)
-        return [float(t) for t in out]
 
     # --- checkpoints ------------------------------------------------------------------------------
     def _checkpoint_manager(self, directory: str):
@@ -345,12 +378,15 @@ class Trainer:
             state["data"] = self.loader.state_dict()
         return state
 
-    def maybe_checkpoint(self) -> None:
+    def maybe_checkpoint(self) -> bool:
+        """Save when due; returns whether it saved."""
         cfg = self.config
         every = cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
         if cfg.checkpoint_dir and (every or self.step == cfg.steps):  # and always after the last step
             self._checkpoint_manager(cfg.checkpoint_dir).save(self.step, self.model_parts, self.optimizers,
                                                               self.extra_state())
+            return True
+        return False
 
     def maybe_resume(self) -> None:
         if not self.config.resume:
@@ -386,10 +422,8 @@ class SyntheticBatch:
     tokens: torch.Tensor
     labels: torch.Tensor
     positions: torch.Tensor | None = None
+    doc_ids: torch.Tensor | None = None
     packed: bool = False
-
-    def doc_mask(self):
-        return None
 
 
 class SyntheticLoader:

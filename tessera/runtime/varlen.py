@@ -1,9 +1,10 @@
 """Run a per-step `StepPlan` (tessera.adapt): sequence-parallel groups that change every step.
 
 For each micro-batch of the plan, every rank finds its group, packs the group's sequences into one
-sequence (per-document block-diagonal causal mask, positions restarting at each document, padded
-to a multiple of the group size), takes its contiguous slice of it and runs the model with
-`UlyssesAttention(group)` in every block (a group of one runs plain attention).
+sequence (document ids over the whole packed sequence for document-causal attention, positions
+restarting at each document, padded to a multiple of the group size), takes its contiguous slice
+of it and runs the model with `UlyssesAttention(group)` in every block (a group of one runs plain
+attention).
 
 Exactness: the step's loss is sum(per-token cross-entropy over the global batch) / (number of
 target tokens in the global batch). Each rank back-propagates its slice's sum divided by that
@@ -19,8 +20,8 @@ next step in a background thread while this one trains; `plan(step, seq_lens)` t
 result (or plans now) and broadcasts it, so every rank runs the same plan even when the solver's
 time budget makes it depend on timing.
 
-CPU: dense SDPA with a boolean mask (exact). GPU: the same path; varlen flash attention would
-replace the dense mask.
+Attention is the model's document attention (`tessera.models.attention`): flex_attention with a
+block-sparse document mask on CUDA, length-bucketed causal SDPA on CPU; never an S x S mask.
 """
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ class PackedShard:
     tokens: torch.Tensor  # (1, T/d)
     targets: torch.Tensor  # (1, T/d), IGNORE_INDEX on padding
     positions: torch.Tensor  # (1, T/d)
-    mask: torch.Tensor  # (1, 1, T, T) boolean over the FULL packed sequence
+    doc_ids: torch.Tensor  # (1, T): document of every token of the FULL packed sequence
 
 
 def pack_group(samples: list[tuple[torch.Tensor, torch.Tensor]], group_size: int, group_rank: int) -> PackedShard:
@@ -85,9 +86,8 @@ def pack_group(samples: list[tuple[torch.Tensor, torch.Tensor]], group_size: int
     starts = torch.cumsum(doc_lens, 0) - doc_lens
     positions = torch.arange(total + pad) - starts[doc]
     n = total + pad
-    mask = (doc[:, None] == doc[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
     part = slice(group_rank * n // group_size, (group_rank + 1) * n // group_size)
-    return PackedShard(tokens[None, part], targets[None, part], positions[None, part], mask[None, None])
+    return PackedShard(tokens[None, part], targets[None, part], positions[None, part], doc[None])
 
 
 def install_ulysses(model: nn.Module) -> list[UlyssesAttention]:
@@ -154,7 +154,8 @@ class AdaptiveStepRunner:
             if x.numel() != n:
                 raise ValueError(f"a sequence has {x.numel()} tokens where the plan says {n}")
         total_targets = sum(int((y != IGNORE_INDEX).sum()) for _, y in samples)
-        local_loss = torch.zeros((), dtype=torch.float64)
+        device = next(self.model.parameters()).device
+        local_loss = torch.zeros((), dtype=torch.float64, device=device)
         for mb in plan.micro_batches:
             mine = next((g for g in mb.groups if self.rank in g.ranks), None)
             if mine is None:
@@ -165,7 +166,8 @@ class AdaptiveStepRunner:
             for core in self.cores:
                 core.group = group
             shard = pack_group([samples[i] for i in mine.sequences], len(mine.ranks), mine.ranks.index(self.rank))
-            logits = self.model(shard.tokens, positions=shard.positions, mask=shard.mask)
+            shard = PackedShard(*(t.to(device) for t in (shard.tokens, shard.targets, shard.positions, shard.doc_ids)))
+            logits = self.model(shard.tokens, positions=shard.positions, doc_ids=shard.doc_ids)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), shard.targets.flatten(),
                                    ignore_index=IGNORE_INDEX, reduction="sum")
             (loss / total_targets).backward()

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..cost.layer import StepContext, pipeline_p2p_time
+from ..cost.memory import required_memory
 from ..cost.schedule import in_flight, simulate
 from .partition import balanced_stages, min_max_partition
 from .space import lower_hull, lp_time_bound
@@ -133,41 +134,97 @@ class SplitBounds:
             counts = self._counts(ranges)
             bound = max(bound, self._rank_bound(c, cands, counts, ranges[0][0], r))
             if bound == np.inf:
-                if not self.scored:
-                    self._note_infeasible_lp(c, cands, counts, r)
+                if not self.scored:  # the split's peak: its largest rank's smallest memory
+                    need = max(self._rank_need(c, cands, self._counts(self._rank_layers(c, split, q)), q)
+                               for q in range(c.pp))
+                    self._record_infeasible(required_memory(need, self.cluster), c, cands)
                 break
         return bound / self.over
 
     def _partition(self, c: Context) -> list[tuple[float, tuple]]:
-        """The split minimising the largest `_rank_bound` (partition.min_max_partition): stage
-        boundaries chosen with the memory each stage's strategies need, not only its compute.
-        Only splits that beat the balanced one (already queued) and the best plan are looked for."""
+        """Two exact min-max partitions (partition.min_max_partition) whose stage boundaries are
+        chosen with the memory each stage's strategies need, not only its compute:
+        - the bottleneck: the largest rank's LP value (m micro-batches and its tail, at the memory
+          it has), which paces a filled pipeline (1F1B: about m - 1 times the slowest stage plus
+          every stage once);
+        - the bound: the largest `_rank_bound` (the bottleneck plus fill and drain paths), whose
+          value bounds the step of every split of the context.
+        Both are queued with the splits one boundary move away, each under its own bound; the
+        search keeps moving boundaries from any of them that improves the context's best plan
+        (planner._process)."""
         n, B = self.world // c.pp, self.workload.global_batch // c.m
         cands = self._candidates(n, B)
         upper = self.scored[0].step * self.over / (1 + self.opts.optimality_gap) if self.scored else np.inf
         balanced = self._balanced(cands, c.pp)
-        upper = min(upper, max(self._rank_bound(c, cands, self._counts([se]), se[0], r)
-                               for r, se in enumerate(balanced)))
         P, hop = self._paths(c, cands)
         prefix = [tuple(int(x) for x in row) for row in self.kind_prefix]
         ks = [in_flight(c.schedule, c.pp, r, c.m, c.v) for r in range(c.pp)]
         lp = self.lp_cache
 
-        def cost(r: int, s: int, e: int) -> float:
+        def bottleneck(r: int, s: int, e: int) -> float:
             counts = tuple(a - b for a, b in zip(prefix[e], prefix[s]))
             value = lp.get((n, c.m, ks[r], counts))
             if value is None:
-                return self._rank_bound(c, cands, counts, s, r)
-            return float(P[s]) + r * hop + value
+                value = self._rank_bound(c, cands, counts, s, r) - float(P[s]) - r * hop
+            return value
 
-        value, split = min_max_partition(len(self.model.layers), c.pp, cost, upper)
+        def bound(r: int, s: int, e: int) -> float:
+            return bottleneck(r, s, e) + float(P[s]) + r * hop
+
+        value, lowest = min_max_partition(len(self.model.layers), c.pp, bound, upper)
         self.proven = min(self.proven, min(value, upper) / self.over)  # every split of the context (planner.run)
-        if split is None or split == balanced:
+        if lowest is None:
+            if not self.scored:  # say how little memory any split could need
+                self._note_partition_need(c, cands)
             return []
-        self.stats["splits"] += 1
+        _, paced = min_max_partition(len(self.model.layers), c.pp, bottleneck)
+        seen = {balanced}
+        self.climb[(c.pp, c.m, c.schedule, c.v)] = [np.inf, seen]
+        return self._neighbours(c, lowest, seen, include=True) + self._neighbours(c, paced, seen, include=True)
+
+    def _neighbours(self, c: Context, split, seen: set, include: bool = False) -> list[tuple[float, tuple]]:
+        """`split` (if `include`) and every split one boundary move away, not yet in `seen`, with
+        their bounds (infinite ones dropped); all are added to `seen`."""
+        n, B = self.world // c.pp, self.workload.global_batch // c.m
+        cands = self._candidates(n, B)
         ctx = StepContext(cluster=self.cluster, workload=self.workload, stage_size=n, micro_batch_seqs=B)
         p2p = pipeline_p2p_time(max(x.hidden for x in self.model.layers), ctx)
-        return [(self._split_bound(c, cands, split, p2p), split)]
+        out = []
+        for sp in ([split] if include else []) + self._shifted(split):
+            if sp in seen:
+                continue
+            seen.add(sp)
+            self.stats["splits"] += 1
+            lb = self._split_bound(c, cands, sp, p2p)
+            if lb < np.inf:
+                out.append((lb, sp))
+        return out
+
+    def _note_partition_need(self, c: Context, cands) -> None:
+        """Record the smallest peak memory any split of the context needs (its largest rank's
+        smallest memory, minimised over splits by partition.min_max_partition), when it can be
+        below the smallest recorded so far."""
+        known = np.inf
+        if self.best_infeasible is not None:  # in allocated bytes, as `_rank_need` counts
+            known = ((self.best_infeasible[0] - self.cluster.device.reserved_bytes)
+                     / (1.0 + self.cluster.fragmentation))
+        prefix = [tuple(int(x) for x in row) for row in self.kind_prefix]
+        least = {}  # per rank: each kind's smallest memory there
+        for r in range(c.pp):
+            k = in_flight(c.schedule, c.pp, r, c.m, c.v)
+            least[r] = [self._hull(c, kd, k, cands)[0][0] for kd in self.kinds]
+        buf = [cands[kd].fastest["buf"] for kd in self.kinds]
+        if sum(n * x for n, x in zip(prefix[-1], least[c.pp - 1])) / c.pp >= known:
+            return  # even an even share of the smallest memories is above what is known
+
+        def need(r: int, s: int, e: int) -> float:
+            counts = [a - b for a, b in zip(prefix[e], prefix[s])]
+            return (sum(n * x for n, x in zip(counts, least[r]))
+                    + max(x for n, x in zip(counts, buf) if n))
+
+        value, _ = min_max_partition(len(self.model.layers), c.pp, need, known)
+        if np.isfinite(value):
+            self._record_infeasible(required_memory(value, self.cluster), c, cands)
 
     def _hull(self, c: Context, kind: int, k: float, cands) -> list[tuple[float, float]]:
         key = (self.world // c.pp, self.workload.global_batch // c.m, c.m, kind, k)
@@ -176,10 +233,9 @@ class SplitBounds:
             self.hulls[key] = lower_hull(c.m * (x.fwd + x.bwd) + x.step, x.states + k * x.act)
         return self.hulls[key]
 
-    def _note_infeasible_lp(self, c: Context, cands, counts: tuple[int, ...], r: int) -> None:
-        """Remember the smallest memory rank r could need with these layers."""
+    def _rank_need(self, c: Context, cands, counts: tuple[int, ...], r: int) -> float:
+        """The fewest bytes rank r allocates with these layers (each at its smallest memory)."""
         k = in_flight(c.schedule, c.pp, r, c.m, c.v)
         kinds = [(n, kd) for kd, n in zip(self.kinds, counts) if n]
-        need = (sum(n * self._hull(c, kd, k, cands)[0][0] for n, kd in kinds)
-                + max(cands[kd].fastest["buf"] for _, kd in kinds) + self.cluster.device.reserved_bytes)
-        self._record_infeasible(need, c, cands)
+        return (sum(n * self._hull(c, kd, k, cands)[0][0] for n, kd in kinds)
+                + max(cands[kd].fastest["buf"] for _, kd in kinds))

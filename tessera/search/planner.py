@@ -75,6 +75,7 @@ import numpy as np
 
 from ..cost.compute import achieved_flops
 from ..cost.evaluate import evaluate
+from ..cost.memory import memory_budget, required_memory
 from ..cost.layer import StepContext, cost_key, layer_costs, pipeline_p2p_time, transition_matrix
 from ..cost.schedule import in_flight
 from ..errors import TesseraError
@@ -116,7 +117,7 @@ class _Search(SplitBounds):
         keys: dict[tuple, int] = {}
         self.kind_of = [keys.setdefault(cost_key(layer), len(keys)) for layer in model.layers]
         self.kind_layer = {k: model.layers[i] for i, k in reversed(list(enumerate(self.kind_of)))}
-        self.budget = cluster.device.memory_bytes - cluster.device.reserved_bytes
+        self.budget = memory_budget(cluster)
         self.tables: dict[tuple[int, int], dict[int, Candidates] | None] = {}
         self.layouts: dict[tuple[int, int], tuple[dict, np.ndarray]] = {}
         self.scored: list[_Scored] = []
@@ -125,6 +126,7 @@ class _Search(SplitBounds):
         self.hulls: dict[tuple, list] = {}
         self.paths: dict[tuple, tuple] = {}
         self.balanced: dict[tuple, tuple] = {}
+        self.climb: dict[tuple, list] = {}  # partitioned contexts: [their best step, splits queued]
         self.lp_cache: dict[tuple, float] = {}
         self.kinds = sorted(set(self.kind_of))
         onehot = np.eye(len(self.kinds), dtype=np.int64)[[self.kinds.index(k) for k in self.kind_of]]
@@ -185,7 +187,8 @@ class _Search(SplitBounds):
         key = (n, B)
         if key in self.tables:
             return self.tables[key]
-        ctx = StepContext(cluster=self.cluster, workload=self.workload, stage_size=n, micro_batch_seqs=B)
+        ctx = StepContext(cluster=self.cluster, workload=self.workload, stage_size=n, micro_batch_seqs=B,
+                          host_layers=len(self.model.layers) * n / self.world)
         out: dict[int, Candidates] = {}
         layouts: dict[tuple, int] = {}
         for kind, layer in self.kind_layer.items():
@@ -237,10 +240,10 @@ class _Search(SplitBounds):
                     out.append(tuple(zip(cuts[:-1], cuts[1:])))
         return out
 
-    def _solve_split(self, c: _Context, split, bound: float, slack: float = 1.0) -> None:
-        """Solve every rank of (context, split), assemble and score the plan; partial assignments
-        that cannot beat `slack` x the best step so far are pruned. `bound` is the split's lower
-        bound; with the ranks' own it goes into `self.proven` (see `run`)."""
+    def _solve_split(self, c: _Context, split, bound: float, slack: float = 1.0) -> float | None:
+        """Solve every rank of (context, split), assemble and score the plan (its step, or None);
+        partial assignments that cannot beat `slack` x the best step so far are pruned. `bound` is
+        the split's lower bound; with the ranks' own it goes into `self.proven` (see `run`)."""
         n, B = self.world // c.pp, self.workload.global_batch // c.m
         cands = self._candidates(n, B)
         layouts, trans_mb = self.layouts[(n, B)]
@@ -274,7 +277,7 @@ class _Search(SplitBounds):
                 sol, keep, _, rank_bound = hit
                 bound = max(bound, rank_bound * c.m / weight / self.over)  # the comment above, read backwards
                 if sol is None:
-                    return
+                    return None
                 pos = 0
                 for s, e in chunks:
                     for i in range(s, e):
@@ -284,13 +287,14 @@ class _Search(SplitBounds):
             self.proven = min(self.proven, bound)
         plan = self._assemble(c, B, split, choice, cands)
         if plan is None:
-            return
+            return None
         pred = evaluate(plan)
         self.stats["plans"] += 1
         if not pred.fits:  # cannot happen: the DP enforces the same memory model
             log.warning("search produced a plan that does not fit; skipped")
-            return
+            return None
         self._record(plan.model_copy(update={"prediction": pred}))
+        return pred.step_time_s
 
     def _record(self, plan: Plan) -> None:
         self.scored.append(_Scored(plan.prediction.step_time_s, plan))
@@ -337,7 +341,7 @@ class _Search(SplitBounds):
         """Remember the smallest memory any rank assignment of this context could need."""
         i = [int(np.argmin(s.mem + s.buf)) for s in slots]
         need = sum(float(s.mem[j]) for s, j in zip(slots, i)) + max(float(s.buf[j]) for s, j in zip(slots, i))
-        self._record_infeasible(need + self.cluster.device.reserved_bytes, c, cands)
+        self._record_infeasible(required_memory(need, self.cluster), c, cands)
 
     def _record_infeasible(self, need: float, c: _Context, cands) -> None:
         if self.best_infeasible is None or need < self.best_infeasible[0]:
@@ -403,7 +407,14 @@ class _Search(SplitBounds):
                 heapq.heappush(heap, (lb, seq, c, sp))
                 seq += 1
         else:
-            self._solve_split(c, item, bound, slack)
+            step = self._solve_split(c, item, bound, slack)
+            key = (c.pp, c.m, c.schedule, c.v)
+            if step is not None and key in self.climb and step < self.climb[key][0]:
+                # A split found around the partition's pays off: look one boundary move further.
+                for lb, sp in self._neighbours(c, item, self.climb[key][1]):
+                    heapq.heappush(heap, (lb, seq, c, sp))
+                    seq += 1
+                self.climb[key][0] = step
         return seq
 
     def _unconstrained(self, plan: Plan) -> tuple[int, float]:
@@ -424,7 +435,7 @@ class _Search(SplitBounds):
                     j = int(np.argmin(x.fwd + x.bwd + x.step / max(plan.num_micro_batches, 1)))
                     mem += float(x.states[j] + k * x.act[j])
                     buf = max(buf, float(x.buf[j]))
-            total = mem + buf + self.cluster.device.reserved_bytes
+            total = required_memory(mem + buf, self.cluster)
             if total > worst[1]:
                 worst = (r, total)
         return worst

@@ -86,6 +86,24 @@ class TPDegreeCost(Frozen):
     slowdown: float = Field(ge=0)
 
 
+class Matmul(Frozen):
+    """One matrix multiply of a layer's forward, per token: (tokens x k) @ (k x n).
+
+    `shard` says which dimension tensor parallelism divides: "col" (column-parallel: n / tp),
+    "row" (row-parallel: k / tp) or "none" (replicated, e.g. the MoE router). `expert`: one GEMM of
+    each expert; the tokens it sees are the routed ones (top_k x capacity factor of the tokens,
+    spread over the experts)."""
+
+    n: int = Field(gt=0)
+    k: int = Field(gt=0)
+    shard: Literal["col", "row", "none"] = "col"
+    expert: bool = False
+
+
+AttentionKernel = Literal["flash", "unfused"]
+KernelStyle = Literal["eager", "fused"]
+
+
 class LayerSpec(Frozen):
     """One layer as the cost model sees it.
 
@@ -102,6 +120,22 @@ class LayerSpec(Frozen):
       - `act_bytes_selective`: the part of the above that selective recompute drops (attention
         core and activation-function outputs), recomputed in backward for `selective_flops`.
     Full recompute keeps only the block input (`act_bytes_input`) and replays the forward.
+
+    Per-operation compute (cost/compute.py, used on devices with a GEMM description):
+      - `matmuls`: the linear layers' GEMMs (`Matmul`), priced by their shape after TP sharding
+        and micro-batching; `flops_per_token` = sum of 2 n k (experts: x top_k).
+      - attention core: `attn_kernel` "flash" (one fused kernel, causal blocks skipped, priced at
+        the device's flash-attention throughput) or "unfused" (the s x s scores materialised: two
+        batched GEMMs forward, four backward, and `score_bytes_fwd` / `score_bytes_bwd` bytes of
+        softmax / mask / dropout traffic per score element), with `head_dim`.
+      - memory-bound work (norms, activation functions, rotary, residual adds, dropout,
+        cross-entropy): `elementwise_bytes_tp` (divided by TP) and `elementwise_bytes_replicated`
+        (divided only under Megatron SP) bytes read + written per token in the forward; the
+        backward moves twice as much (cost/compute.py). `kernels`: kernel launches per forward.
+    `tied_params`: of `params`, a weight shared with another layer (the LM head tied to the
+    embedding): counted once where both sit on the same pipeline rank (cost/layer.py).
+    `compute_measured`: a model profile measured this layer (`tessera profile model`): its fitted
+    scales and overheads then price it as a whole, instead of the per-operation model.
     """
 
     name: str
@@ -124,6 +158,19 @@ class LayerSpec(Frozen):
     num_experts: int = 0
     top_k: int = 0
     capacity_factor: float = 1.0
+    matmuls: tuple[Matmul, ...] = ()
+    head_dim: int = Field(default=0, ge=0)
+    attn_kernel: AttentionKernel = "flash"
+    score_bytes_fwd: float = Field(default=0.0, ge=0)
+    score_bytes_bwd: float = Field(default=0.0, ge=0)
+    # Bytes per attention-score element kept for backward by unfused attention (x heads x seq
+    # per token, divided by TP; dropped by selective recompute).
+    act_score_bytes: float = Field(default=0.0, ge=0)
+    elementwise_bytes_tp: float = Field(default=0.0, ge=0)
+    elementwise_bytes_replicated: float = Field(default=0.0, ge=0)
+    kernels: int = Field(default=0, ge=0)
+    tied_params: int = Field(default=0, ge=0)
+    compute_measured: bool = False
     # Measured/predicted compute time of the linear and attention-score terms on the target
     # device (1.0 = the FLOPs model as is); fitted by `tessera profile model`.
     linear_time_scale: float = Field(default=1.0, gt=0)
@@ -187,8 +234,9 @@ class ModelSpec(Frozen):
 
     @property
     def num_params(self) -> int:
-        # A tied LM head counts no parameters of its own (see `head_layer`).
-        return sum(layer.params for layer in self.layers)
+        """Parameters of the model, a tied weight counted once (the LM head's copy of the
+        embedding is `tied_params`)."""
+        return sum(layer.params - layer.tied_params for layer in self.layers)
 
     @property
     def num_blocks(self) -> int:
@@ -199,10 +247,16 @@ class ModelSpec(Frozen):
         return sum(layer.flops_per_token + layer.attn_flops_coeff * seq_len for layer in self.layers)
 
     @classmethod
-    def from_config(cls, config: TransformerConfig) -> "ModelSpec":
-        layers = [embedding_layer(config)]
-        layers += [block_layer(config, i) for i in range(config.num_layers)]
-        layers.append(head_layer(config))
+    def from_config(cls, config: TransformerConfig, *, attention: AttentionKernel = "flash",
+                    kernels: KernelStyle = "eager", dropout: bool = False) -> "ModelSpec":
+        """The planner's view of `config` as Tessera's runtime executes it by default: flash
+        attention (SDPA), eager PyTorch element-wise ops, no dropout. Other implementations (for
+        example Megatron-LM's fused kernels with materialised attention scores and dropout, to
+        compare with its published runs) change the per-operation costs, not the architecture."""
+        way = _Execution(attention, kernels, dropout)
+        layers = [embedding_layer(config, way)]
+        layers += [block_layer(config, i, way) for i in range(config.num_layers)]
+        layers.append(head_layer(config, way))
         return cls(name=config.name, layers=tuple(layers), config=config)
 
 
@@ -210,27 +264,124 @@ def _norm_params(c: TransformerConfig) -> int:
     return 2 * c.hidden if c.norm == "layernorm" else c.hidden
 
 
-def embedding_layer(c: TransformerConfig) -> LayerSpec:
+class _Execution:
+    """How the layers execute (see `ModelSpec.from_config`), and the per-token byte counts of
+    their memory-bound work that follow from it.
+
+    Units: bytes read + written per token in the forward with 16-bit activations (2 bytes an
+    element); cost/compute.py doubles them for the backward and scales them for fp32 runs.
+    Counted per operation, each reading its inputs and writing its output once:
+      - "fused" (Megatron-LM's fused kernels: apex LayerNorm, fused bias-GeLU / SwiGLU,
+        bias-dropout-add, fused rotary; torch.compile fuses alike): a norm reads and writes h
+        elements (2h x 2 bytes); a residual add reads 2h and writes h (6h bytes; dropout adds a
+        1-byte mask per element); rotary reads and writes q and k; GeLU reads and writes f, SwiGLU
+        reads 2f and writes f.
+      - "eager" (Tessera's runtime in eager PyTorch, `tessera.models.transformer`): norms as above
+        (LayerNorm and RMSNorm have fused CUDA kernels); `apply_rope` runs as separate kernels in
+        fp32: upcast (read 2, write 4 bytes an element), four products (8 bytes each, on half the
+        elements), two sums (12 bytes, half the elements), the concatenation (8) and the downcast
+        (6): 48 bytes per element of q and k; the attention output is copied once for the
+        head-to-hidden reshape (4 bytes an element of q); SwiGLU is SiLU (4 bytes an element of f)
+        then a product (6 bytes on f): 10 bytes; GeLU 4 bytes on f.
+      - cross-entropy per logit (neither runtime fuses it): eager `F.cross_entropy(logits.float())`
+        upcasts (6 bytes), runs log-softmax (12) forward, and its backward (12) and the downcast (6):
+        36 bytes in all; Megatron's vocabulary-parallel loss is a chain of fp32 PyTorch ops (upcast
+        6, max 4, subtract 8, exp 8, sum 4 forward; softmax 8, gradient 8, downcast 6 backward): 52.
+        Stored as a third of the total (the model charges the backward twice the forward).
+      - unfused attention (`score_bytes_*`, per element of the s x s scores): the fused
+        scale-mask-softmax reads and writes the scores (4 bytes), attention dropout reads and
+        writes them and writes a 1-byte mask (5 bytes); backward: dropout (5) then softmax's
+        gradient reading probabilities and gradient, writing one (6).
+    """
+
+    def __init__(self, attention: str, kernels: str, dropout: bool):
+        if attention not in ("flash", "unfused"):
+            raise ValueError(f"attention must be 'flash' or 'unfused', not '{attention}'")
+        if kernels not in ("eager", "fused"):
+            raise ValueError(f"kernels must be 'eager' or 'fused', not '{kernels}'")
+        self.attention, self.fused, self.dropout = attention, kernels == "fused", dropout
+
+    def residual(self, h: int) -> float:
+        return 2.0 * 3 * h + (1.0 * h if self.dropout else 0.0)
+
+    def block_bytes(self, c: TransformerConfig, q_dim: int, kv_dim: int, f: int) -> tuple[float, float]:
+        """(bytes divided by TP, replicated bytes) per token of a block's forward."""
+        h = c.hidden
+        replicated = 2 * (2.0 * 2 * h) + 2 * self.residual(h)
+        rope = c.position == "rope"
+        if self.fused:
+            tp = (2.0 * 2 * (q_dim + kv_dim) if rope else 0.0) + (2.0 * 3 * f if c.mlp == "swiglu" else 2.0 * 2 * f)
+        else:
+            tp = ((48.0 * (q_dim + kv_dim) if rope else 0.0) + 4.0 * q_dim
+                  + (10.0 * f if c.mlp == "swiglu" else 4.0 * f))
+        return tp, replicated
+
+    def score_bytes(self) -> tuple[float, float]:
+        if self.attention == "flash":
+            return 0.0, 0.0
+        return 4.0 + (5.0 if self.dropout else 0.0), 6.0 + (5.0 if self.dropout else 0.0)
+
+    def score_act_bytes(self) -> float:
+        """Bytes per score element saved for backward (Korthikanti et al. 2022: softmax output
+        2, dropout mask 1 and output 2)."""
+        if self.attention == "flash":
+            return 0.0
+        return 2.0 + (3.0 if self.dropout else 0.0)
+
+    def block_kernels(self, c: TransformerConfig) -> int:
+        """Kernel launches of a block's forward (counted from the operations listed above)."""
+        gemms = (4 if self.fused else 5) + (3 if c.mlp == "swiglu" and not self.fused else 2)
+        attention = 1 if self.attention == "flash" else 4
+        elementwise = 6 if self.fused else (6 + (18 if c.position == "rope" else 0) + 1
+                                             + (2 if c.mlp == "swiglu" else 1))
+        return gemms + attention + elementwise
+
+
+def embedding_layer(c: TransformerConfig, way: _Execution | None = None) -> LayerSpec:
+    way = way or _Execution("flash", "eager", False)
     params = c.vocab_size * c.hidden
+    moved = 2.0 * 2 * c.hidden  # the lookup reads and writes h elements
     if c.position == "learned":
         params += c.max_seq_len * c.hidden
+        moved += way.residual(c.hidden)  # adding the position embedding
     # Output of the lookup (the next block's input) is held by the block, so nothing here.
     return LayerSpec(name="embedding", kind=LayerKind.EMBEDDING, hidden=c.hidden, params=params,
-                     flops_per_token=0.0, vocab_size=c.vocab_size)
+                     flops_per_token=0.0, vocab_size=c.vocab_size, elementwise_bytes_replicated=moved,
+                     kernels=2 if c.position == "learned" else 1)
 
 
-def head_layer(c: TransformerConfig) -> LayerSpec:
+def head_layer(c: TransformerConfig, way: _Execution | None = None) -> LayerSpec:
+    way = way or _Execution("flash", "eager", False)
     h, v = c.hidden, c.vocab_size
-    params = _norm_params(c) + (0 if c.tie_embeddings else v * h)
+    tied = v * h if c.tie_embeddings else 0
+    params = _norm_params(c) + v * h
     # Keeps: norm input (2h) and output (2h) replicated; logits in fp32 for the loss (4v),
     # sharded by a vocabulary-parallel head.
-    return LayerSpec(name="lm_head", kind=LayerKind.LM_HEAD, hidden=h, params=params,
+    return LayerSpec(name="lm_head", kind=LayerKind.LM_HEAD, hidden=h, params=params, tied_params=tied,
                      flops_per_token=2.0 * h * v, act_bytes_tp=4.0 * v,
-                     act_bytes_replicated=4.0 * h, act_bytes_input=2.0 * h, vocab_size=v)
+                     act_bytes_replicated=4.0 * h, act_bytes_input=2.0 * h, vocab_size=v,
+                     matmuls=(Matmul(n=v, k=h, shard="col"),),
+                     elementwise_bytes_tp=(52.0 if way.fused else 36.0) / 3 * v,
+                     elementwise_bytes_replicated=2.0 * 2 * h, kernels=3 if way.fused else 6)
 
 
-def block_layer(c: TransformerConfig, index: int) -> LayerSpec:
+def _block_matmuls(c: TransformerConfig, q_dim: int, kv_dim: int, way: _Execution, expert: bool) -> tuple:
+    """The GEMMs of a block as the runtime issues them (Megatron fuses q, k, v into one GEMM and
+    SwiGLU's two input projections into another)."""
+    h, f = c.hidden, c.ffn_hidden
+    if way.fused:
+        attn = (Matmul(n=q_dim + 2 * kv_dim, k=h), Matmul(n=h, k=q_dim, shard="row"))
+        up = (Matmul(n=2 * f, k=h, expert=expert),) if c.mlp == "swiglu" else (Matmul(n=f, k=h, expert=expert),)
+    else:
+        attn = (Matmul(n=q_dim, k=h), Matmul(n=kv_dim, k=h), Matmul(n=kv_dim, k=h),
+                Matmul(n=h, k=q_dim, shard="row"))
+        up = tuple(Matmul(n=f, k=h, expert=expert) for _ in range(2 if c.mlp == "swiglu" else 1))
+    return attn, up + (Matmul(n=h, k=f, shard="row", expert=expert),)
+
+
+def block_layer(c: TransformerConfig, index: int, way: _Execution | None = None) -> LayerSpec:
     """A decoder block: norm, attention, norm, MLP (dense or MoE)."""
+    way = way or _Execution("flash", "eager", False)
     h, f = c.hidden, c.ffn_hidden
     q_dim = c.num_heads * c.head_dim
     kv_dim = c.num_kv_heads * c.head_dim
@@ -256,6 +407,15 @@ def block_layer(c: TransformerConfig, index: int) -> LayerSpec:
     # Selective recompute drops the attention output and the activation-function output,
     # recomputing the attention core (flash backward replays it anyway) and an elementwise op.
     selective = 2.0 * q_dim + 2.0 * f
+    if way.dropout:  # 1-byte masks of the two hidden dropouts (Korthikanti et al.'s 2 s b h)
+        replicated += 2.0 * h
+    bytes_tp, bytes_rep = way.block_bytes(c, q_dim, kv_dim, f)
+    score_fwd, score_bwd = way.score_bytes()
+    attn_mm, mlp_mm = _block_matmuls(c, q_dim, kv_dim, way, expert=moe)
+    execution = dict(head_dim=c.head_dim, attn_kernel=way.attention, score_bytes_fwd=score_fwd,
+                     score_bytes_bwd=score_bwd, act_score_bytes=way.score_act_bytes(),
+                     elementwise_bytes_tp=bytes_tp, elementwise_bytes_replicated=bytes_rep,
+                     kernels=way.block_kernels(c))
     if moe:
         k, cap = c.top_k, c.capacity_factor
         router_params = h * c.num_experts
@@ -264,6 +424,8 @@ def block_layer(c: TransformerConfig, index: int) -> LayerSpec:
         # Each token visits k experts (capacity factor pads the buffers).
         mlp_act = k * cap * (mlp_tp + 2.0 * h)
         selective += k * cap * 2.0 * f - 2.0 * f
+        act_mult = k * cap  # the experts' element-wise work runs on the routed tokens
+        execution["elementwise_bytes_tp"] = bytes_tp + (act_mult - 1) * (way.block_bytes(c, 0, 0, f)[0])
         return LayerSpec(
             name=f"block{index}", kind=LayerKind.MOE_DECODER, hidden=h, params=params,
             flops_per_token=flops, attn_flops_coeff=attn_coeff, act_bytes_tp=attn_tp + mlp_act,
@@ -271,7 +433,8 @@ def block_layer(c: TransformerConfig, index: int) -> LayerSpec:
             act_bytes_input=2.0 * h, selective_flops_per_token=0.0, selective_attn_fraction=1.0,
             num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
             expert_params=c.num_experts * expert_params, num_experts=c.num_experts,
-            top_k=k, capacity_factor=cap)
+            top_k=k, capacity_factor=cap,
+            matmuls=attn_mm + (Matmul(n=c.num_experts, k=h, shard="none"),) + mlp_mm, **execution)
     mlp_params = expert_params
     return LayerSpec(
         name=f"block{index}", kind=LayerKind.DECODER, hidden=h,
@@ -280,4 +443,4 @@ def block_layer(c: TransformerConfig, index: int) -> LayerSpec:
         act_bytes_tp=attn_tp + mlp_tp, act_bytes_replicated=replicated,
         act_bytes_selective=selective, act_bytes_input=2.0 * h,
         selective_flops_per_token=0.0, selective_attn_fraction=1.0,
-        num_heads=c.num_heads, num_kv_heads=c.num_kv_heads)
+        num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, matmuls=attn_mm + mlp_mm, **execution)

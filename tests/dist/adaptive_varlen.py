@@ -8,10 +8,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import tessera.models.attention as doc_attention
 from tessera.adapt import cost_model_from_budget
 from tessera.models.transformer import build_model
 from tessera.plan import MicroBatchPlan, SPGroupAssignment, StepPlan
-from tessera.runtime.varlen import IGNORE_INDEX, AdaptiveStepRunner
+from tessera.runtime.varlen import IGNORE_INDEX, AdaptiveStepRunner, pack_group
 from tessera.spec.model import ModelSpec, TransformerConfig
 from tessera.spec.presets import local_cpu_cluster
 
@@ -61,10 +62,20 @@ def group(ranks, seqs):
     return SPGroupAssignment(ranks=tuple(ranks), sequences=tuple(seqs))
 
 
+def no_dense_mask(doc_ids):
+    raise AssertionError(f"a dense {tuple(doc_ids.shape)} document mask was built")
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     samples = make_samples(1)
+    # Packed groups carry doc ids of the whole packed sequence (padding is one more document),
+    # and attention never builds the dense S x S mask.
+    shard = pack_group([samples[0], samples[1]], 4, 1)  # 9 + 5 tokens, padded to 16
+    check("pack_group_doc_ids", shard.doc_ids.tolist() == [[0] * 9 + [1] * 5 + [2] * 2]
+          and shard.tokens.shape == (1, 4) and shard.positions.tolist() == [[4, 5, 6, 7]])
+    doc_attention.document_causal_mask = no_dense_mask
     ref = reference(samples)
     spec = ModelSpec.from_config(CONFIG)
     # A budget of ~8 tokens per device: longer documents need sequence parallelism to fit.

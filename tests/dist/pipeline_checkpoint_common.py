@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.models import build_model
+from tessera.models.attention import Documents
 from tessera.plan import LayerStrategy, PipelineSpec, Plan
 from tessera.spec import ModelSpec, TransformerConfig, Workload
 from tessera.spec.presets import local_cpu_cluster
@@ -52,16 +53,14 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def packed_documents(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions and block-diagonal causal mask (B, 1, S, S) for packed documents: each sequence
-    holds two documents, split at a seeded position."""
+    """Positions and document ids (B, S) for packed documents: each sequence holds two documents,
+    split at a seeded position."""
     gen = torch.Generator().manual_seed(2000 + step)
     cut = torch.randint(2, SEQ_LEN - 2, (GLOBAL_BATCH, 1), generator=gen)
     idx = torch.arange(SEQ_LEN).expand(GLOBAL_BATCH, SEQ_LEN)
     doc = (idx >= cut).long()
     positions = torch.where(doc == 1, idx - cut, idx)
-    causal = torch.ones(SEQ_LEN, SEQ_LEN, dtype=torch.bool).tril()
-    mask = (doc[:, :, None] == doc[:, None, :]) & causal
-    return positions, mask[:, None]
+    return positions, doc
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -85,8 +84,10 @@ def reference_losses(config: TransformerConfig, steps: int, seed: int = 0, packe
     losses = []
     for step in range(steps):
         tokens, labels = global_batch(step)
-        positions, mask = packed_documents(step) if packed else (None, None)
-        loss = loss_fn(model(tokens, positions, mask), labels)
+        positions, doc_ids = packed_documents(step) if packed else (None, None)
+        # The reference attends with the dense document-causal mask.
+        docs = Documents(doc_ids, backend="dense") if packed else None
+        loss = loss_fn(model(tokens, positions, docs), labels)
         loss.backward()
         opt.step()
         sched.step()

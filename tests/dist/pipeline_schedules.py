@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from pipeline_checkpoint_common import (LR, TINY_GPT2, TINY_LLAMA, close, global_batch, loss_fn, make_optimizer,
                                         make_plan, make_scheduler, packed_documents, reference_losses)
 from tessera.models import build_model
+from tessera.models.attention import Documents
 from tessera.runtime.checkpoint import CheckpointManager
 from tessera.runtime.pipeline import build_pipeline
 
@@ -35,8 +36,8 @@ def train_pipeline(config, plan, mesh, steps, parallelize_chunk=None, packed=Fal
     losses = []
     for step in range(steps):
         tokens, labels = global_batch(step)
-        positions, mask = packed_documents(step) if packed else (None, None)
-        loss = runner.step(tokens, labels, positions, mask)
+        positions, doc_ids = packed_documents(step) if packed else (None, None)
+        loss = runner.step(tokens, labels, positions, doc_ids)
         for o, s in zip(opts, scheds):
             o.step()
             s.step()
@@ -54,7 +55,7 @@ def main() -> None:
         losses = train_pipeline(TINY_LLAMA, plan, mesh, STEPS)
         check(f"pp2_{schedule}_matches_single_process", close(losses, ref[TINY_LLAMA.name]),
               f"{losses} vs {ref[TINY_LLAMA.name]}")
-    # Packed documents: positions and the block-diagonal mask reach every stage.
+    # Packed documents: positions and document ids reach every stage (reference: the dense mask).
     ref_packed = reference_losses(TINY_LLAMA, STEPS, packed=True)
     for schedule, virtual in [("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1)]:
         plan = make_plan(TINY_LLAMA, world=2, pp=2, schedule=schedule, virtual_stages=virtual)
@@ -74,14 +75,14 @@ def main() -> None:
 def trainer_pipeline_runs_packed_documents(name: str = "trainer_pp2_interleaved_packed_documents",
                                            strategy=None, stages=((0, 2), (2, 3), (3, 5), (5, 6)),
                                            schedule: str = "interleaved_1f1b") -> None:
-    """The trainer's pipeline path with packed documents (positions restart, block-diagonal mask)
-    equals one process with the trainer's optimizer, warm-up and clipping."""
+    """The trainer's pipeline path with packed documents (positions restart, document ids) equals
+    one process with the trainer's optimizer, warm-up and clipping, attending with the dense mask."""
     from runtime_common import LLAMA, OPTIM, S, one_process_losses
     from runtime_common import make_plan as runtime_plan
     from tessera.runtime.trainer import TrainConfig, Trainer
 
     batches = [(*global_batch(step), *packed_documents(step)) for step in range(3)]
-    want = one_process_losses(LLAMA, OPTIM, batches)
+    want = one_process_losses(LLAMA, OPTIM, [(t, l, p, Documents(d, backend="dense")) for t, l, p, d in batches])
     plan = runtime_plan(LLAMA, dist.get_world_size(), strategy or S(), num_micro_batches=2, schedule=schedule,
                         stages=stages)
     trainer = Trainer(TrainConfig(plan=plan, steps=3, optim=OPTIM, seed=0))

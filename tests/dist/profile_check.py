@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from tessera.profile.apply import write_atomic
-from tessera.profile.hardware import COLLECTIVES, HardwareOptions, detect_environment, planned_units, profile_hardware
-from tessera.profile.model import planned_units as model_units, profile_model
+from tessera.profile.measure.hardware import COLLECTIVES, HardwareOptions, detect_environment, planned_units, profile_hardware
+from tessera.profile.measure.model import planned_units as model_units, profile_model
 from tessera.spec.cluster import ClusterSpec
 from tessera.spec.model import LayerKind, ModelSpec, TransformerConfig
 

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..spec.model import LayerKind, ModelSpec, TransformerConfig
-from .fit import LayerMeasurement, ModelProfile, fit_layer_kind, summarize, tp_degree
+from ...spec.model import LayerKind, ModelSpec, TransformerConfig
+from ..fit import LayerMeasurement, ModelProfile, fit_layer_kind, summarize, tp_degree
 from .memory import SavedActivationMeter
 
 log = logging.getLogger(__name__)
@@ -275,9 +275,9 @@ def wide_tp_degrees(config: TransformerConfig, world: int, local_world: int) -> 
 def _variant_block(block: torch.nn.Module, variant: str, mesh) -> torch.nn.Module:
     import copy
 
-    from ..plan import LayerStrategy
-    from ..runtime.attention import UlyssesAttention
-    from ..runtime.parallelize import _tp_block
+    from ...plan import LayerStrategy
+    from ...runtime.attention import UlyssesAttention
+    from ...runtime.parallelize import _tp_block
 
     out = copy.deepcopy(block)
     if tp_degree(variant):
@@ -440,7 +440,7 @@ def measure_head_tp2(model: torch.nn.Module, config: TransformerConfig, sizes: S
     activation forward, one backward) timed alone; all the slowest rank's."""
     import copy
 
-    from ..runtime.parallelize import tp_head
+    from ...runtime.parallelize import tp_head
 
     head = torch.nn.ModuleDict({"norm": copy.deepcopy(model.norm), "output": copy.deepcopy(model.output)})
     tp_head(head["norm"], head["output"], mesh, sequence_parallel=False)
@@ -460,8 +460,8 @@ def measure_head_tp2(model: torch.nn.Module, config: TransformerConfig, sizes: S
 
 def build_in_dtype(config: TransformerConfig, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """The model of `config` with its weights in `dtype` (rope rotations stay complex float)."""
-    from ..models import build_model
-    from ..models.transformer import rope_frequencies
+    from ...models import build_model
+    from ...models.transformer import rope_frequencies
 
     model = build_model(config, device=device)
     if dtype != torch.float32:

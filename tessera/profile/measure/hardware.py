@@ -19,15 +19,8 @@ the slowest rank):
 - device memory; memory bandwidth as the AdamW update achieves it (the only use the cost model
   makes of it); host bandwidth (pinned copies on CUDA, a plain copy on CPU).
 
-Links are then fitted to the curves by least squares on the alpha-beta model of
-`tessera.cost.comm` (t = f (p-1) a + f (p-1)/p n / B, with f = 2 for all-reduce, 1 otherwise),
-weighting each point by 1/t so that small and large messages count alike.
-
-Compute peak and efficiency: on a known GPU (the presets' datasheet figures) the efficiency is the
-measured rate of the reference dtype (bf16) over its datasheet peak; the other dtypes' `peak_flops`
-are then set to measured / efficiency so that peak x efficiency is the measured rate for every dtype.
-On a CPU (or an unknown GPU) the peak is unknown: the peak of each dtype IS its measured rate and
-the efficiency is 1.0.
+The curves, rates and sizes are then turned into the `ClusterSpec` by `tessera.profile.fit_hardware`
+(no torch): links fitted to the alpha-beta model, peak and efficiency from the matmul rates.
 """
 from __future__ import annotations
 
@@ -39,18 +32,17 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..spec.cluster import ClusterSpec, CollectiveCurve, DeviceSpec, LinkSpec
-from ..spec.presets.clusters import DEVICES
-from .fit import summarize
+from ...spec.cluster import ClusterSpec, CollectiveCurve, DeviceSpec, LinkSpec
+from ...spec.presets.clusters import DEVICES
+from ..fit import summarize
+from ..fit_hardware import device_from_rates, fit_link, monotone
 
 log = logging.getLogger(__name__)
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
-_RING_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}
 _DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 Progress = Callable[[str, int], None]  # (what is being measured, units done since last call)
@@ -215,19 +207,6 @@ def _time_reps(env: Environment, fn: Callable[[], None], reps: int, barrier_grou
     return summarize(slowest.tolist(), statistic)
 
 
-def monotone(seconds: Sequence[float]) -> list[float]:
-    """Each time replaced by the least time measured at its size or any larger one.
-
-    A collective never gets faster with a larger message; timing noise (scheduling, other jobs)
-    only ever adds time, so the least of the larger sizes' times bounds each point from above.
-    """
-    out, low = [], float("inf")
-    for t in reversed(seconds):
-        low = min(low, t)
-        out.append(low)
-    return out[::-1]
-
-
 def measure_collectives(env: Environment, sizes: Sequence[int], reps: int, collectives: Sequence[str],
                         progress: Progress | None = None, statistic: str = "median") -> list[CollectiveCurve]:
     curves = []
@@ -335,7 +314,7 @@ def measure_optimizer_bandwidth(env: Environment, statistic: str = "median") -> 
     memory-bound optimizer update), so the profile stores this achieved figure there: a CPU's
     unfused AdamW runs several passes over memory and reaches a fraction of a plain copy's rate.
     """
-    from ..runtime.optim import OptimConfig, build_optimizer, clip_grad_norm_
+    from ...runtime.optim import OptimConfig, build_optimizer, clip_grad_norm_
 
     numel = (64 << 20) if env.device.type == "cuda" else (4 << 20)
     # 8 matrices of numel / 8 elements each (matrices: the runtime decays them, as a model's).
@@ -376,31 +355,6 @@ def measure_memory(env: Environment, statistic: str = "median") -> tuple[float, 
     return memory, mem_bw, host_bw, max(0.0, reserved)
 
 
-def fit_link(curves: Sequence[CollectiveCurve]) -> LinkSpec | None:
-    """Least-squares (alpha, 1/beta) of the alpha-beta model over ring collectives' points.
-
-    Each point gives t = f (p-1) a + f (p-1)/p n (1/B); rows are divided by t (relative error).
-    Non-negative least squares keeps a >= 0 and 1/B >= 0.
-    """
-    from scipy.optimize import nnls
-
-    rows, rhs = [], []
-    for c in curves:
-        if c.collective not in _RING_FACTOR:
-            continue
-        f, p = _RING_FACTOR[c.collective], c.group_size
-        for n, t in zip(c.message_bytes, c.seconds):
-            if t > 0:
-                rows.append([f * (p - 1) / t, f * (p - 1) / p * n / t])
-                rhs.append(1.0)
-    if len(rows) < 2:
-        return None
-    (alpha, inv_bw), _ = nnls(np.array(rows), np.array(rhs))
-    if inv_bw <= 0:
-        return None
-    return LinkSpec(bandwidth=1.0 / inv_bw, latency=float(alpha))
-
-
 def _known_device(env: Environment) -> DeviceSpec | None:
     if env.device.type != "cuda":
         return None
@@ -415,19 +369,10 @@ def _known_device(env: Environment) -> DeviceSpec | None:
 
 def build_device(env: Environment, measured: dict[str, float], memory: float, mem_bw: float,
                  reserved: float) -> tuple[DeviceSpec, float]:
-    """The DeviceSpec and compute efficiency from measured matmul rates (see module docstring)."""
-    known = _known_device(env)
+    """The DeviceSpec and compute efficiency from measured matmul rates (`fit_hardware.device_from_rates`)."""
+    name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
     ref = "bf16" if env.device.type == "cuda" else "fp32"
-    if known is not None and ref in measured and ref in known.peak_flops:
-        efficiency = min(1.0, measured[ref] / known.peak_flops[ref])
-        name = known.name
-    else:
-        efficiency = 1.0
-        name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
-    peaks = {d: rate / efficiency for d, rate in measured.items()}
-    device = DeviceSpec(name=name, memory_bytes=memory, peak_flops=peaks, memory_bandwidth=mem_bw,
-                        reserved_bytes=reserved)
-    return device, efficiency
+    return device_from_rates(name, measured, ref, _known_device(env), memory, mem_bw, reserved)
 
 
 def profile_hardware(options: HardwareOptions | None = None, progress: Progress | None = None,
@@ -478,14 +423,16 @@ def profile_hardware(options: HardwareOptions | None = None, progress: Progress 
     cluster = ClusterSpec(name=name, num_nodes=env.num_nodes, gpus_per_node=env.local_world, device=device,
                           intra_node=intra, inter_node=inter, compute_efficiency=efficiency,
                           overlap_slowdown=slowdown, host_bandwidth=host_bw, collectives=tuple(curves),
-                          oversubscription=oversubscription(env, cuda))
+                          oversubscription=oversubscription(env, cuda),
+                          # The fitted link latency is all the fixed cost; no caching allocator on CPU.
+                          collective_latency=8.4e-6 if cuda else 0.0, fragmentation=0.10 if cuda else 0.0)
     return cluster
 
 
 def oversubscription(env: Environment, cuda: bool) -> float:
     """Ranks per set of cores they need: this node's ranks x threads each over its usable cores
     (>= 1; 1 on GPUs, whose ranks each own a device)."""
-    from ..runtime.affinity import host_cores
+    from ...runtime.affinity import host_cores
 
     if cuda:
         return 1.0
