@@ -96,22 +96,38 @@ def test_interleave_depths_are_every_even_split_of_the_blocks():
     assert virtual_stage_options(16, 128, 126, SearchOptions(virtual_stages=(2, 3, 9))) == [2, 3]
 
 
-def test_tp_groups_that_would_straddle_nodes_are_left_out_and_the_plan_says_so():
+def test_tp_groups_that_straddle_nodes_are_costed_or_left_out_and_the_plan_says_which(monkeypatch):
+    from tessera.search import space
+
     model = get_model("gpt3-175b")  # 96 heads: tp 3 and 6 divide them, not the 8 GPUs of a node
-    plan = search(model, make_cluster("h100-80gb", 48), Workload(global_batch=48, seq_len=2048),
-                  SearchOptions(schedules=("1f1b",)))
+    cluster, wl = make_cluster("h100-80gb", 48), Workload(global_batch=48, seq_len=2048)
+    opts = SearchOptions(schedules=("1f1b",), max_pp=6)
+    plan = search(model, cluster, wl, opts)
+    assert ("space: tp 3, 6 searched, costed as groups that straddle 8-GPU nodes"
+            in "\n".join(plan.search.explanation))
+    six = manual_plan(model, cluster, wl, tp=6, pp=8, sp="megatron")  # in the space: costed, not refused
+    assert six.prediction.step_time_s > 0
+    monkeypatch.setattr(space, "TP_ACROSS_NODES_COSTED", False)
+    plan = search(model, cluster, wl, opts)
     assert all(8 % s.tp == 0 and 8 % (s.tp * s.sp_degree) == 0 for s in plan.layers)
     assert "space: tp 3, 6 left out: such groups straddle 8-GPU nodes" in "\n".join(plan.search.explanation)
     with pytest.raises(ValueError, match=r"^tp=6 does not divide the 8 GPUs of a node, so some tensor-parallel "
                                          r"groups would straddle two nodes"):
-        manual_plan(model, make_cluster("h100-80gb", 48), Workload(global_batch=48, seq_len=2048), tp=6)
+        manual_plan(model, cluster, wl, tp=6, pp=8, sp="megatron")
 
 
-def test_ulysses_is_bounded_by_the_kv_heads():
+def test_ulysses_beyond_the_kv_heads_is_costed_or_left_out(monkeypatch):
+    from tessera.search import space
+
     cfg = MID.model_copy(update={"num_heads": 32, "num_kv_heads": 8, "num_layers": 4})  # 32 heads, 8 KV heads
     model = ModelSpec.from_config(cfg)
-    cluster = make_cluster("h100-80gb", 16, 16)  # 16 GPUs per node: a 16-way Ulysses group would fit
+    cluster = make_cluster("h100-80gb", 16, 16)  # 16 GPUs per node: a 16-way Ulysses group fits
     wl = Workload(global_batch=16, seq_len=8192)
+    plan = search(model, cluster, wl, SearchOptions(max_pp=1))
+    assert ("space: Ulysses degrees beyond the 8 KV heads (16) searched, costed with the runtime's KV-head repeats"
+            in "\n".join(plan.search.explanation))
+    assert manual_plan(model, cluster, wl, sp="ulysses", sp_degree=16).prediction.step_time_s > 0  # accepted
+    monkeypatch.setattr(space, "KV_REPEAT_COSTED", False)
     plan = search(model, cluster, wl, SearchOptions(max_pp=1))
     assert all((8 // s.tp) % s.sp_degree == 0 for s in plan.layers)
     assert "space: Ulysses degrees beyond the 8 KV heads (16) left out" in "\n".join(plan.search.explanation)
@@ -125,6 +141,6 @@ def test_ulysses_is_bounded_by_the_kv_heads():
 def test_a_hand_plan_the_space_refuses_is_refused_in_one_line(capsys):
     from tessera.cli import main
 
-    assert main(["plan", "--model", "gpt3-175b", "--gpus", "48", "--global-batch", "48", "--tp", "6"]) == 2
+    assert main(["plan", "--model", "gpt3-175b", "--gpus", "48", "--global-batch", "48", "--tp", "16"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith("tessera plan: error: tp=6 does not divide the 8 GPUs of a node")
+    assert "\n" not in err and err.startswith("tessera plan: error: tp=16 is larger than a node (8 GPUs)")

@@ -1,15 +1,17 @@
 """The search space: options, candidate layer strategies, and dominance pruning.
 
 Candidates for one layer on a stage of n devices, given B sequences per micro-batch:
-    tp  divides n, <= GPUs per node (and `max_tp`), divides the attention and KV heads, and
-        divides the GPUs of a node (groups are consecutive ranks: tp = 6 on 8-GPU nodes would put
-        ranks 6-11 in one group across two nodes; `TP_ACROSS_NODES_COSTED`);
+    tp  divides n, <= GPUs per node (and `max_tp`), divides the attention and KV heads. Groups are
+        consecutive ranks, so a degree that does not divide the GPUs of a node (6 on 8-GPU nodes)
+        has groups across two nodes (ranks 6-11): in the space, costed as spanning nodes
+        (cost/comm.py group_layout), or left out with `TP_ACROSS_NODES_COSTED` off;
         tp > 1 always with Megatron sequence parallelism (TP without SP has the same time and
         more memory: the norms' activations are replicated instead of sharded).
-    sp  Ulysses degree u (attention layers): divides n / tp, tp * u divides the heads and the
-        GPUs of a node (its four all-to-alls per layer and direction would otherwise cross the
-        network), and u divides the KV heads per TP rank (beyond them the runtime repeats KV
-        heads; `KV_REPEAT_COSTED`).
+    sp  Ulysses degree u (attention layers): divides n / tp, tp * u divides the heads and fits in a
+        node (its four all-to-alls per layer and direction would otherwise cross the network), and
+        divides the GPUs of a node under the same switch as tp. Beyond the KV heads of a TP rank
+        the runtime repeats KV heads (runtime/attention.py kv_repeats), which cost/layer.py prices;
+        with `KV_REPEAT_COSTED` off, u must divide them.
     dp  = n / (tp * u), must divide B (whole sequences per replica).
     zero 0..3 (dp > 1), with HSDP sharding inside a node (dp_shard = GPUs per node / (tp u))
         when that is a proper divisor of dp; offload of the optimizer state with zero >= 1.
@@ -45,13 +47,14 @@ from ..spec.model import LayerSpec
 
 ALL_SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble", "gpipe")
 
-# Parts of the space the cost model does not price yet; flip a switch when it does.
+# Parts of the space that are searched only because the cost model prices them; turn a switch off
+# to leave them out (the explanation says which way each goes).
 # Tensor-parallel groups that straddle two nodes (a TP degree that does not divide the GPUs of a
-# node): cost/comm.py prices a group at intra-node speed whenever its size fits in a node.
-TP_ACROSS_NODES_COSTED = False
+# node): cost/comm.py `group_layout` finds the nodes every group of an axis touches.
+TP_ACROSS_NODES_COSTED = True
 # Ulysses degrees beyond the KV heads of a TP rank: the runtime repeats the KV heads
-# (runtime/attention.py `kv_repeats`); cost/layer.py does not charge the larger all-to-alls.
-KV_REPEAT_COSTED = False
+# (runtime/attention.py `kv_repeats`); cost/layer.py charges the larger all-to-alls and activations.
+KV_REPEAT_COSTED = True
 
 
 def has_attention(layer: LayerSpec) -> bool:
@@ -68,7 +71,7 @@ def layout_refusal(layer: LayerSpec, tp: int, ulysses: int, gpus_per_node: int) 
         return f"tp={tp} is larger than a node ({gpus_per_node} GPUs): tensor parallelism stays inside a node"
     if gpus_per_node % tp and not TP_ACROSS_NODES_COSTED:
         return (f"tp={tp} does not divide the {gpus_per_node} GPUs of a node, so some tensor-parallel groups "
-                f"would straddle two nodes, which the cost model does not price yet")
+                f"would straddle two nodes (left out of the space: TP_ACROSS_NODES_COSTED)")
     if ulysses == 1:
         return None
     width = tp * ulysses
@@ -76,34 +79,42 @@ def layout_refusal(layer: LayerSpec, tp: int, ulysses: int, gpus_per_node: int) 
         return "Ulysses sequence parallelism splits attention layers only"
     if heads % width:
         return f"tp x ulysses = {width} must divide the {heads} attention heads"
-    if width > gpus_per_node or (gpus_per_node % width and not TP_ACROSS_NODES_COSTED):
+    if width > gpus_per_node:
+        return f"tp x ulysses = {width} must fit in a node ({gpus_per_node} GPUs)"
+    if gpus_per_node % width and not TP_ACROSS_NODES_COSTED:
         return f"tp x ulysses = {width} must divide the {gpus_per_node} GPUs of a node"
     if (kv // tp) % ulysses and not KV_REPEAT_COSTED:
         return (f"ulysses={ulysses} must divide the {kv // tp} KV heads of a tensor-parallel rank "
-                f"({kv} KV heads / tp {tp}): repeating KV heads is not priced yet")
+                f"({kv} KV heads / tp {tp}; repeating them is left out of the space: KV_REPEAT_COSTED)")
     return None
 
 
 def space_notes(layers: list[LayerSpec], stage_sizes: list[int], gpus_per_node: int,
                 options: "SearchOptions") -> list[str]:
-    """What the switches above leave out of this search, in words (for the plan's explanation)."""
+    """How this search treats the parts of the space behind the switches above, in words (for the
+    plan's explanation); nothing when the model and cluster have none."""
     attention = [x for x in layers if has_attention(x)]
     probe = attention[0] if attention else layers[0]
     notes = []
     straddle = sorted({d for n in stage_sizes for d in divisors(n)
                        if 1 < d < gpus_per_node and gpus_per_node % d and d <= (options.max_tp or d)
-                       and layout_refusal(probe, d, 1, gpus_per_node * d) is None})
-    if straddle and not TP_ACROSS_NODES_COSTED:
-        notes.append(f"space: tp {', '.join(map(str, straddle))} left out: such groups straddle "
-                     f"{gpus_per_node}-GPU nodes, which the cost model does not price yet")
-    if attention and options.allow_ulysses and not KV_REPEAT_COSTED:
+                       and not (attention and (probe.num_heads % d or probe.num_kv_heads % d))})
+    if straddle:
+        degrees = ", ".join(map(str, straddle))
+        notes.append(f"space: tp {degrees} searched, costed as groups that straddle {gpus_per_node}-GPU nodes"
+                     if TP_ACROSS_NODES_COSTED else
+                     f"space: tp {degrees} left out: such groups straddle {gpus_per_node}-GPU nodes")
+    if attention and options.allow_ulysses:
         kv = probe.num_kv_heads
-        beyond = sorted({u for n in stage_sizes for u in divisors(n) if u > 1 and kv % u
-                         and layout_refusal(probe, 1, u, gpus_per_node) is not None
-                         and probe.num_heads % u == 0 and gpus_per_node % u == 0})
+        beyond = sorted({u for n in stage_sizes for u in divisors(n)
+                         if u > 1 and kv % u and probe.num_heads % u == 0 and u <= gpus_per_node
+                         and (TP_ACROSS_NODES_COSTED or gpus_per_node % u == 0)
+                         and u <= (options.max_sp or u)})
         if beyond:
-            notes.append(f"space: Ulysses degrees beyond the {kv} KV heads ({', '.join(map(str, beyond))}) left out: "
-                         f"repeating KV heads is not priced yet")
+            degrees = ", ".join(map(str, beyond))
+            notes.append(f"space: Ulysses degrees beyond the {kv} KV heads ({degrees}) searched, costed with "
+                         f"the runtime's KV-head repeats" if KV_REPEAT_COSTED else
+                         f"space: Ulysses degrees beyond the {kv} KV heads ({degrees}) left out")
     return notes
 
 
