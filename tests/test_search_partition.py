@@ -29,8 +29,12 @@ def test_min_max_partition_equals_enumeration(seed):
         held = (stages - r) * mem[s:e].sum() * 0.5 + mem[s:e].sum()  # early stages hold more
         return np.inf if held > limit else path[s] + 3.0 * w[s:e].sum() + 0.1 * r
 
+    def rest(r, e):  # a lower bound on the later stages' largest cost: their share of the work
+        return 3.0 * w[e:].sum() / (stages - 1 - r)
+
     want = min((max(cost(r, s, e) for r, (s, e) in enumerate(sp)), sp) for sp in _all_splits(L, stages))
     got = min_max_partition(L, stages, cost)
+    assert min_max_partition(L, stages, cost, rest=rest)[0] == got[0]
     assert got[0] == pytest.approx(want[0]) if np.isfinite(want[0]) else got == (np.inf, None)
     if np.isfinite(want[0]):
         assert max(cost(r, s, e) for r, (s, e) in enumerate(got[1])) == pytest.approx(want[0])

@@ -157,30 +157,41 @@ class SplitBounds:
         upper = self.scored[0].step * self.over / (1 + self.opts.optimality_gap) if self.scored else np.inf
         balanced = self._balanced(cands, c.pp)
         P, hop = self._paths(c, cands)
+        path = P.tolist()
         prefix = [tuple(int(x) for x in row) for row in self.kind_prefix]
         ks = [in_flight(c.schedule, c.pp, r, c.m, c.v) for r in range(c.pp)]
-        lp = self.lp_cache
+        lp = self.lp_cache  # `_rank_bound` fills it
 
         def bottleneck(r: int, s: int, e: int) -> float:
             counts = tuple(a - b for a, b in zip(prefix[e], prefix[s]))
             value = lp.get((n, c.m, ks[r], counts))
             if value is None:
-                value = self._rank_bound(c, cands, counts, s, r) - float(P[s]) - r * hop
+                return self._rank_bound(c, cands, counts, s, r) - path[s] - r * hop
             return value
 
         def bound(r: int, s: int, e: int) -> float:
-            return bottleneck(r, s, e) + float(P[s]) + r * hop
+            return bottleneck(r, s, e) + path[s] + r * hop
 
-        value, lowest = min_max_partition(len(self.model.layers), c.pp, bound, upper)
+        work = np.concatenate([[0.0], np.cumsum([cands[k].fastest["work"] for k in self.kind_of])]).tolist()
+
+        def rest(r: int, e: int) -> float:  # the later ranks' share of the fastest work left
+            return (work[-1] - work[e]) / (c.pp - 1 - r)
+
+        floor = self._any_split_bound(c, cands) * self.over  # no split's value is below it
+        value, lowest = _deepening(len(self.model.layers), c.pp, bound, upper, rest, floor)
         self.proven = min(self.proven, min(value, upper) / self.over)  # every split of the context (planner.run)
         if lowest is None:
             if not self.scored:  # say how little memory any split could need
                 self._note_partition_need(c, cands)
             return []
-        _, paced = min_max_partition(len(self.model.layers), c.pp, bottleneck)
+        # A split whose bottleneck reaches the best plan's step cannot beat it (the bottleneck
+        # is a lower bound too); one no better than the balanced split's is not needed.
+        cap = max(bottleneck(r, s, e) for r, (s, e) in enumerate(balanced)) * (1 + 1e-12)
+        _, paced = _deepening(len(self.model.layers), c.pp, bottleneck, min(upper, cap), rest, floor)
         seen = {balanced}
         self.climb[(c.pp, c.m, c.schedule, c.v)] = [np.inf, seen]
-        return self._neighbours(c, lowest, seen, include=True) + self._neighbours(c, paced, seen, include=True)
+        return self._neighbours(c, lowest, seen, include=True) + (
+            self._neighbours(c, paced, seen, include=True) if paced is not None else [])
 
     def _neighbours(self, c: Context, split, seen: set, include: bool = False) -> list[tuple[float, tuple]]:
         """`split` (if `include`) and every split one boundary move away, not yet in `seen`, with
@@ -239,3 +250,18 @@ class SplitBounds:
         kinds = [(n, kd) for kd, n in zip(self.kinds, counts) if n]
         return (sum(n * self._hull(c, kd, k, cands)[0][0] for n, kd in kinds)
                 + max(cands[kd].fastest["buf"] for _, kd in kinds))
+
+
+def _deepening(layers: int, stages: int, cost, upper: float, rest, floor: float):
+    """partition.min_max_partition with a cut-off that starts a little above `floor` (a lower
+    bound on the answer) and grows until a split is found, ending at `upper`: the same answer
+    (the optimum is found as soon as the cut-off exceeds it), looking at far fewer ranges when
+    `upper` is loose or infinite."""
+    for factor in ((1.02, 1.1, 1.3, 2.0, 4.0) if floor > 0 else ()):
+        if floor * factor >= upper:
+            break
+        value, split = min_max_partition(layers, stages, cost, floor * factor, rest)
+        if split is not None:
+            return value, split
+    value, split = min_max_partition(layers, stages, cost, upper, rest)
+    return (value, split) if split is not None else (upper, None)

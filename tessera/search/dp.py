@@ -158,33 +158,34 @@ def solve_rank(slots: list[Slot], trans: np.ndarray, budget: float, bins: int = 
 
 
 def _prepare(slot: Slot, cap: float, delta: float, mode: str, cache: dict):
-    """Per distinct slot (identical layers share one): allowed candidates sorted by layout,
-    their bins, times, and the layout groups."""
+    """Per distinct slot (identical layers share one): the allowed candidates as the program sees
+    them, (bins w, time t), keeping per layout only those no other beats on both (fewer bins and
+    no more time, or the same bins and less time: the program cannot tell them apart otherwise);
+    grouped by layout."""
     key = (id(slot.time), id(slot.mem), id(slot.buf))
     if key in cache:
         return cache[key]
     allowed = np.flatnonzero(slot.buf <= cap)
-    allowed = allowed[np.argsort(slot.layout[allowed], kind="stable")]
     base = slot.mem[allowed].min() if len(allowed) else 0.0
     raw = (slot.mem[allowed] - base) / delta
     # "up": ceil (a little slack for float noise keeps exact multiples where they are); "down": floor;
     # "nearest": a guess whose memory the caller checks.
     rounded = {"up": np.ceil(raw - 1e-9), "down": np.floor(raw + 1e-9), "nearest": np.round(raw)}[mode]
     w = np.maximum(rounded, 0).astype(np.int64)
-    lay = slot.layout[allowed]
-    t = slot.time[allowed]
-    groups, counts = np.unique(lay, return_counts=True)
-    # Pad each layout's candidates to the same count (padding: infinite time) so one gather and
-    # one min over an axis replace a per-layout loop.
-    width = int(counts.max()) if len(counts) else 0
-    pad_w = np.zeros((len(groups), width), dtype=np.int64)
-    pad_t = np.full((len(groups), width), np.inf)
-    offsets = np.concatenate([[0], np.cumsum(counts)])
-    for i in range(len(groups)):
-        n = counts[i]
-        pad_w[i, :n] = w[offsets[i]:offsets[i + 1]]
-        pad_t[i, :n] = t[offsets[i]:offsets[i + 1]]
-    out = (allowed, w, t, lay, (pad_w, pad_t), groups)
+    lay, t = slot.layout[allowed], slot.time[allowed]
+    order = np.lexsort((t, w, lay))  # by layout, then bins, then time
+    allowed, w, lay, t = allowed[order], w[order], lay[order], t[order]
+    keep = np.ones(len(allowed), dtype=bool)
+    best = np.inf
+    for i in range(len(allowed)):
+        if i and lay[i] != lay[i - 1]:
+            best = np.inf
+        keep[i] = t[i] < best
+        best = min(best, t[i])
+    allowed, w, lay, t = allowed[keep], w[keep], lay[keep], t[keep]
+    groups = np.unique(lay)
+    members = [np.flatnonzero(lay == g) for g in groups]
+    out = (allowed, w, t, lay, members, groups)
     cache[key] = out
     return out
 
@@ -200,7 +201,6 @@ def _solve_capped(slots: list[Slot], trans: np.ndarray, cap: float, room: float,
     rest = np.concatenate([np.cumsum(fastest[::-1])[::-1], [0.0]])
     G = trans.shape[0]
     inf = np.inf
-    q_axis = np.arange(bins + 1)
     cache: dict = {}
     V = None  # V[g, q]: best time so far with the last layer in layout g using q bins
     ins: list[np.ndarray] = []  # per layer, the best time before it, per (its layout, q)
@@ -216,18 +216,26 @@ def _solve_capped(slots: list[Slot], trans: np.ndarray, cap: float, room: float,
         if V is None:
             IN = np.full((G, bins + 1), inf)
             IN[:, 0] = 0.0
-        elif slot.chunk_start:
-            IN = np.broadcast_to(V.min(axis=0), (G, bins + 1))
+            lo = 0
         else:
-            IN = np.full((G, bins + 1), inf)
-            IN[groups] = (V[:, None, :] + trans[:, groups, None]).min(axis=0)
-        pad_w, pad_t = starts
-        src = q_axis[None, None, :hi] - pad_w[:, :, None]
-        vals = IN[groups[:, None, None], np.maximum(src, 0)] + pad_t[:, :, None]
-        vals[src < 0] = inf
-        explored += vals.size
+            live = np.flatnonzero(np.isfinite(V).any(axis=0))
+            if not len(live):
+                return None
+            lo, top = int(live[0]), int(live[-1]) + 1  # the bins that hold states
+            if slot.chunk_start:
+                IN = np.broadcast_to(V.min(axis=0), (G, bins + 1))
+            else:
+                IN = np.full((G, bins + 1), inf)
+                IN[groups, lo:top] = (V[:, None, lo:top] + trans[:, groups, None]).min(axis=0)
         V = np.full((G, bins + 1), inf)
-        V[groups, :hi] = vals.min(axis=1)
+        for g, rows in zip(groups, starts):  # each candidate shifts its layout's row by its bins
+            source, target = IN[g], V[g]
+            for j in rows:
+                shift = int(w[j])
+                if lo + shift >= hi:
+                    break  # rows are sorted by bins
+                np.minimum(target[lo + shift:hi], source[lo:hi - shift] + t[j], out=target[lo + shift:hi])
+                explored += hi - lo - shift
         # Keep only states that can still fit the remaining layers and beat the bound.
         if upper_bound < inf:
             V[V + rest[k + 1] >= upper_bound] = inf

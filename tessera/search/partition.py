@@ -46,7 +46,7 @@ def balanced_stages(weights: list[float], chunks: int) -> tuple[tuple[int, int],
 
     lo, hi = float(np.max(weights)), float(prefix[-1])
     best = cut(hi)
-    for _ in range(40):
+    while hi > lo * (1 + 1e-9):  # about 30 probes; the split is a compute balance, 1e-9 is plenty
         mid = (lo + hi) / 2
         got = cut(mid)
         if got is None:
@@ -57,10 +57,12 @@ def balanced_stages(weights: list[float], chunks: int) -> tuple[tuple[int, int],
     return tuple(zip(starts, best))
 
 
-def min_max_partition(num_layers: int, stages: int, cost, upper: float = np.inf
+def min_max_partition(num_layers: int, stages: int, cost, upper: float = np.inf, rest=None
                       ) -> tuple[float, tuple[tuple[int, int], ...] | None]:
     """(min over splits of max_r cost(r, s_r, e_r), the split), or (inf, None) when no split has a
-    value below `upper` (see the module docstring; `cost` must not decrease in e)."""
+    value below `upper` (see the module docstring; `cost` must not decrease in e). `rest(r, e)`,
+    if given, is a lower bound on the largest cost of stages r+1.. over layers [e, L): boundaries
+    where it already reaches `upper` are dropped."""
     L = num_layers
     if not 1 <= stages <= L:
         raise ValueError(f"cannot cut {L} layers into {stages} pipeline stages")
@@ -74,6 +76,8 @@ def min_max_partition(num_layers: int, stages: int, cost, upper: float = np.inf
             if before >= upper:
                 continue
             for e in range(s + 1, last + 1) if r < stages - 1 else (L,):
+                if rest is not None and r < stages - 1 and rest(r, e) >= upper:
+                    continue  # too much left for the later stages
                 value = max(before, cost(r, s, e))
                 if value >= upper:
                     if r < stages - 1:

@@ -155,7 +155,7 @@ class SearchOptions:
     # Memory resolution of the dynamic program (bins of the per-rank budget): where its rounded-down
     # and rounded-up programs disagree, the bins grow 4x up to `max_memory_bins` (dp.py).
     memory_bins: int = 256
-    max_memory_bins: int = 4096
+    max_memory_bins: int = 1024
     # Relative tolerance of the branch and bound: a choice is dropped once its lower bound shows it
     # cannot beat the best plan by more than this factor (0: prove the optimum).
     optimality_gap: float = 1e-3
