@@ -255,27 +255,30 @@ class _Search(SplitBounds):
             ctx = StepContext(cluster=self.cluster, workload=self.workload, stage_size=n, micro_batch_seqs=B)
             p2p = pipeline_p2p_time(max(x.hidden for x in self.model.layers), ctx)
             bound = max(bound, self._simulated_bound(cands, split, c, p2p) / self.over)
+        P, hop = self._paths(c, cands)
         try:
             for r in range(c.pp):
                 k = in_flight(c.schedule, c.pp, r, c.m, c.v)
                 chunks = self._rank_layers(c, split, r)
+                # weight (f + b) + tail <= (weight / m) (busy + tail), and the first micro-batch
+                # reaches the rank (and, but for zero-bubble, the last gradient leaves it) outside
+                # its busy time: path + (m / weight) objective <= simulated step <= over x step.
+                path = float(P[chunks[0][0]]) + r * hop
+                upper = (best_step * self.over / (1 + self.opts.optimality_gap) - path) * weight / c.m
                 key = (n, B, c.m, weight, tuple(tuple(self.kind_of[s:e]) for s, e in chunks), k)
                 hit = self.dp_cache.get(key)
-                if hit is None or (hit[0] is None and best_step > hit[2]):  # None under a tighter bound
+                if hit is None or (hit[0] is None and upper > hit[2]):  # None under a tighter bound
                     slots = self._slots(cands, chunks, layouts, weight, k, trans)
-                    # weight * (f + b) + step <= (weight / m) * (busy + tail) <= (weight / m) * simulated step,
-                    # and the simulated step <= over * step (`over`: cost/evaluate.py's time-shared cores)
                     res = solve_rank(slots, trans, self.budget, self.opts.memory_bins, self.opts.max_memory_bins,
-                                     upper_bound=best_step * self.over * weight / c.m / (1 + self.opts.optimality_gap),
-                                     gap=self.opts.optimality_gap)
+                                     upper_bound=max(upper, 0.0), gap=self.opts.optimality_gap)
                     sol = res.solution
                     if sol is not None:
                         self.stats["states"] += sol.states_explored
                     elif not self.scored:
                         self._note_infeasible(slots, c, cands)
-                    hit = self.dp_cache[key] = (sol, self._keep, best_step, res.bound)
+                    hit = self.dp_cache[key] = (sol, self._keep, upper, res.bound)
                 sol, keep, _, rank_bound = hit
-                bound = max(bound, rank_bound * c.m / weight / self.over)  # the comment above, read backwards
+                bound = max(bound, (path + rank_bound * c.m / weight) / self.over)  # the comment above, backwards
                 if sol is None:
                     return None
                 pos = 0
