@@ -18,16 +18,19 @@ where w_s is the strategy's memory above the layer's smallest option, in bins.
 Certificate (exact, not a resolution-dependent approximation). With w_s rounded DOWN every
 feasible assignment stays feasible (sum floor(x) <= sum x <= Q), so that program's value is a lower
 bound T_down <= OPT_c; with w_s rounded UP every assignment it accepts is feasible (sum x <=
-sum ceil(x) <= Q), so its solution T_up >= OPT_c is a plan. The cap is solved when the rounded-down
-solution is itself feasible or T_up = T_down; otherwise Q grows 4x (up to `max_bins`) and what is
-left is reported as `RankResult.bound` <= OPT <= `solution.time`. Caps whose linear relaxation
-(space.lp_time_bound) cannot beat the best solution so far are skipped with that relaxation as
-their bound. Partial assignments whose time plus the remaining layers' fastest times reach
-`upper_bound` are dropped in both programs (a plan at least as fast exists), so the bound never
-exceeds upper_bound when nothing beats it.
+sum ceil(x) <= Q), so its solution T_up >= OPT_c is a plan (rounding to the NEAREST bin is tried
+first and kept when its exact memory fits). The cap is solved when the rounded-down solution is
+itself feasible or no cap can beat the best solution by more than `gap`; otherwise Q grows 4x (up
+to `max_bins`) and what is left is reported as `RankResult.bound` <= OPT <= `solution.time`.
+Caps are taken in the order of their linear relaxation (space.lp_time_bound), and skipped with
+it as their bound once it cannot beat the best solution so far. Partial assignments whose time
+plus the remaining layers' fastest times reach `upper_bound` are dropped in every program (a plan
+at least as fast exists), so the bound never exceeds upper_bound when nothing beats it.
 
-Cost per layer: O(S Q + G^2 Q) for S candidates, G layouts, Q bins, vectorised with numpy;
-identical layers share their precomputed arrays.
+Cost per layer: O(S Q + G^2 Q) for S candidates, G layouts, Q bins, vectorised with numpy: each
+candidate shifts its layout's row of states by its bins (only the bins that hold states), and
+per layout only candidates that no other beats in bins and time take part; identical layers
+share their precomputed arrays.
 """
 from __future__ import annotations
 
