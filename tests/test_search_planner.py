@@ -144,3 +144,12 @@ def test_a_hand_plan_the_space_refuses_is_refused_in_one_line(capsys):
     assert main(["plan", "--model", "gpt3-175b", "--gpus", "48", "--global-batch", "48", "--tp", "16"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith("tessera plan: error: tp=16 is larger than a node (8 GPUs)")
+
+
+def test_a_hand_plan_interleave_depth_follows_the_space():
+    model, cluster = get_model("llama2-7b"), make_cluster("h100-80gb", 16)  # 32 blocks, 34 layers
+    wl = Workload(global_batch=64, seq_len=2048)
+    plan = manual_plan(model, cluster, wl, pp=2, schedule="interleaved_1f1b", virtual_stages=4)  # 32 = 2 x 4 x 4
+    assert len(plan.pipeline.stages) == 8
+    with pytest.raises(ValueError, match=r"^virtual_stages=5: 2 x 5 chunks split neither the 32 blocks nor the 34 "):
+        manual_plan(model, cluster, wl, pp=2, schedule="interleaved_1f1b", virtual_stages=5)

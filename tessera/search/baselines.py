@@ -16,7 +16,7 @@ from ..spec.cluster import ClusterSpec
 from ..spec.model import LayerSpec, ModelSpec
 from ..spec.workload import Workload
 from .partition import balanced_stages
-from .space import has_attention, layout_refusal
+from .space import SearchOptions, has_attention, layout_refusal, virtual_stage_options
 
 
 def manual_plan(model: ModelSpec, cluster: ClusterSpec, workload: Workload, *, dp: int | None = None,
@@ -74,6 +74,10 @@ def manual_plan(model: ModelSpec, cluster: ClusterSpec, workload: Workload, *, d
         raise ValueError(f"interleaved 1F1B needs the micro-batch count ({m}) to be a multiple of pp ({pp})")
     if pp * virtual_stages > len(model.layers):
         raise ValueError(f"{pp * virtual_stages} pipeline chunks for {len(model.layers)} layers")
+    if virtual_stages > 1 and virtual_stages not in virtual_stage_options(pp, len(model.layers), model.num_blocks,
+                                                                          SearchOptions()):
+        raise ValueError(f"virtual_stages={virtual_stages}: {pp} x {virtual_stages} chunks split neither the "
+                         f"{model.num_blocks} blocks nor the {len(model.layers)} layers evenly")
 
     def strategy(layer: LayerSpec) -> LayerStrategy:
         block = has_attention(layer)
