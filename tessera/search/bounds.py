@@ -73,20 +73,29 @@ class SplitBounds:
         return tuple(int(x) for x in sum(self.kind_prefix[e] - self.kind_prefix[s] for s, e in ranges))
 
     # --- one context ----------------------------------------------------------------------------
+    def _fastest_prefix(self, cands) -> dict[str, list[float]]:
+        """Per cost term, prefix sums over the layers of each layer's fastest value."""
+        key = id(cands)
+        if key not in self.prefixes:
+            self.prefixes[key] = {t: np.concatenate([[0.0], np.cumsum([cands[k].fastest[t] for k in self.kind_of])]).tolist()
+                                  for t in ("fwd", "bonly", "wgrad", "step")}
+        return self.prefixes[key]
+
     def _chunk_bound(self, cands, split, c: Context, p2p: float) -> float:
-        """Valid lower bound on the step for this split (per-layer minimal times)."""
-        f, b, w, st = ({k: x.fastest[t] for k, x in cands.items()} for t in ("fwd", "bonly", "wgrad", "step"))
-        F = [sum(f[self.kind_of[i]] for i in range(s, e)) for s, e in split]
-        Bk = [sum(b[self.kind_of[i]] for i in range(s, e)) for s, e in split]
-        W = [sum(w[self.kind_of[i]] for i in range(s, e)) for s, e in split]
-        S = [sum(st[self.kind_of[i]] for i in range(s, e)) for s, e in split]
-        pp = c.pp
-        best = 0.0
-        tail = 0.0
-        for r in range(pp):
-            mine = range(r, len(split), pp)
+        """Valid lower bound on the step for this split (per-layer minimal times): rank r cannot
+        finish before micro-batch 0 crossed the chunks before it, it ran m micro-batches, and the
+        last gradient went back; plus the largest rank's fastest tail."""
+        pre = self._fastest_prefix(cands)
+        f, b, w, st = pre["fwd"], pre["bonly"], pre["wgrad"], pre["step"]
+        F = [f[e] - f[s] for s, e in split]
+        Bk = [b[e] - b[s] for s, e in split]
+        W = [w[e] - w[s] for s, e in split]
+        S = [st[e] - st[s] for s, e in split]
+        drain = c.schedule != "zero_bubble"  # zero-bubble ranks may drain under deferred Ws
+        best = tail = 0.0
+        for r in range(c.pp):
+            mine = range(r, len(split), c.pp)
             work = c.m * sum(F[i] + Bk[i] + W[i] for i in mine)
-            drain = c.schedule != "zero_bubble"  # zero-bubble ranks may drain under deferred Ws
             before = sum(F[i] + (Bk[i] if drain else 0.0) for i in range(r)) + (2 if drain else 1) * r * p2p
             best = max(best, before + work)
             tail = max(tail, sum(S[i] for i in mine))
@@ -96,12 +105,12 @@ class SplitBounds:
         """The schedule simulated with every layer at its fastest forward, backward and weight
         gradient, plus the largest rank's fastest tail: a valid lower bound (the makespan only
         grows with any operation's duration) that, unlike the path bounds, sees the bubbles."""
-        f, b, w, st = ({k: x.fastest[t] for k, x in cands.items()} for t in ("fwd", "bonly", "wgrad", "step"))
-        F = [sum(f[self.kind_of[i]] for i in range(s, e)) for s, e in split]
-        W = [sum(w[self.kind_of[i]] for i in range(s, e)) for s, e in split]
-        Bk = [sum(b[self.kind_of[i]] for i in range(s, e)) + x for (s, e), x in zip(split, W)]
-        tail = max(sum(st[self.kind_of[i]] for s, e in self._rank_layers(c, split, r) for i in range(s, e))
-                   for r in range(c.pp))
+        pre = self._fastest_prefix(cands)
+        f, b, w, st = pre["fwd"], pre["bonly"], pre["wgrad"], pre["step"]
+        F = [f[e] - f[s] for s, e in split]
+        W = [w[e] - w[s] for s, e in split]
+        Bk = [b[e] - b[s] + x for (s, e), x in zip(split, W)]
+        tail = max(sum(st[e] - st[s] for s, e in self._rank_layers(c, split, r)) for r in range(c.pp))
         return simulate(c.schedule, F, Bk, c.m, c.pp, c.v, p2p, W).step_time + tail
 
     def _any_split_bound(self, c: Context, cands) -> float:

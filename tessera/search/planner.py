@@ -126,6 +126,7 @@ class _Search(SplitBounds):
         self.hulls: dict[tuple, list] = {}
         self.paths: dict[tuple, tuple] = {}
         self.balanced: dict[tuple, tuple] = {}
+        self.prefixes: dict[int, dict] = {}
         self.climb: dict[tuple, list] = {}  # partitioned contexts: [their best step, splits queued]
         self.lp_cache: dict[tuple, float] = {}
         self.kinds = sorted(set(self.kind_of))
@@ -133,6 +134,7 @@ class _Search(SplitBounds):
         self.kind_prefix = np.vstack([np.zeros(len(self.kinds), dtype=np.int64), np.cumsum(onehot, axis=0)])
         self.stats = dict(contexts=0, skipped=0, splits=0, plans=0, states=0, candidates=0, pruned=0)
         self.proven = np.inf  # lower bound on the step of everything taken out of the queue (`run`)
+        self.solved: list[tuple[float, _Context, tuple]] = []  # solved pipeline splits and their bounds
         # evaluate() divides the simulated step by the oversubscription of time-shared cores (CPU
         # profiles), so every lower bound of the simulated step is divided by it too.
         self.over = max(1.0, cluster.oversubscription)
@@ -251,10 +253,6 @@ class _Search(SplitBounds):
         trans = weight * trans_mb
         best_step = self.scored[0].step * slack if self.scored else np.inf
         choice: list[int] = [0] * len(self.model.layers)
-        if c.pp > 1:
-            ctx = StepContext(cluster=self.cluster, workload=self.workload, stage_size=n, micro_batch_seqs=B)
-            p2p = pipeline_p2p_time(max(x.hidden for x in self.model.layers), ctx)
-            bound = max(bound, self._simulated_bound(cands, split, c, p2p) / self.over)
         P, hop = self._paths(c, cands)
         try:
             for r in range(c.pp):
@@ -287,7 +285,10 @@ class _Search(SplitBounds):
                         choice[i] = int(keep[self.kind_of[i]][sol.choice[pos]])
                         pos += 1
         finally:
-            self.proven = min(self.proven, bound)
+            if c.pp > 1:  # tightened at the end where it limits the proof (`_tighten`)
+                self.solved.append((bound, c, split))
+            else:
+                self.proven = min(self.proven, bound)
         plan = self._assemble(c, B, split, choice, cands)
         if plan is None:
             return None
@@ -387,7 +388,7 @@ class _Search(SplitBounds):
             seq = self._process(heap, seq, bound, c, split, hidden)
         if not self.scored:
             raise self._no_plan()
-        lower = min(self.proven, heap[0][0] if heap else np.inf)
+        lower = self._tighten(min(self.proven, heap[0][0] if heap else np.inf))
         # A runner-up of another structure for the explanation: a few more items, within +25%.
         extra = popped = 0
         while heap and extra < self.opts.runner_ups and popped < 50 and not self._has_runner_up():
@@ -402,6 +403,24 @@ class _Search(SplitBounds):
                           explanation=tuple(explain(best, [(x.step, x.plan) for x in self.scored], self.stats,
                                                     self._unconstrained(best), self._notes())))
         return best.model_copy(update={"search": info})
+
+    def _tighten(self, lower: float) -> float:
+        """The proved lower bound: `lower` (everything but solved pipeline splits) and each solved
+        split's bound, the smallest ones raised by `_simulated_bound` (one simulation each, only
+        for the splits that limit the proof)."""
+        solved = sorted(self.solved, key=lambda x: x[0])
+        for i, (bound, c, split) in enumerate(solved):
+            if bound >= lower:
+                break
+            n, B = self.world // c.pp, self.workload.global_batch // c.m
+            ctx = StepContext(cluster=self.cluster, workload=self.workload, stage_size=n, micro_batch_seqs=B)
+            p2p = pipeline_p2p_time(max(x.hidden for x in self.model.layers), ctx)
+            raised = max(bound, self._simulated_bound(self._candidates(n, B), split, c, p2p) / self.over)
+            lower = min(lower, raised)
+            if i >= 20:  # enough simulations: take the rest as they are
+                lower = min(lower, min(b for b, _, _ in solved[i + 1:]) if i + 1 < len(solved) else lower)
+                break
+        return lower
 
     def _process(self, heap, seq: int, bound: float, c: _Context, item, hidden: int, slack: float = 1.0) -> int:
         """One queue item: expand a context, run a partition search, or solve a split."""
