@@ -92,13 +92,13 @@ class SplitBounds:
         W = [w[e] - w[s] for s, e in split]
         S = [st[e] - st[s] for s, e in split]
         drain = c.schedule != "zero_bubble"  # zero-bubble ranks may drain under deferred Ws
-        best = tail = 0.0
+        best = tail = before = 0.0
         for r in range(c.pp):
             mine = range(r, len(split), c.pp)
             work = c.m * sum(F[i] + Bk[i] + W[i] for i in mine)
-            before = sum(F[i] + (Bk[i] if drain else 0.0) for i in range(r)) + (2 if drain else 1) * r * p2p
-            best = max(best, before + work)
+            best = max(best, before + (2 if drain else 1) * r * p2p + work)
             tail = max(tail, sum(S[i] for i in mine))
+            before += F[r] + (Bk[r] if drain else 0.0)  # chunks 0..r, crossed before rank r + 1
         return best + tail
 
     def _simulated_bound(self, cands, split, c: Context, p2p: float) -> float:
@@ -203,14 +203,25 @@ class SplitBounds:
             self._neighbours(c, paced, seen, include=True) if paced is not None else [])
 
     def _neighbours(self, c: Context, split, seen: set, include: bool = False) -> list[tuple[float, tuple]]:
-        """`split` (if `include`) and every split one boundary move away, not yet in `seen`, with
-        their bounds (infinite ones dropped); all are added to `seen`."""
+        """`split` (if `include`) and the splits that move a boundary of its two ranks with the
+        largest `_rank_bound` by one layer, not yet in `seen`, with their bounds (infinite ones
+        dropped); all are added to `seen`."""
         n, B = self.world // c.pp, self.workload.global_batch // c.m
         cands = self._candidates(n, B)
         ctx = StepContext(cluster=self.cluster, workload=self.workload, stage_size=n, micro_batch_seqs=B)
         p2p = pipeline_p2p_time(max(x.hidden for x in self.model.layers), ctx)
+        heavy = sorted(range(c.pp), key=lambda r: -self._rank_bound(c, cands, self._counts([split[r]]), split[r][0], r))
+        ends = [e for _, e in split[:-1]]
+        moves = []
+        for r in heavy[:2]:
+            for i in (r - 1, r):  # the boundaries before and after rank r
+                if 0 <= i < len(ends):
+                    for d in (-1, 1):
+                        cuts = [0] + ends[:i] + [ends[i] + d] + ends[i + 1:] + [len(self.model.layers)]
+                        if all(a < b for a, b in zip(cuts, cuts[1:])):
+                            moves.append(tuple(zip(cuts[:-1], cuts[1:])))
         out = []
-        for sp in ([split] if include else []) + self._shifted(split):
+        for sp in ([split] if include else []) + moves:
             if sp in seen:
                 continue
             seen.add(sp)
