@@ -183,6 +183,8 @@ class SearchInfo(Frozen):
     search_time_s: float = 0.0
     candidates: int = 0
     explanation: tuple[str, ...] = ()
+    # Proved by the search's bounds: no plan of its space has a shorter predicted step (0: none).
+    step_lower_bound_s: float = 0.0
 
 
 class Plan(Frozen):

@@ -25,13 +25,13 @@ class DeviceSpec(Frozen):
     cluster's flat `compute_efficiency` and its measured model profile."""
 
     name: str
-    memory_bytes: float = Field(gt=0)
+    memory_bytes: float = Field(gt=0, allow_inf_nan=False)
     # Dense peak FLOP/s per dtype (no sparsity).
     peak_flops: dict[str, float]
-    memory_bandwidth: float = Field(gt=0, description="HBM bytes/s")
+    memory_bandwidth: float = Field(gt=0, allow_inf_nan=False, description="HBM bytes/s")
     # Memory the framework and NCCL hold that the model cannot use: CUDA context, NCCL channel
     # buffers, cuBLAS workspaces (a measured profile fills it from the device's free memory).
-    reserved_bytes: float = Field(default=2.0 * 2**30, ge=0)
+    reserved_bytes: float = Field(default=2.0 * 2**30, ge=0, allow_inf_nan=False)
     # Achievable fraction of `memory_bandwidth` for streaming kernels (copies, element-wise ops).
     memory_efficiency: float = Field(default=1.0, gt=0, le=1)
     # GEMM description: streaming multiprocessors and the output tile a GEMM kernel computes per
@@ -94,16 +94,16 @@ class ClusterSpec(Frozen):
     # (1.0 = perfect overlap; ~1.1 on GPUs, where NCCL takes some SMs; 2.0 = none, as on CPUs).
     overlap_slowdown: float = Field(default=1.1, ge=1)
     # Host link used to offload (PCIe gen5 x16 ~ 50 GB/s unidirectional), per device.
-    host_bandwidth: float = Field(default=50e9, gt=0)
+    host_bandwidth: float = Field(default=50e9, gt=0, allow_inf_nan=False)
     # The host's DRAM bandwidth one device's share of the host optimizer step gets (the node's
     # STREAM bandwidth / devices per node).
-    host_memory_bandwidth: float = Field(default=30e9, gt=0)
+    host_memory_bandwidth: float = Field(default=30e9, gt=0, allow_inf_nan=False)
     # Host memory one device's offloaded states may take (the node's DRAM / devices per node).
-    host_memory_bytes: float = Field(default=256 * 2**30, gt=0)
+    host_memory_bytes: float = Field(default=256 * 2**30, gt=0, allow_inf_nan=False)
     # Fixed start-up of every collective (NCCL's `baseLat`, Ring/Simple: 8.4 us; see cost/comm.py).
-    collective_latency: float = Field(default=8.4e-6, ge=0)
+    collective_latency: float = Field(default=8.4e-6, ge=0, allow_inf_nan=False)
     # Bus bandwidth cap of NCCL's tree all-reduce across more than two nodes (`maxTreeBw`).
-    tree_bandwidth: float = Field(default=80e9, gt=0)
+    tree_bandwidth: float = Field(default=80e9, gt=0, allow_inf_nan=False)
     # Memory: the caching allocator's fragmentation, a fraction of the bytes the model allocates
     # (states, activations, transient buffers), and the share of device memory the planner
     # leaves free (`--memory-margin`), so that a plan it calls feasible does not fail on the device.
