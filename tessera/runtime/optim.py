@@ -45,19 +45,10 @@ def _foreach_ok(params) -> bool:
     return len({hasattr(p, "device_mesh") for p in params}) <= 1
 
 
-def build_optimizer(params, cfg: OptimConfig, zero1_group=None) -> torch.optim.Optimizer:
-    """AdamW; with `zero1_group`, ZeRO-1 (`ZeroRedundancyOptimizer`) shards its state over the group."""
+def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW over the (possibly sharded) parameters: ZeRO shards its state with the parameters."""
     params = list(params)
     kwargs = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
-    if zero1_group is not None:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        groups = param_groups(params, cfg.weight_decay)
-        opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
-                                      process_group=zero1_group, weight_decay=groups[0]["weight_decay"], **kwargs)
-        for g in groups[1:]:
-            opt.add_param_group(g)
-        return opt
     return torch.optim.AdamW(param_groups(params, cfg.weight_decay), foreach=_foreach_ok(params), **kwargs)
 
 

@@ -2,13 +2,14 @@
 
 `ParallelTransformer` keeps the submodules (and state-dict names) of `tessera.models.Transformer`
 and replaces its forward: each rank receives its block of the batch in the plan's data layout
-(the batch split over the smallest dp of any layer), every layer takes its own (batch, sequence)
+(the batch split over the gcd of the layers' dp), every layer takes its own (batch, sequence)
 block of that (`StageContext.data_block`), and activations move between layers whose layouts
 differ with `layout.reshard`. `ParallelLoss` is the cross-entropy of the LM head's block, with
 loss parallelism when the head is tensor-parallel.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +22,12 @@ from .layout import ActLayout, reshard, take_block
 from .mesh import ParallelDims
 
 
+def data_parallel_size(plan: Plan) -> int:
+    """How many blocks the batch is loaded in: the gcd of the layers' dp, so that every layer's
+    batch block on a rank lies inside the block that rank loads (dp 2 and 3 load it whole)."""
+    return math.gcd(*(s.dp for s in plan.layers))
+
+
 @dataclass
 class StageContext:
     """What a chunk needs to place data: its layer strategies, its rank and its stage group."""
@@ -28,13 +35,13 @@ class StageContext:
     plan: Plan
     stage_rank: int
     group: object
-    data_layout: ActLayout  # the block of the batch each rank loads (the smallest dp of the plan)
+    data_layout: ActLayout  # the block of the batch each rank loads (`data_parallel_size`)
     layer_acts: list[ActLayout] = field(default_factory=list)
 
     @classmethod
     def build(cls, plan: Plan, dims: ParallelDims, rank: int) -> "StageContext":
-        dp_min = min(s.dp for s in plan.layers)
-        data = ActLayout(dp=dp_min, sp=1, tp=plan.stage_size // dp_min)
+        data_dp = data_parallel_size(plan)
+        data = ActLayout(dp=data_dp, sp=1, tp=plan.stage_size // data_dp)
         acts = [ActLayout.of(s) for s in plan.layers]
         # The embedding's output is never split over tp (learned positions add full rows).
         acts[0] = ActLayout.of(plan.layers[0], seq_over_tp=False)

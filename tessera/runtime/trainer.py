@@ -4,9 +4,10 @@
     trainer.train()                                         # resume; step; log; save
 
 Every rank loads its block of the global batch in the plan's data layout: the batch split over
-the smallest dp of any layer (`data_rank`, `data_size`); layers with a wider dp take sub-blocks
-of it without communication. A step runs the plan's micro-batches (gradient accumulation, or
-the pipeline schedule), rescales gradients of layers replicated over fewer or more ranks than the
+the gcd of the layers' dp (`data_rank`, `data_size`); every layer takes its sub-block of it
+without communication. The model is built on the meta device, parallelised, and only this rank's
+shards are allocated and initialised (`build_model`). A step runs the plan's micro-batches
+(gradient accumulation with the plan's gradient synchronisation, or the pipeline schedule), rescales gradients of layers replicated over fewer or more ranks than the
 loss is split over, clips the global norm, and steps AdamW and the LR schedule.
 """
 from __future__ import annotations
@@ -25,10 +26,12 @@ import torch.distributed as dist
 from ..errors import TesseraError
 from ..models.transformer import build_model
 from ..plan import Plan
-from .materialize import materialize, param_shapes
+from .materialize import materialize
 from .mesh import ParallelDims
+from .grad_sync import settle_gradients
 from .metrics import MetricsWriter, StepRecord, model_flops_utilisation, peak_memory_bytes
 from .optim import OptimConfig, build_optimizer, build_scheduler, clip_grad_norm_
+from .parallel_model import data_parallel_size
 from .parallelize import Parallelized, check_plan_supported, parallelize, uses_ddp
 
 log = logging.getLogger(__name__)
@@ -46,7 +49,6 @@ class TrainConfig:
     tensorboard_dir: str | None = None
     log_every: int = 1
     compile: bool = False
-    meta_init: bool = False  # experimental: build on meta, initialise shards only (FSDP2 path, no pp)
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     resume: str | None = None
@@ -75,9 +77,6 @@ class Trainer:
         self.build_distributed()
         check_plan_supported(self.plan, self.world_size, pipeline_available=_pipeline_available())
         self.build_model()
-        if (config.checkpoint_dir or config.resume) and self.parallel is not None and self.parallel.zero1:
-            raise TesseraError("checkpointing a ZeRO-1 data-parallel run (ZeroRedundancyOptimizer state) is not "
-                               "supported; use zero=2, whose sharded state reshards on load")
         self.build_optimizer()
         self.loader = None
         self.data_iter = None
@@ -105,17 +104,10 @@ class Trainer:
             log.info("workload dtype %s runs as fp32 on CPU", self.plan.workload.dtype)
 
     def build_model(self) -> None:
-        """The model, initialised as one process would from the seed, then sharded.
-
-        By default every rank builds the full model. With `meta_init` (experimental, for models
-        that do not fit one rank; not for DDP plans or pipelines) it is built on the meta device,
-        the plan applied, and each rank initialises its own shards (`materialize`)."""
-        self.meta_init = bool(self.config.meta_init)
-        if self.meta_init and (uses_ddp(self.plan) or self.plan.pipeline.degree > 1):
-            raise TesseraError("meta_init needs a sharded plan without pipeline parallelism")
-        cfg = self.plan.model.config
-        self.model = build_model(cfg, seed=self.config.seed, device="meta" if self.meta_init else self.device)
-        self.param_shapes = param_shapes(self.model)
+        """Build on the meta device, apply the plan, then allocate and initialise only this rank's
+        shards (`materialize`): each value is the one `build_model(config, seed)` gives the whole
+        model, whatever the plan or world size. DDP wraps the materialised model."""
+        self.model = build_model(self.plan.model.config, device="meta")
         mp_policy = None
         if self.dtype in ("bf16", "fp16"):
             from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -133,7 +125,8 @@ class Trainer:
             return
         self.parallel: Parallelized = parallelize(self.model, self.plan, self.dims, self.rank,
                                                   compile=self.config.compile, mp_policy=mp_policy)
-        self.maybe_materialize(self.parallel.module)
+        self.materialize(self.parallel.chunk)
+        self.parallel.wrap_ddp()
         self.model_parts = [self.parallel.module]
         self.loss_fn = self.parallel.loss
         # FSDP2 casts through its MixedPrecisionPolicy; the DDP path autocasts.
@@ -143,15 +136,15 @@ class Trainer:
     def build_pipeline(self, mp_policy) -> None:
         """Cut the model into the plan's stages; each local chunk is parallelised like a model."""
         from .parallelize import ParallelLoss, StageContext
-        from .pipeline import build_pipeline, root_fsdp_only
+        from .pipeline import build_pipeline
 
         parts: list[Parallelized] = []
 
-        def parallelize_chunk(chunk, layers: range):
+        def parallelize_chunk(chunk, layers: range) -> Parallelized:
             parts.append(parallelize(chunk, self.plan, self.dims, self.rank, layers, compile=self.config.compile,
-                                     mp_policy=mp_policy, root_only=root_fsdp_only(self.plan)))
-            self.maybe_materialize(parts[-1].module)  # before the pipeline stage sees it
-            return parts[-1].module
+                                     mp_policy=mp_policy))
+            self.materialize(parts[-1].chunk)  # before the pipeline stage sees it
+            return parts[-1]
 
         self.loss_fn = ParallelLoss(StageContext.build(self.plan, self.dims, self.rank))
         self.pipeline = build_pipeline(self.model, self.plan, self.dims.mesh, self.loss_fn, parallelize_chunk)
@@ -163,31 +156,29 @@ class Trainer:
         """A replicated model whose steps run on per-step SP groups (`runtime/adaptive.py`)."""
         from .adaptive import AdaptiveSteps
 
-        if self.meta_init:
-            raise TesseraError("--adaptive runs a replicated model; it cannot be built on the meta device")
+        self.materialize(self.model)
         self.parallel = None
         self.adaptive = AdaptiveSteps(self.model, self.plan, self.config.adaptive_time_budget_s)
         self.model_parts = [self.model]
         self.autocast = nullcontext()
 
-    def maybe_materialize(self, part) -> None:
-        if self.meta_init:
-            materialize(part, self.param_shapes, self.plan.model.config, self.config.seed, self.device)
+    def materialize(self, part) -> None:
+        materialize(part, self.plan.model.config, self.config.seed, self.device)
 
     def build_optimizer(self) -> None:
         """AdamW and its LR schedule per model part (pipeline chunks checkpoint one pair each)."""
         cfg = self.config.optim
         if cfg.total_steps != self.config.steps and self.config.steps:
             cfg = OptimConfig(**{**cfg.__dict__, "total_steps": self.config.steps})
-        zero1 = self.parallel is not None and self.parallel.zero1
-        self.optimizers = [build_optimizer(part.parameters(), cfg, self.parallel.ddp_group if zero1 else None)
-                           for part in self.model_parts]
+        self.optimizers = [build_optimizer(part.parameters(), cfg) for part in self.model_parts]
         self.schedulers = [build_scheduler(opt, cfg) for opt in self.optimizers]
         self.params = list({id(p): p for part in self.model_parts for p in part.parameters()}.values())
         # The gradient norm counts a tied weight once: a pipeline's head copy is left out.
         self.tied_copies = set()
         if self.pipeline is not None and not self.pipeline.has_first_stage:
             self.tied_copies = {id(p) for p in self.pipeline.tied_params}
+        elif self.parallel is not None and self.parallel.tied_head_copy is not None:
+            self.tied_copies = {id(self.parallel.tied_head_copy)}
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -214,7 +205,7 @@ class Trainer:
     # --- data placement ---------------------------------------------------------------------------
     @property
     def data_size(self) -> int:
-        return min(s.dp for s in self.plan.layers)
+        return data_parallel_size(self.plan)
 
     @property
     def data_rank(self) -> int:
@@ -229,16 +220,40 @@ class Trainer:
     def train_step(self, tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None,
                    mask: torch.Tensor | None = None) -> float:
         """One optimizer step on this rank's data block; returns the mean loss of the global batch."""
+        loss = self.compute_gradients(tokens, labels, positions, mask)
+        self.optimizer_step()
+        return loss
+
+    def compute_gradients(self, tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None,
+                          mask: torch.Tensor | None = None) -> float:
+        """Forward and backward of one step without stepping: every parameter's `.grad` holds this
+        rank's shard of d(global batch mean loss)/d(parameter), before clipping (`optimizer_step`
+        clips and steps). Returns the global batch's mean loss."""
         tokens, labels = tokens.to(self.device), labels.to(self.device)
         positions = positions.to(self.device) if positions is not None else None
         mask = mask.to(self.device) if mask is not None else None
         if self.pipeline is not None:
-            loss = self.forward_backward_pp(tokens, labels, positions, mask)
-        else:
-            loss = self.forward_backward(tokens, labels, positions, mask)
-            self.parallel.rescale_grads()
-        self.optimizer_step()
+            return self.forward_backward_pp(tokens, labels, positions, mask)
+        loss = self.forward_backward(tokens, labels, positions, mask)
+        settle_gradients(self.params)
+        self.parallel.rescale_grads()
+        self.parallel.sync_tied_grads()
         return loss
+
+    def named_parameters(self):
+        """(name in the one-process model, parameter) of every parameter this rank holds; a
+        pipeline's untied LM head copy is named after the tied embedding it copies."""
+        from .materialize import EMBEDDING_WEIGHT, HEAD_WEIGHT, canonical_name
+
+        tied = self.plan.model.config.tie_embeddings
+        seen: set[int] = set()
+        for part in self.model_parts:
+            for name, p in part.named_parameters():
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                name = canonical_name(name)
+                yield (EMBEDDING_WEIGHT if tied and name == HEAD_WEIGHT else name), p
 
     def adaptive_step(self, batch) -> float:
         """One optimizer step of an adaptive run; the next batch is planned while this one trains."""
@@ -264,8 +279,10 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         chunks = [t.chunk(n) if t is not None else [None] * n for t in (tokens, labels, positions, mask)]
         for i in range(n):
-            sync = i == n - 1
-            no_sync = module.no_sync() if (hasattr(module, "no_sync") and not sync) else nullcontext()
+            last = i == n - 1
+            # DDP all-reduces once, after the last micro-batch; FSDP2 units as their ZeRO stage says.
+            no_sync = module.no_sync() if (hasattr(module, "no_sync") and not last) else nullcontext()
+            self.parallel.sync.before_backward(last)
             with no_sync, self.loss_fn.context():
                 with self.autocast:
                     logits = module(chunks[0][i], chunks[2][i], chunks[3][i])
