@@ -253,7 +253,8 @@ class PipelineRunner:
         return [p for p, is_copy in zip(self.tied_params, self._tied_is_copy) if is_copy]
 
     def step(self, tokens: torch.Tensor | None, labels: torch.Tensor | None,
-             positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor | None:
+             positions: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+             sync_tied: bool = True) -> torch.Tensor | None:
         """Forward and backward of one batch, split into the plan's micro-batches.
 
         Every rank of the pipeline calls this; `tokens` are used on the first stage, `labels` on
@@ -274,7 +275,8 @@ class PipelineRunner:
             extra["return_outputs"] = False  # the logits are not needed, only the losses
         self.schedule.step(*args, target=target, losses=losses, **extra)
         settle_gradients([p for part in self.model_parts for p in part.parameters()])
-        self._sync_tied_gradients()
+        if sync_tied:
+            self.sync_tied_gradients()
         if losses is None:
             return None
         return torch.stack([_plain(l).detach().float() for l in losses]).mean()
@@ -292,7 +294,9 @@ class PipelineRunner:
         return float(value)
 
     @torch.no_grad()
-    def _sync_tied_gradients(self) -> None:
+    def sync_tied_gradients(self) -> None:
+        """Give both copies of a tied embedding/head the summed gradient (once per step, after
+        any per-copy rescaling; `step` does it unless told `sync_tied=False`)."""
         if not self.tied_params:
             return
         if not self.tied_same_layout:

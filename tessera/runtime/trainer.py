@@ -295,9 +295,10 @@ class Trainer:
     def forward_backward_pp(self, tokens, labels, positions, mask) -> float:
         # Every rank holds the batch: positions and masks reach each stage as keyword arguments.
         with self.loss_fn.context():
-            loss = self.pipeline.step(tokens, labels, positions, mask)
+            loss = self.pipeline.step(tokens, labels, positions, mask, sync_tied=False)
         for part in self.pipeline_parts:
             part.rescale_grads()
+        self.pipeline.sync_tied_gradients()  # after rescaling: the copies' factors may differ
         return self.pipeline.global_loss(loss)
 
     # --- the loop ---------------------------------------------------------------------------------
