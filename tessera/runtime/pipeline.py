@@ -151,6 +151,7 @@ def _tied_sync_group(mesh, plan: Plan):
 
 def _planned_stage_class():
     """`PipelineStage` whose FSDP2 units reduce and reshard per micro-batch as the plan says."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining._backward import (stage_backward, stage_backward_input,
                                                          stage_backward_weight)
@@ -159,6 +160,7 @@ def _planned_stage_class():
         def __init__(self, *args, sync=None, **kwargs):
             super().__init__(*args, **kwargs)
             self.sync = sync
+            self.fsdp_modules = [m for m in self.submod.modules() if isinstance(m, FSDPModule)]
 
         def _backward(self, backward_type, bwd_kwargs):
             if backward_type == "full":
@@ -170,7 +172,10 @@ def _planned_stage_class():
             return stage_backward_weight(self.submod.parameters(), bwd_kwargs["param_groups"]), None
 
         def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
-            if not self.sync:  # no FSDP2 unit of ours: pipelining's own handling (DDP, plain)
+            if not self.sync:  # no plan for the units: pipelining's own handling (DDP, plain, FSDP2)
+                if backward_type != "full":  # but a split pass must see the gathered parameters
+                    for module in self.fsdp_modules:
+                        module.unshard()
                 return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
             if backward_type == "full":  # FSDP2's hooks reduce as the flags say, overlapped with backward
                 self.sync.before_backward(last_backward)
