@@ -92,6 +92,19 @@ def test_refusals_name_the_field():
         check_plan_supported(make_plan(LLAMA, 4, S(dp=4).model_copy(update={"offload_optimizer": True})), 4)
 
 
+def test_layouts_the_search_emits_are_accepted():
+    """Tied embeddings sharded two ways (the head holds a copy), dps that do not nest (the batch
+    is then loaded in gcd(dp) blocks), ZeRO with offload on one rank."""
+    from tessera.runtime.parallel_model import data_parallel_size
+
+    gpt = make_plan(LLAMA.model_copy(update={"tie_embeddings": True}), 4, [S(dp=4)] * 5 + [S(dp=2, tp=2)])
+    check_plan_supported(gpt, 4)
+    check_plan_supported(make_plan(LLAMA, 2, S(tp=2, zero=1, offload=True)), 2)
+    six = make_plan(LLAMA, 6, [S(dp=2, tp=3)] + [S(dp=3, tp=2)] * 4 + [S(dp=6)], global_batch=12)
+    check_plan_supported(six, 6)
+    assert data_parallel_size(six) == 1 and data_parallel_size(gpt) == 2
+
+
 def _one_line_error(capsys, argv) -> str:
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
