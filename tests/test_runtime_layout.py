@@ -144,3 +144,21 @@ def test_default_local_plan_runs_on_this_runtime(nproc):
     plan = make_local_plan("tiny-llama", nproc, Workload(global_batch=8, seq_len=128, dtype="fp32"))
     assert plan.world_size == nproc
     check_plan_supported(plan, nproc, pipeline_available=True)
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gpt2", "gpt2", "tiny-moe"])
+def test_searched_plans_are_accepted_by_the_runtime(model):
+    """Every plan the search emits for local ranks (free, and forced into each pipeline schedule)
+    is one the runtime runs; expert parallelism (its own issue) is searched out."""
+    from tessera.search import search
+    from tessera.search.space import ALL_SCHEDULES, SearchOptions
+    from tessera.spec.presets.clusters import local_cpu_cluster
+    from tessera.spec.presets.models import get_model
+    from tessera.spec.workload import Workload
+
+    workload = Workload(global_batch=16, seq_len=128, dtype="fp32")
+    for nproc in (2, 4, 8):
+        options = [SearchOptions(max_ep=1)] + [SearchOptions(max_ep=1, pp=2, schedules=(s,)) for s in ALL_SCHEDULES]
+        for opts in options:
+            plan = search(get_model(model), local_cpu_cluster(nproc), workload, options=opts)
+            check_plan_supported(plan, nproc, pipeline_available=True)
