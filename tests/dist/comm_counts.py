@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-import torch
 import torch.distributed as dist
 
 from runtime_common import GLOBAL_BATCH, LLAMA, OPTIM, SEQ, S, global_batches, make_plan
