@@ -25,6 +25,11 @@ Gradient scale: rank r's loss is the mean over its own (batch, sequence) piece o
 layout, P = dp_head * sp_head pieces. A layer whose parameters are replicated over g = dp * sp
 ranks averages gradients over g; when g != P (layer-wise heterogeneity) its gradients are rescaled
 by g / P after backward (`GradScaler`-free: one foreach multiply).
+
+Tied embeddings: when the embedding and LM head layers shard alike the head uses the embedding's
+parameter; otherwise the head holds its own copy (same initial value) and after backward both
+receive g_embedding + g_head (`sync_tied_grads`, whole gradients summed across the two layouts),
+so they take identical optimizer steps; the gradient norm counts the tied weight once.
 """
 from __future__ import annotations
 
