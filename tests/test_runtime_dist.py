@@ -20,7 +20,7 @@ SCRIPT = Path(__file__).parent / "dist" / "runtime_equivalence.py"
 EXPECTED = {
     2: {"dp2_ddp", "zero1_dp2", "zero3_dp2_selective", "tp2", "ulysses2", "tp2_megatron_sp",
         "layerwise_tp2_dp2_microbatch2", "gpt2_tied_tp2_sp", "pp2_1f1b", "pp2_zero_bubble_gpt2_tied",
-        "gpt2_tied_zero3_embedding_tp2_sp_head", "tp2_zero1_offload",
+        "gpt2_tied_zero3_embedding_tp2_sp_head", "tp2_zero1_offload", "odd_sequence_ulysses2_then_tp2_sp",
         "collectives_per_step_follow_the_zero_contract_2_ranks", "tp_block_collectives_per_micro_batch_2_ranks",
         "resume_at_2_ranks_tp2_sp", "resume_at_2_ranks_zero3_latest"},
     4: {"dp4_ddp", "zero1_dp4", "zero2_dp4", "zero3_dp4_full_recompute", "hsdp_4_shard2", "zero3_cpu_offload",

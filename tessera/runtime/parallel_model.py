@@ -140,7 +140,10 @@ class ParallelLoss:
     """Mean cross-entropy of this rank's piece of the LM head's layout (loss parallel under TP).
 
     Called as `loss(logits, labels)` with labels (B_d, S) in the data layout; the caller runs
-    forward and backward inside `context()` (loss parallel needs both under it).
+    forward and backward inside `context()` (loss parallel needs both under it). When the
+    sequence was padded to split evenly (`pad_sequences`: padded labels are `IGNORE`),
+    `real_seq_len` is the unpadded length and each piece divides its sum by the real tokens of an
+    even share, rows * real_seq_len / pieces, so that the pieces' mean is the batch mean.
     """
 
     def __init__(self, ctx: StageContext):
@@ -149,6 +152,7 @@ class ParallelLoss:
         self.vocab_parallel = head.tp > 1
         self.act = _seq_only(ctx.layer_acts[-1])
         self.pieces = head.dp * head.sp_degree
+        self.real_seq_len: int | None = None
 
     def context(self):
         if self.vocab_parallel:
@@ -160,6 +164,41 @@ class ParallelLoss:
         return nullcontext()
 
     def __call__(self, logits, labels: torch.Tensor) -> torch.Tensor:
+        seq = labels.shape[1]
         labels = self.ctx.data_block(labels, self.act)
-        return F.cross_entropy(logits.flatten(0, 1).float() if not self.vocab_parallel else logits.flatten(0, 1),
-                               labels.flatten())
+        logits = logits.flatten(0, 1).float() if not self.vocab_parallel else logits.flatten(0, 1)
+        real = self.real_seq_len
+        if real is None or real == seq:
+            return F.cross_entropy(logits, labels.flatten())
+        total = F.cross_entropy(logits, labels.flatten(), reduction="sum", ignore_index=IGNORE)
+        return total / (labels.shape[0] * real / self.act.seq_parts)
+
+
+IGNORE = -100  # label of a padding position (cross-entropy's ignore_index)
+
+
+def sequence_multiple(plan: Plan) -> int:
+    """The sequence length must be a multiple of this for every layer's sequence shards to be
+    equal (Megatron sequence parallel x tp, Ulysses x sp)."""
+    return math.lcm(*(ActLayout.of(s).seq_parts for s in plan.layers[1:]))
+
+
+def pad_sequences(multiple: int, tokens, labels, positions=None, mask=None):
+    """Pad (B, S) batches at the end of every sequence to a multiple of `multiple` tokens:
+    padding tokens are 0 with `IGNORE` labels at position 0; causal attention keeps them out of
+    every real token's context; a packed-document mask lets each attend only to itself."""
+    seq = tokens.shape[1]
+    pad = -seq % multiple
+    if pad == 0:
+        return tokens, labels, positions, mask
+    tokens = F.pad(tokens, (0, pad))
+    labels = F.pad(labels, (0, pad), value=IGNORE)
+    if positions is None:
+        positions = torch.arange(seq, device=tokens.device).expand(tokens.shape[0], seq)
+    positions = F.pad(positions, (0, pad))
+    if mask is not None:
+        full = torch.zeros(*mask.shape[:2], seq + pad, seq + pad, dtype=mask.dtype, device=mask.device)
+        full[..., :seq, :seq] = mask
+        full[..., range(seq, seq + pad), range(seq, seq + pad)] = True
+        mask = full
+    return tokens, labels, positions, mask

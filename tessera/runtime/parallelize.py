@@ -46,7 +46,6 @@ from ..models.transformer import Transformer
 from ..plan import LayerStrategy, Plan, Recompute, SPKind
 from ..spec.model import LayerKind
 from .grad_sync import GradSync, ShardedUnit, sum_tied_gradients
-from .layout import ActLayout
 from .materialize import EMBEDDING_WEIGHT, HEAD_WEIGHT, canonical_name
 from .mesh import Axis, LayerLayout, ParallelDims
 from .parallel_model import ParallelLoss, ParallelTransformer, StageContext
@@ -70,16 +69,12 @@ def check_plan_supported(plan: Plan, world_size: int | None = None, *, pipeline_
     if plan.pipeline.degree > 1 and not pipeline_available:
         raise TesseraError(f"plan.pipeline.degree={plan.pipeline.degree}: pipeline parallelism is not "
                            "available in this runtime build")
-    seq = plan.workload.seq_len
     for i, s in enumerate(plan.layers):
         where = f"plan.layers[{i}] ({plan.model.layers[i].name})"
         if s.ep > 1:
             raise TesseraError(f"{where}.ep={s.ep}: expert parallelism is not supported by the runtime yet")
         if s.offload_optimizer and not s.zero:
             raise TesseraError(f"{where}.offload_optimizer needs zero >= 1 (FSDP2 CPU offload shards the state)")
-        act = ActLayout.of(s)
-        if seq % act.seq_parts:
-            raise TesseraError(f"{where}: seq_len {seq} does not split into {act.seq_parts} sequence shards")
         if s.tp > 1 and kinds[i] in (LayerKind.DECODER, LayerKind.MOE_DECODER):
             if cfg.num_heads % s.tp or cfg.num_kv_heads % s.tp:
                 raise TesseraError(f"{where}.tp={s.tp} does not divide the {cfg.num_heads} heads / "

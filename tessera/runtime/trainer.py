@@ -31,7 +31,7 @@ from .mesh import ParallelDims
 from .grad_sync import settle_gradients
 from .metrics import MetricsWriter, StepRecord, model_flops_utilisation, peak_memory_bytes
 from .optim import OptimConfig, build_optimizer, build_scheduler, clip_grad_norm_
-from .parallel_model import data_parallel_size
+from .parallel_model import data_parallel_size, pad_sequences, sequence_multiple
 from .parallelize import Parallelized, check_plan_supported, parallelize, uses_ddp
 
 log = logging.getLogger(__name__)
@@ -108,6 +108,7 @@ class Trainer:
         shards (`materialize`): each value is the one `build_model(config, seed)` gives the whole
         model, whatever the plan or world size. DDP wraps the materialised model."""
         self.model = build_model(self.plan.model.config, device="meta")
+        self.seq_multiple = sequence_multiple(self.plan)
         mp_policy = None
         if self.dtype in ("bf16", "fp16"):
             from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -232,6 +233,9 @@ class Trainer:
         tokens, labels = tokens.to(self.device), labels.to(self.device)
         positions = positions.to(self.device) if positions is not None else None
         mask = mask.to(self.device) if mask is not None else None
+        # A sequence that does not split into the plan's sequence shards is padded (ignored labels).
+        self.loss_fn.real_seq_len = tokens.shape[1]
+        tokens, labels, positions, mask = pad_sequences(self.seq_multiple, tokens, labels, positions, mask)
         if self.pipeline is not None:
             return self.forward_backward_pp(tokens, labels, positions, mask)
         loss = self.forward_backward(tokens, labels, positions, mask)

@@ -51,11 +51,11 @@ def _pipeline(world: int, stage_size: int, stages, schedule: str) -> PipelineSpe
     return PipelineSpec(degree=pp, schedule=schedule, virtual_stages=len(stages) // pp, stages=tuple(stages))
 
 
-def global_batches(config: TransformerConfig, steps: int = STEPS, seed: int = 1):
+def global_batches(config: TransformerConfig, steps: int = STEPS, seed: int = 1, seq: int = SEQ):
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
-        seqs = torch.randint(0, config.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=gen)
+        seqs = torch.randint(0, config.vocab_size, (GLOBAL_BATCH, seq + 1), generator=gen)
         out.append((seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()))
     return out
 
@@ -83,9 +83,10 @@ def one_process_losses(config: TransformerConfig, optim: OptimConfig, batches) -
 
 def reference_losses(config: TransformerConfig, batches) -> list[float]:
     """Losses of a one-process run on the same global batches (same init, optimizer, clipping)."""
-    if config.name not in _REFERENCE:
-        _REFERENCE[config.name] = one_process_losses(config, OPTIM, batches)
-    return _REFERENCE[config.name]
+    key = (config.name, batches[0][0].shape[1])
+    if key not in _REFERENCE:
+        _REFERENCE[key] = one_process_losses(config, OPTIM, batches)
+    return _REFERENCE[key]
 
 
 _REFERENCE_MODEL: dict = {}
@@ -93,15 +94,16 @@ _REFERENCE_MODEL: dict = {}
 
 def reference_model_and_gradients(config: TransformerConfig, batch):
     """One process: the freshly initialised model and its gradients of the mean loss on `batch`."""
-    if config.name not in _REFERENCE_MODEL:
+    key = (config.name, batch[0].shape[1])
+    if key not in _REFERENCE_MODEL:
         model = build_model(config, seed=0)
         tokens, labels, *extra = batch
         loss = torch.nn.functional.cross_entropy(model(tokens, *extra).flatten(0, 1).float(), labels.flatten())
         loss.backward()
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        _REFERENCE_MODEL[config.name] = params, grads
-    return _REFERENCE_MODEL[config.name]
+        _REFERENCE_MODEL[key] = params, grads
+    return _REFERENCE_MODEL[key]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -151,7 +153,7 @@ def run_plan(name: str, plan: Plan, config: TransformerConfig, batches, grad_rto
 
 
 def check(name: str, plan: Plan, config: TransformerConfig, rtol: float = 1e-5, grad_rtol: float = 1e-5) -> None:
-    batches = global_batches(config)
+    batches = global_batches(config, seq=plan.workload.seq_len)
     want = reference_losses(config, batches)
     got = run_plan(name, plan, config, batches, grad_rtol)
     for step, (g, w) in enumerate(zip(got, want)):

@@ -36,6 +36,10 @@ def plans_2():
         ("gpt2_tied_zero3_embedding_tp2_sp_head", make_plan(GPT2, 2, [S(dp=2, zero=3)] * (n - 1)
                                                              + [S(tp=2, sp="megatron")], num_micro_batches=2), GPT2),
         ("tp2_zero1_offload", make_plan(LLAMA, 2, S(tp=2, zero=1, offload=True)), LLAMA),
+        # 15 tokens do not split into 2 sequence shards: padded to 16, the padding ignored.
+        ("odd_sequence_ulysses2_then_tp2_sp", make_plan(LLAMA, 2, [S(dp=2)] + [S(sp="ulysses", sp_degree=2)] * 2
+                                                        + [S(tp=2, sp="megatron")] * (n - 3), seq_len=15,
+                                                        num_micro_batches=2), LLAMA),
     ]
 
 
