@@ -7,8 +7,10 @@ Every rank loads its block of the global batch in the plan's data layout: the ba
 the gcd of the layers' dp (`data_rank`, `data_size`); every layer takes its sub-block of it
 without communication. The model is built on the meta device, parallelised, and only this rank's
 shards are allocated and initialised (`build_model`). A step runs the plan's micro-batches
-(gradient accumulation with the plan's gradient synchronisation, or the pipeline schedule), rescales gradients of layers replicated over fewer or more ranks than the
-loss is split over, clips the global norm, and steps AdamW and the LR schedule.
+(gradient accumulation with the plan's gradient synchronisation, or the pipeline schedule),
+rescales gradients of layers replicated over fewer or more ranks than the loss is split over,
+clips the global norm, and steps AdamW and the LR schedule (`compute_gradients` stops before
+clipping: the gradient oracle of the equivalence tests).
 """
 from __future__ import annotations
 
@@ -26,9 +28,9 @@ import torch.distributed as dist
 from ..errors import TesseraError
 from ..models.transformer import build_model
 from ..plan import Plan
+from .grad_sync import settle_gradients
 from .materialize import materialize
 from .mesh import ParallelDims
-from .grad_sync import settle_gradients
 from .metrics import MetricsWriter, StepRecord, model_flops_utilisation, peak_memory_bytes
 from .optim import OptimConfig, build_optimizer, build_scheduler, clip_grad_norm_
 from .parallel_model import data_parallel_size, pad_sequences, sequence_multiple
