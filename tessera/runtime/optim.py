@@ -69,23 +69,12 @@ def implementation(params, fused: bool | None = None) -> dict:
     return {"fused": False, "foreach": _foreach_ok(params)}
 
 
-def build_optimizer(params, cfg: OptimConfig, zero1_group=None) -> torch.optim.Optimizer:
-    """AdamW; with `zero1_group`, ZeRO-1 (`ZeroRedundancyOptimizer`) shards its state over the group."""
+def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW over the (possibly sharded) parameters: ZeRO shards its state with the parameters;
+    fused where `implementation` chooses it."""
     params = list(params)
     kwargs = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
-    impl = implementation(params, cfg.fused)
-    if zero1_group is not None:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        groups = param_groups(params, cfg.weight_decay)
-        # The local shard's AdamW: fused where chosen, else torch's own default (as before).
-        opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
-                                      process_group=zero1_group, weight_decay=groups[0]["weight_decay"],
-                                      **kwargs, **({"fused": True} if impl["fused"] else {}))
-        for g in groups[1:]:
-            opt.add_param_group(g)
-        return opt
-    return torch.optim.AdamW(param_groups(params, cfg.weight_decay), **kwargs, **impl)
+    return torch.optim.AdamW(param_groups(params, cfg.weight_decay), **kwargs, **implementation(params, cfg.fused))
 
 
 def lr_lambda(cfg: OptimConfig):
