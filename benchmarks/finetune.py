@@ -120,8 +120,7 @@ def worker_init_from(hf_dir: Path, out: Path) -> None:
     hf_load.load_hf_shards = timed  # the loader's own time, beside the whole build
     dist.init_process_group("gloo")
     start = time.perf_counter()
-    trainer = Trainer(TrainConfig(plan=zero3_plan(hf_dir), steps=0, synthetic_data=True, init_from=str(hf_dir),
-                                  meta_init=True))
+    trainer = Trainer(TrainConfig(plan=zero3_plan(hf_dir), steps=0, synthetic_data=True, init_from=str(hf_dir)))
     build_s = time.perf_counter() - start
     local = sum(p.to_local().numel() * p.to_local().element_size() for p in trainer.params)
     result = {"load_s": sum(seconds), "build_s": build_s, "peak_rss": peak_rss_bytes(), "local_bytes": local}

@@ -172,9 +172,10 @@ def test_sequences_pad_to_the_shards():
     plan = make_plan(LLAMA, 4, [S(dp=4)] + [S(sp="ulysses", sp_degree=2, dp=2)] * 2 + [S(tp=2, dp=2, sp="megatron")] * 3)
     assert sequence_multiple(plan) == 2
     tokens = torch.arange(14).view(2, 7) + 1
-    mask = torch.ones(2, 1, 7, 7, dtype=torch.bool).tril()
-    t, l, p, m = pad_sequences(4, tokens, tokens, None, mask)
+    docs = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0]])
+    t, l, p, d = pad_sequences(4, tokens, tokens, None, docs)
     assert t.shape == (2, 8) and t[:, 7].eq(0).all() and l[:, 7].eq(IGNORE).all()
     assert p[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 0]
-    assert m.shape == (2, 1, 8, 8) and m[0, 0, 7].tolist() == [False] * 7 + [True] and m[0, 0, :7, :7].equal(mask[0, 0])
+    # The padding is a document of its own: no real token attends to it.
+    assert d.tolist() == [[0, 0, 0, 1, 1, 1, 1, 2], [0, 0, 0, 0, 0, 0, 0, 1]]
     assert pad_sequences(7, tokens, tokens)[0] is tokens

@@ -175,14 +175,6 @@ def _check_init_from(plan, args) -> None:
         finetune_stream(args.data, tokenizer)  # tokenized (and cached) once, bad samples refused, here
 
 
-def _meta_build(plan, args) -> bool:
-    """Build on the meta device where the runtime can (the FSDP2 path without pipelines): with
-    --init-from each rank then allocates and reads only its own shards."""
-    from ..runtime.parallelize import uses_ddp
-
-    return bool(args.init_from) and not args.adaptive and not uses_ddp(plan) and plan.pipeline.degree == 1
-
-
 def _launch(args, plan, nproc: int, out: Path) -> int:
     """Start `nproc` local ranks with torchrun, each running `tessera train --plan`."""
     out.mkdir(parents=True, exist_ok=True)
@@ -207,7 +199,7 @@ def _train_here(args, plan, out: Path) -> int:
         metrics_path=str(out / "metrics.jsonl"), tensorboard_dir=str(out / "tensorboard"),
         log_every=args.log_every, compile=args.compile, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume, adaptive=args.adaptive,
-        init_from=args.init_from, meta_init=_meta_build(plan, args))
+        init_from=args.init_from)
     progress = _Progress(args.steps) if int(os.environ.get("RANK", 0)) == 0 else None
     trainer = Trainer(config, on_step=progress.update if progress else None)
     try:

@@ -168,13 +168,15 @@ def _prepare(slot: Slot, cap: float, delta: float, mode: str, cache: dict):
     key = (id(slot.time), id(slot.mem), id(slot.buf))
     if key in cache:
         return cache[key]
-    allowed = np.flatnonzero(slot.buf <= cap)
+    # A candidate whose memory is infinite (it fits no device, e.g. host memory under offload) is
+    # never allowed: its bins would not be a number.
+    allowed = np.flatnonzero((slot.buf <= cap) & np.isfinite(slot.mem))
     base = slot.mem[allowed].min() if len(allowed) else 0.0
     raw = (slot.mem[allowed] - base) / delta
     # "up": ceil (a little slack for float noise keeps exact multiples where they are); "down": floor;
     # "nearest": a guess whose memory the caller checks.
     rounded = {"up": np.ceil(raw - 1e-9), "down": np.floor(raw + 1e-9), "nearest": np.round(raw)}[mode]
-    w = np.maximum(rounded, 0).astype(np.int64)
+    w = np.clip(rounded, 0, 2**40).astype(np.int64)  # beyond any budget's bins: never placed
     lay, t = slot.layout[allowed], slot.time[allowed]
     order = np.lexsort((t, w, lay))  # by layout, then bins, then time
     allowed, w, lay, t = allowed[order], w[order], lay[order], t[order]

@@ -65,7 +65,7 @@ def plans(family: str):
 def check_family(family: str, name: str, plan, meta: bool, checkpoint: bool) -> None:
     hf_dir, data = WORK / family / "hf", WORK / "data"
     trainer = Trainer(TrainConfig(plan=plan, steps=STEPS, optim=optim_config(), seed=0, data=str(data),
-                                  init_from=str(hf_dir), meta_init=meta,
+                                  init_from=str(hf_dir),
                                   checkpoint_dir=str(WORK / family / "ckpt") if checkpoint else None))
     cfg = plan.model.config
     _, want = hf.load_hf_checkpoint(hf_dir)
