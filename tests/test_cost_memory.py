@@ -197,7 +197,8 @@ def test_eager_llama_block_counts_what_autograd_saves():
     cpu = activation_bytes(layer, 1000, 1, False, RC_NONE, elt=4, fused_norms=False)
     assert cpu == pytest.approx(1000 * 4 * (6 * h + 2 * q + 2 * kv + 4 * f + heads + 2))
     # Selective (the runtime's policy: matmul outputs and the block input kept): a (3h + q + 2kv + 2f).
-    assert activation_bytes(layer, 1000, 1, False, RC_SELECTIVE) == pytest.approx(1000 * 2 * (3 * h + q + 2 * kv + 2 * f))
+    kept = 2 * (3 * h + q + 2 * kv + 2 * f)
+    assert activation_bytes(layer, 1000, 1, False, RC_SELECTIVE) == pytest.approx(1000 * kept)
     assert activation_bytes(layer, 1000, 1, False, RC_FULL) == pytest.approx(1000 * 2 * h)
     # TP divides q, k, v, the MLP and the logsumexp; SP also the norms' tensors.
     assert activation_bytes(layer, 1000, 2, True, RC_NONE) == pytest.approx(1000 * per_token / 2)

@@ -284,7 +284,7 @@ def parallelize(model: Transformer, plan: Plan, dims: ParallelDims, rank: int,
             with warnings.catch_warnings():  # the rename of broadcast_buffers is newer than torch 2.11
                 warnings.simplefilter("ignore", FutureWarning)
                 # Buffers (RoPE tables) are computed identically on every rank: no per-step broadcast.
-                # Gradients as views into DDP's buckets: no second copy of them (the cost model counts one).
+                # Gradients as views into DDP's buckets: no copy beside them once reduced (cost/layer.py).
                 result.module = DDP(chunk, process_group=group, broadcast_buffers=False,
                                     gradient_as_bucket_view=True)
             if strategies[0].zero == 1:
