@@ -167,6 +167,11 @@ class LayerCosts:
     act: np.ndarray  # per in-flight micro-batch
     buf: np.ndarray
     host: np.ndarray  # offloaded states in host memory
+    # Of params + grads, the runtime's extra copies (`_runtime_copies`), and of `act`, what the
+    # training loop holds without autograd saving it (the logits): what an instrumented count of
+    # model-state tensors and saved tensors cannot see (tessera.profile.results.predicted_memory).
+    copies: np.ndarray | None = None
+    held: np.ndarray | None = None
 
     @property
     def states(self) -> np.ndarray:
@@ -332,8 +337,10 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
         m = max(1.0, wl.global_batch / ctx.micro_batch_seqs)
         accumulate = 3.0 * grads / cl.device.streaming_bandwidth * (m - 1) / m
         cb, bwd = cb + accumulate, bwd + accumulate
+    before = params + grads
     params, grads = _runtime_copies(params, grads, wl, t, z, pp, pd, pe, shard, es,
                                     m=max(1.0, wl.global_batch / ctx.micro_batch_seqs))
+    copies = params + grads - before
     if ctx.host_layers:
         params = np.where(host * ctx.host_layers > cl.host_memory_bytes, INFEASIBLE_BYTES, params)
     local = pd / np.where(z >= 1, shard, 1) + pe / np.where(z >= 1, es, 1)
@@ -360,7 +367,8 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
     return LayerCosts(fwd=full_(fwd), bwd=full_(bwd), wgrad=full_(wgrad), compute_fwd=full_(cf),
                       compute_bwd=full_(cb), step=full_(sync + opt_time), optimizer_time=full_(opt_time),
                       params=full_(params), grads=full_(grads), optimizer=full_(optimizer),
-                      act=full_(act), buf=full_(buf), host=full_(host))
+                      act=full_(act), buf=full_(buf), host=full_(host), copies=full_(copies),
+                      held=full_(tokens_dev * (ab / 2.0) * layer.act_held_tp / t.tp))
 
 
 def _runtime_copies(params, grads, wl: Workload, t: StrategyTable, z, pp: int, pd, pe, shard, es, m: float):
