@@ -97,9 +97,11 @@ def test_ulysses_beyond_the_kv_heads_repeats_them():
         a2a = (2 * collective_time(c, "all_to_all", q_msg, u, 1)
                + 2 * collective_time(c, "all_to_all", q_msg * kv, u, 1))
         assert float(costs.fwd[i] - costs.compute_fwd[i]) == pytest.approx(a2a)
-    # The repeated K and V are what attention saves: 2 x 2 bytes x kv_dim more per token.
-    plain = 32768 / 16 * (block.act_bytes_tp + block.act_bytes_replicated)
-    assert float(costs.act[1]) == pytest.approx(plain + 32768 / 16 * 4 * 8 * 128)
+    # The repeated K and V are what attention saves: 2 x 2 bytes x kv_dim more per token; and
+    # the output projection saves the all-to-all's copy of the attention output (2 x 4096).
+    plain = 32768 / 16 * (block.act_bytes_tp + block.act_bytes_replicated + block.act_fp32_tp
+                          + block.act_fp32_replicated)
+    assert float(costs.act[1]) == pytest.approx(plain + 32768 / 16 * (4 * 8 * 128 + 2 * 4096))
 
 
 def test_gradient_sync_follows_the_runtime_contract():

@@ -124,7 +124,7 @@ def _brute_force_pipeline(model, cluster, workload, options, pp):
     return best
 
 
-@pytest.mark.parametrize("gib", [3.0, 80.0])
+@pytest.mark.parametrize("gib", [4.0, 80.0])
 def test_pipelined_search_matches_brute_force(gib):
     cfg = SMALL.model_copy(update={"num_layers": 2})
     model = ModelSpec.from_config(cfg)

@@ -167,6 +167,11 @@ class LayerCosts:
     act: np.ndarray  # per in-flight micro-batch
     buf: np.ndarray
     host: np.ndarray  # offloaded states in host memory
+    # Of params + grads, the runtime's extra copies (`_runtime_copies`), and of `act`, what the
+    # training loop holds without autograd saving it (the logits): what an instrumented count of
+    # model-state tensors and saved tensors cannot see (tessera.profile.results.predicted_memory).
+    copies: np.ndarray | None = None
+    held: np.ndarray | None = None
 
     @property
     def states(self) -> np.ndarray:
@@ -332,6 +337,10 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
         m = max(1.0, wl.global_batch / ctx.micro_batch_seqs)
         accumulate = 3.0 * grads / cl.device.streaming_bandwidth * (m - 1) / m
         cb, bwd = cb + accumulate, bwd + accumulate
+    before = params + grads
+    params, grads = _runtime_copies(params, grads, wl, t, z, pp, pd, pe, shard, es,
+                                    m=max(1.0, wl.global_batch / ctx.micro_batch_seqs))
+    copies = params + grads - before
     if ctx.host_layers:
         params = np.where(host * ctx.host_layers > cl.host_memory_bytes, INFEASIBLE_BYTES, params)
     local = pd / np.where(z >= 1, shard, 1) + pe / np.where(z >= 1, es, 1)
@@ -340,19 +349,48 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
     # read and written, the gradient read and the working copy written) at host DRAM bandwidth.
     opt_time = np.where(t.offload, (2 * ob + 2 * pb) * local / cl.host_memory_bandwidth,
                         (3 * pb + 2 * ob) * local / cl.device.streaming_bandwidth)
-    act = activation_bytes(layer, tokens_dev, t.tp, t.megatron, t.recompute, seq_len=wl.seq_len, sp=t.sp)
+    fused_norms = cl.device.sm_count > 0  # CUDA's fused RMSNorm; a CPU runs the composite (memory.py)
+    act = activation_bytes(layer, tokens_dev, t.tp, t.megatron, t.recompute, seq_len=wl.seq_len, sp=t.sp,
+                           elt=ab, fused_norms=fused_norms)
     if layer.num_heads and layer.head_dim:
-        # Repeated K and V (Ulysses with more ranks than KV heads) are what attention saves.
+        # Ulysses: repeated K and V (more ranks than KV heads) are what attention saves, and the
+        # output projection saves the all-to-all's copy of the attention output beside SDPA's.
         kv_dim = layer.num_kv_heads * layer.head_dim
-        act = act + np.where(full, 0.0, tokens_dev * (repeats - 1) * 2.0 * 2 * kv_dim / t.tp)
+        q_dim = layer.num_heads * layer.head_dim
+        act = act + np.where(full | (t.recompute == RC_SELECTIVE), 0.0,
+                             tokens_dev * ab * ((repeats - 1) * 2 * kv_dim + np.where(t.sp > 1, q_dim, 0)) / t.tp)
     buf = buffer_bytes(layer, wl, tokens_dev, t.tp, t.ep, t.megatron, z, t.recompute, offload=t.offload,
-                       seq_len=wl.seq_len, sp=t.sp, dense_params=layer.dense_params - shared)
+                       seq_len=wl.seq_len, sp=t.sp, dense_params=layer.dense_params - shared, elt=ab,
+                       fused_norms=fused_norms)
     shape = np.shape(t.dp)
     full_ = lambda x: np.broadcast_to(np.asarray(x, dtype=float), shape)  # noqa: E731
     return LayerCosts(fwd=full_(fwd), bwd=full_(bwd), wgrad=full_(wgrad), compute_fwd=full_(cf),
                       compute_bwd=full_(cb), step=full_(sync + opt_time), optimizer_time=full_(opt_time),
                       params=full_(params), grads=full_(grads), optimizer=full_(optimizer),
-                      act=full_(act), buf=full_(buf), host=full_(host))
+                      act=full_(act), buf=full_(buf), host=full_(host), copies=full_(copies),
+                      held=full_(tokens_dev * (ab / 2.0) * layer.act_held_tp / t.tp))
+
+
+def _runtime_copies(params, grads, wl: Workload, t: StrategyTable, z, pp: int, pd, pe, shard, es, m: float):
+    """Copies of model states the runtime keeps beside the ones ZeRO's formulas count.
+
+    - DDP (tp = 1, ZeRO 0 or 1, no pipeline, no offload, over more than one rank: the runtime's
+      DDP path, taken per layer here): DDP's buckets hold the gradients (`gradient_as_bucket_view`),
+      and with more than one micro-batch the micro-batches before the last accumulate into
+      separate `.grad` tensors under `no_sync` (the optimizer frees them after every step), so a
+      second copy exists when the last backward runs: 4 P bytes, the DDP path keeping fp32
+      parameters and gradients under autocast (the states' total is the same as ZeRO's count,
+      2 + 2 + 12 bytes a parameter in mixed precision; only this copy is extra).
+    - FSDP2 keeping parameters unsharded (ZeRO 1 over FSDP2, ZeRO 2): the sharded parameter stays
+      beside the unsharded one. In mixed precision that shard is the fp32 master the optimizer
+      bytes already count; an fp32 run has no master, so it is pb P / S more."""
+    ddp = (t.tp == 1) & (z <= 1) & ~t.offload & (t.dp * t.sp > 1) & (pp == 1)
+    if m > 1:
+        grads = grads + np.where(ddp, 4.0 * (pd + pe), 0.0)
+    if wl.dtype == "fp32":
+        fsdp_unsharded = (z == 2) | ((z == 1) & ~ddp)
+        params = params + np.where(fsdp_unsharded & (shard > 1), wl.param_bytes * (pd / shard + pe / es), 0.0)
+    return params, grads
 
 
 def shape_key(s: LayerStrategy) -> tuple[int, int, int, bool]:

@@ -16,21 +16,36 @@ host memory; the device keeps only unsharded copies: the parameters when ZeRO < 
 per step and kept), the gradients when ZeRO < 2 (accumulated unsharded over the micro-batches);
 optimizer 0. A tied LM head on the embedding's pipeline rank counts its shared weight there only.
 
-Activations per in-flight micro-batch (Korthikanti et al. 2022), t tokens on the device
-(t = micro-batch sequences per replica * seq_len / ulysses degree):
-    none       t * (act_tp / tp + act_replicated / tp_sp) + scores
-    selective  t * ((act_tp - act_selective) / tp + act_replicated / tp_sp)
-    full       t * act_input / tp_sp                           (only the block input is kept)
-with tp_sp = tp under Megatron SP, else 1, and scores = t * s * heads / tp * act_score_bytes for
-unfused attention (Korthikanti's 5 a s / h term; 0 with flash attention). For a GPT block this
-is s b h (34 - 2) without TP (no dropout masks), s b h (8 + 24 / tp) with TP and s b h 32 / tp
-with TP + SP: the paper's formulas without the dropout masks and with flash attention.
+Activations per in-flight micro-batch, t tokens on the device (t = micro-batch sequences per
+replica * seq_len / ulysses degree), a = activation element bytes (2, or 4 for fp32 runs),
+s = a / 2 (the spec's bytes are 16-bit; 1 for a layer a model profile measured, whose bytes are
+the measured ones, fp32 parts included, so the fp32 terms below are 0 for it):
+    none       t * [s (act_tp / tp + act_replicated / tp_sp) + act_fp32_tp / tp
+                    + (act_fp32_replicated + u) / tp_sp + s held_tp / tp] + scores
+    selective  t * [s ((act_tp - act_selective) / tp + (act_replicated - act_sel_repl) / tp_sp)
+                    + s held_tp / tp]
+    full       t * s act_input / tp_sp                         (only the block input is kept)
+with tp_sp = tp under Megatron SP, else 1, held_tp the logits the training loop holds (LM head),
+u = (8 - a) rms_norm_width on a device without a fused RMSNorm kernel (a CPU: `rms_norm`'s
+composite keeps the fp32 upcast input and normalised product), else 0, and
+scores = t * s * heads / tp * act_score_bytes for unfused attention (Korthikanti's 5 a s / h
+term; 0 with flash attention). For a GPT block with Megatron's kernels ("fused") this is
+s b h (34 - 2) without TP (no dropout masks), s b h (8 + 24 / tp) with TP and s b h 32 / tp
+with TP + SP: the paper's formulas without the dropout masks and with flash attention. For the
+runtime's eager modules (spec/model.py, `_Execution.block_activations`) it is what autograd saves,
+operation by operation: a LLaMA block keeps a (6 h + 2 q + 2 kv + 4 f) + r (2 + heads) bytes per
+token on a GPU (r = 4), and on a CPU in fp32 4 (6 h + 2 q + 2 kv + 4 f + heads + 2), measured
+exactly (tests/test_cost_memory.py).
 
 Transient buffer of a layer (the peak while its backward runs):
-    buf = 2 * pb * (P_d + P_e)  if zero == 3  (its own and the prefetched next layer's weights)
+    buf = t (s bwd_transient + bwd_transient_fp32) / tp
+                                (its incoming and MLP-branch gradients; the LM head's gradients
+                                 of the log-probabilities and fp32 logits, 8 V bytes per token)
+        + 2 * pb * (P_d + P_e)  if zero == 3  (its own and the prefetched next layer's weights)
         + pb * (P_d + P_e)      if offloaded with zero >= 2 (its unsharded gradient before the
                                  reduce-scatter and the copy to the host)
         + t * act_none          if full recompute (its activations replayed for its backward)
+        + t * (act_none - act_selective) if selective recompute (the dropped part replayed)
 A stage's buffer is the largest `buf` of its layers plus the device's `reserved_bytes`.
 
 Fragmentation and the planner's margin (`memory_budget`): the caching allocator holds more than
@@ -107,26 +122,41 @@ def offloaded_bytes(layer: LayerSpec, workload: Workload, tp, ep, shard, expert_
     return np.where(np.asarray(offload, dtype=bool), per_param * local, 0.0)
 
 
-def activation_bytes(layer: LayerSpec, tokens, tp, megatron_sp, recompute, seq_len: int = 0, sp=1):
-    """Bytes one in-flight micro-batch keeps on one device (tokens: per device, after Ulysses)."""
+def activation_bytes(layer: LayerSpec, tokens, tp, megatron_sp, recompute, seq_len: int = 0, sp=1,
+                     elt: float = 2.0, fused_norms: bool = True):
+    """Bytes one in-flight micro-batch keeps on one device (tokens: per device, after Ulysses;
+    `elt`: activation element bytes; `fused_norms`: the device has a fused RMSNorm kernel)."""
     tp = np.asarray(tp, dtype=float)
     tp_sp = np.where(np.asarray(megatron_sp, dtype=bool), tp, 1.0)
     rc = np.asarray(recompute)
-    scores = layer.act_score_bytes * layer.num_heads * seq_len / tp
-    none = layer.act_bytes_tp / tp + layer.act_bytes_replicated / tp_sp + scores
-    selective = (layer.act_bytes_tp - layer.act_bytes_selective) / tp + layer.act_bytes_replicated / tp_sp
-    full = layer.act_bytes_input / tp_sp
+    measured = layer.compute_measured
+    s = 1.0 if measured else elt / 2.0
+    held = (elt / 2.0) * layer.act_held_tp / tp
+    fp32 = 0.0 if measured else 1.0
+    upcast = 0.0 if (measured or fused_norms) else (8.0 - elt) * layer.rms_norm_width
+    scores = s * layer.act_score_bytes * layer.num_heads * seq_len / tp
+    none = (s * (layer.act_bytes_tp / tp + layer.act_bytes_replicated / tp_sp)
+            + fp32 * (layer.act_fp32_tp / tp + (layer.act_fp32_replicated + upcast) / tp_sp) + scores + held)
+    selective = s * ((layer.act_bytes_tp - layer.act_bytes_selective) / tp
+                     + (layer.act_bytes_replicated - layer.act_bytes_selective_replicated) / tp_sp) + held
+    full = s * layer.act_bytes_input / tp_sp + held
     per_token = np.where(rc == RC_FULL, full, np.where(rc == RC_SELECTIVE, selective, none))
     return tokens * per_token
 
 
 def buffer_bytes(layer: LayerSpec, workload: Workload, tokens, tp, ep, megatron_sp, zero, recompute, offload=False,
-                 seq_len: int = 0, sp=1, dense_params: float | None = None):
+                 seq_len: int = 0, sp=1, dense_params: float | None = None, elt: float = 2.0,
+                 fused_norms: bool = True):
     """Transient bytes while this layer's backward runs (see the module docstring)."""
     tp, ep, zero = np.asarray(tp), np.asarray(ep), np.asarray(zero)
+    rc = np.asarray(recompute)
     dense = layer.dense_params if dense_params is None else dense_params
     gathered = workload.param_bytes * (dense / tp + layer.expert_params / (tp * ep))
-    replay = activation_bytes(layer, tokens, tp, megatron_sp, RC_NONE, seq_len=seq_len, sp=sp)
-    return (np.where(zero == 3, 2.0 * gathered, 0.0)
+    replay = activation_bytes(layer, tokens, tp, megatron_sp, RC_NONE, seq_len=seq_len, sp=sp, elt=elt,
+                              fused_norms=fused_norms)
+    kept = activation_bytes(layer, tokens, tp, megatron_sp, RC_SELECTIVE, seq_len=seq_len, sp=sp, elt=elt,
+                            fused_norms=fused_norms)
+    transient = tokens * ((elt / 2.0) * layer.bwd_transient + layer.bwd_transient_fp32) / tp
+    return (transient + np.where(zero == 3, 2.0 * gathered, 0.0)
             + np.where(np.asarray(offload, dtype=bool) & (zero >= 2), gathered, 0.0)
-            + np.where(np.asarray(recompute) == RC_FULL, replay, 0.0))
+            + np.where(rc == RC_FULL, replay, np.where(rc == RC_SELECTIVE, replay - kept, 0.0)))

@@ -261,8 +261,9 @@ class Parallelized:
         with warnings.catch_warnings():  # the rename of broadcast_buffers is newer than torch 2.11
             warnings.simplefilter("ignore", FutureWarning)
             # Buffers (RoPE tables) are computed identically on every rank: no per-step broadcast.
+            # Gradients as views into DDP's buckets: no copy beside them once reduced (cost/layer.py).
             self.module = DDP(self.chunk, process_group=self.ddp_group, broadcast_buffers=False,
-                              init_sync=False)
+                              init_sync=False, gradient_as_bucket_view=True)
 
     def rescale_grads(self) -> None:
         for modules, factor in self.grad_rescale:

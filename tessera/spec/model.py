@@ -120,6 +120,25 @@ class LayerSpec(Frozen):
       - `act_bytes_selective`: the part of the above that selective recompute drops (attention
         core and activation-function outputs), recomputed in backward for `selective_flops`.
     Full recompute keeps only the block input (`act_bytes_input`) and replays the forward.
+    These four scale with the activation element size (x 2 for fp32 runs), except for a layer a
+    model profile measured (`compute_measured`): its bytes are the measured ones, in the
+    profile's dtype, fp32 parts included.
+
+    What eager PyTorch holds besides (per token, see `_Execution` for the per-operation counts):
+      - `act_fp32_tp`, `act_fp32_replicated`: saved tensors that are fp32 whatever the activation
+        dtype (norm statistics, SDPA's logsumexp, the LM head's log-probabilities);
+      - `act_bytes_selective_replicated`: the part of `act_bytes_replicated` selective recompute
+        drops (the runtime's policy keeps matmul outputs and the block input only);
+      - `rms_norm_width`: elements per token its RMSNorms normalise. The fused CUDA kernel keeps
+        the input and an fp32 statistic (what the replicated bytes count); a device without it (a
+        CPU runs `rms_norm`'s composite) keeps the fp32 upcast input and normalised product
+        instead of the input: (8 - a) bytes per element more, a the activation element size;
+      - `act_held_tp`: bytes (16-bit, scaled like the above) the training loop holds until the
+        micro-batch's backward ends without autograd saving them (the LM head's logits);
+      - `bwd_transient`, `bwd_transient_fp32`: bytes alive only while the layer's backward runs,
+        beside its saved tensors (16-bit scaled / fp32), divided by TP: a block's incoming
+        gradient and its MLP branches' gradients; the LM head's gradient of the log-probabilities
+        and of the fp32 logits at the start of backward.
 
     Per-operation compute (cost/compute.py, used on devices with a GEMM description):
       - `matmuls`: the linear layers' GEMMs (`Matmul`), priced by their shape after TP sharding
@@ -148,6 +167,13 @@ class LayerSpec(Frozen):
     act_bytes_replicated: float = 0.0
     act_bytes_selective: float = 0.0
     act_bytes_input: float = 0.0
+    act_bytes_selective_replicated: float = Field(default=0.0, ge=0)
+    act_fp32_tp: float = Field(default=0.0, ge=0)
+    act_fp32_replicated: float = Field(default=0.0, ge=0)
+    rms_norm_width: int = Field(default=0, ge=0)
+    act_held_tp: float = Field(default=0.0, ge=0)
+    bwd_transient: float = Field(default=0.0, ge=0)
+    bwd_transient_fp32: float = Field(default=0.0, ge=0)
     selective_flops_per_token: float = 0.0
     selective_attn_fraction: float = 0.0
     num_heads: int = 0
@@ -316,6 +342,68 @@ class _Execution:
                   + (10.0 * f if c.mlp == "swiglu" else 4.0 * f))
         return tp, replicated
 
+    def block_activations(self, c: TransformerConfig, q_dim: int, kv_dim: int, f: int, heads: int) -> dict:
+        """Bytes per token a block keeps for backward, by `LayerSpec` field (see its docstring).
+
+        "fused" (Megatron-LM, Korthikanti et al. 2022 Table 2 without the attention scores,
+        which `act_score_bytes` counts): 16-bit norm inputs and outputs (8h), q, k, v and the
+        attention output, the MLP's inputs and activation outputs; selective recompute drops the
+        attention output and the activation-function output.
+
+        "eager" (Tessera's runtime, counted per operation from what autograd saves, a the
+        activation element size, r = 4 bytes fp32):
+          norm (x2)   its input x (a h) and statistics (r: RMSNorm's rstd; LayerNorm's mean and
+                      rstd, 2r); the q/k/v (MLP) projections save its output (a h)
+          RoPE        nothing: the rotations multiply constants (cos, sin views of a buffer),
+                      so autograd keeps only them; its outputs are what SDPA saves
+          SDPA        q, k, v (a (q + 2 kv)), its output (a q; the head-merging reshape of the
+                      flash output is a view, the output projection saves it) and the
+                      logsumexp (r per head)
+          residuals   nothing (an add keeps no input); the next norm saves the sum
+          SwiGLU      w1 and w3 outputs, SiLU's output, their product (a 4 f); GeLU: fc1's
+                      output and GeLU's (a 2 f)
+        Selective recompute runs the runtime's policy (tessera.runtime.parallelize: matmul
+        outputs saved, everything else recomputed): it keeps the block input, the q/k/v, w1/w3
+        (fc1) outputs and the two output projections' (a (3 h + q + 2 kv + 2 f), GeLU a f).
+        Backward transient (both): the incoming gradient and the gradients of the MLP's branches
+        produced together (SwiGLU a (h + 2 f), GeLU a (h + f)), measured on CPU for a block.
+        """
+        h = c.hidden
+        swiglu = c.mlp == "swiglu"
+        branches = 2 if swiglu else 1
+        out = dict(bwd_transient=2.0 * (h + branches * f), act_bytes_input=2.0 * h)
+        if self.fused:
+            out.update(act_bytes_replicated=4.0 * 2 * h + (2.0 * h if self.dropout else 0.0),
+                       act_bytes_tp=2.0 * (q_dim + 2 * kv_dim) + 2.0 * q_dim + 2.0 * f * (3 if swiglu else 2),
+                       act_bytes_selective=2.0 * q_dim + 2.0 * f)
+            return out
+        stats = 4.0 if c.norm == "rmsnorm" else 8.0
+        out.update(act_bytes_replicated=2.0 * 4 * h, act_fp32_replicated=2 * stats,
+                   act_bytes_tp=2.0 * (2 * q_dim + 2 * kv_dim) + 2.0 * f * (4 if swiglu else 2),
+                   act_fp32_tp=4.0 * heads if self.attention == "flash" else 0.0,
+                   act_bytes_selective=2.0 * q_dim + 2.0 * f * (2 if swiglu else 1),
+                   act_bytes_selective_replicated=2.0 * h,
+                   rms_norm_width=2 * h if c.norm == "rmsnorm" else 0)
+        return out
+
+    def head_activations(self, c: TransformerConfig) -> dict:
+        """Bytes per token the LM head keeps (see `block_activations` for a and r).
+
+        "eager": the final norm (input and output, a 2h, and its statistics) and, for
+        `F.cross_entropy(logits.float())`, the log-probabilities log_softmax saves (r V, fp32
+        whatever a; the cast's fp32 copy of the logits is freed once log_softmax has read it);
+        the training loop holds the logits themselves (a V) until the backward ends; the backward
+        starts with the gradient of the log-probabilities and then of the fp32 logits alive
+        together (2 r V), the largest transient of the step for a large vocabulary.
+        "fused" (Megatron-LM): the norm's input and output and the fp32 logits of the
+        vocabulary-parallel cross-entropy (4 V)."""
+        h, v = c.hidden, c.vocab_size
+        if self.fused:
+            return dict(act_bytes_tp=4.0 * v, act_bytes_replicated=4.0 * h, act_bytes_input=2.0 * h)
+        return dict(act_bytes_replicated=4.0 * h, act_fp32_replicated=4.0 if c.norm == "rmsnorm" else 8.0,
+                    act_fp32_tp=4.0 * v, act_held_tp=2.0 * v, bwd_transient_fp32=8.0 * v,
+                    act_bytes_input=2.0 * h, rms_norm_width=h if c.norm == "rmsnorm" else 0)
+
     def score_bytes(self) -> tuple[float, float]:
         if self.attention == "flash":
             return 0.0, 0.0
@@ -355,11 +443,10 @@ def head_layer(c: TransformerConfig, way: _Execution | None = None) -> LayerSpec
     h, v = c.hidden, c.vocab_size
     tied = v * h if c.tie_embeddings else 0
     params = _norm_params(c) + v * h
-    # Keeps: norm input (2h) and output (2h) replicated; logits in fp32 for the loss (4v),
-    # sharded by a vocabulary-parallel head.
+    # Activations: `_Execution.head_activations` (sharded over the vocabulary by a
+    # vocabulary-parallel head).
     return LayerSpec(name="lm_head", kind=LayerKind.LM_HEAD, hidden=h, params=params, tied_params=tied,
-                     flops_per_token=2.0 * h * v, act_bytes_tp=4.0 * v,
-                     act_bytes_replicated=4.0 * h, act_bytes_input=2.0 * h, vocab_size=v,
+                     flops_per_token=2.0 * h * v, vocab_size=v, **way.head_activations(c),
                      matmuls=(Matmul(n=v, k=h, shard="col"),),
                      elementwise_bytes_tp=(52.0 if way.fused else 36.0) / 3 * v,
                      elementwise_bytes_replicated=2.0 * 2 * h, kernels=3 if way.fused else 6)
@@ -398,17 +485,8 @@ def block_layer(c: TransformerConfig, index: int, way: _Execution | None = None)
     attn_coeff = 2.0 * q_dim
     attn_linear_flops = 2.0 * (h * q_dim + 2 * h * kv_dim + q_dim * h)
     mlp_flops = 2.0 * mats_per_expert * h * f
-    # Activations (bytes/token, 16-bit): replicated = two norm inputs + two norm outputs.
-    replicated = 4.0 * 2 * h
-    # TP regions: q, k, v; attention output (input of wo); flash-attention softmax stats ~0.
-    attn_tp = 2.0 * (q_dim + 2 * kv_dim) + 2.0 * q_dim
-    # MLP: swiglu keeps w1 out, w3 out and their product (input of w2); gelu keeps fc1 out and gelu out.
-    mlp_tp = 2.0 * f * (3 if c.mlp == "swiglu" else 2)
-    # Selective recompute drops the attention output and the activation-function output,
-    # recomputing the attention core (flash backward replays it anyway) and an elementwise op.
-    selective = 2.0 * q_dim + 2.0 * f
-    if way.dropout:  # 1-byte masks of the two hidden dropouts (Korthikanti et al.'s 2 s b h)
-        replicated += 2.0 * h
+    # Activations (bytes/token): `_Execution.block_activations`.
+    acts = way.block_activations(c, q_dim, kv_dim, f, c.num_heads)
     bytes_tp, bytes_rep = way.block_bytes(c, q_dim, kv_dim, f)
     score_fwd, score_bwd = way.score_bytes()
     attn_mm, mlp_mm = _block_matmuls(c, q_dim, kv_dim, way, expert=moe)
@@ -421,16 +499,18 @@ def block_layer(c: TransformerConfig, index: int, way: _Execution | None = None)
         router_params = h * c.num_experts
         params = attn_params + norms + router_params + c.num_experts * expert_params
         flops = attn_linear_flops + 2.0 * h * c.num_experts + k * mlp_flops
-        # Each token visits k experts (capacity factor pads the buffers).
-        mlp_act = k * cap * (mlp_tp + 2.0 * h)
-        selective += k * cap * 2.0 * f - 2.0 * f
+        # Each token visits k experts (capacity factor pads the buffers): the MLP's share of the
+        # dense counts times k cap, plus the expert inputs gathered per expert (h each).
+        dense_mlp = acts["act_bytes_tp"] - way.block_activations(c, q_dim, kv_dim, 0, c.num_heads)["act_bytes_tp"]
+        mlp_sel = 2.0 * f * (2 if (c.mlp == "swiglu" and not way.fused) else 1)
+        acts["act_bytes_tp"] += (k * cap - 1) * dense_mlp + k * cap * 2.0 * h
+        acts["act_bytes_selective"] += (k * cap - 1) * mlp_sel
         act_mult = k * cap  # the experts' element-wise work runs on the routed tokens
         execution["elementwise_bytes_tp"] = bytes_tp + (act_mult - 1) * (way.block_bytes(c, 0, 0, f)[0])
         return LayerSpec(
             name=f"block{index}", kind=LayerKind.MOE_DECODER, hidden=h, params=params,
-            flops_per_token=flops, attn_flops_coeff=attn_coeff, act_bytes_tp=attn_tp + mlp_act,
-            act_bytes_replicated=replicated, act_bytes_selective=selective,
-            act_bytes_input=2.0 * h, selective_flops_per_token=0.0, selective_attn_fraction=1.0,
+            flops_per_token=flops, attn_flops_coeff=attn_coeff, **acts,
+            selective_flops_per_token=0.0, selective_attn_fraction=1.0,
             num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
             expert_params=c.num_experts * expert_params, num_experts=c.num_experts,
             top_k=k, capacity_factor=cap,
@@ -439,8 +519,6 @@ def block_layer(c: TransformerConfig, index: int, way: _Execution | None = None)
     return LayerSpec(
         name=f"block{index}", kind=LayerKind.DECODER, hidden=h,
         params=attn_params + mlp_params + norms,
-        flops_per_token=attn_linear_flops + mlp_flops, attn_flops_coeff=attn_coeff,
-        act_bytes_tp=attn_tp + mlp_tp, act_bytes_replicated=replicated,
-        act_bytes_selective=selective, act_bytes_input=2.0 * h,
+        flops_per_token=attn_linear_flops + mlp_flops, attn_flops_coeff=attn_coeff, **acts,
         selective_flops_per_token=0.0, selective_attn_fraction=1.0,
         num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, matmuls=attn_mm + mlp_mm, **execution)
