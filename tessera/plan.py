@@ -152,10 +152,12 @@ class MemoryBreakdown(Frozen):
     optimizer: float = 0.0
     activations: float = 0.0
     buffers: float = 0.0  # communication buffers, gathered ZeRO-3 weights, framework reserve
+    fragmentation: float = 0.0  # the caching allocator's waste (ClusterSpec.fragmentation)
+    host: float = 0.0  # offloaded states in host memory (not device memory: not in `total`)
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.fragmentation
 
 
 class Prediction(Frozen):
@@ -167,7 +169,7 @@ class Prediction(Frozen):
     compute_s: float = 0.0
     exposed_comm_s: float = 0.0
     bubble_s: float = 0.0
-    # Whether the largest stage fits in device memory (peak_memory <= device memory_bytes).
+    # Whether the largest stage fits: peak_memory <= device memory less the planner's margin.
     fits: bool = True
 
     @property
@@ -181,6 +183,8 @@ class SearchInfo(Frozen):
     search_time_s: float = 0.0
     candidates: int = 0
     explanation: tuple[str, ...] = ()
+    # Proved by the search's bounds: no plan of its space has a shorter predicted step (0: none).
+    step_lower_bound_s: float = 0.0
 
 
 class Plan(Frozen):

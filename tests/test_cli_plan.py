@@ -214,20 +214,75 @@ def test_model_profile_changes_the_prediction_and_must_match_the_model(capsys, t
     from tessera.spec.presets import get_model
 
     block = get_model("llama2-7b").layers[1]
-    slow = LayerKindProfile(kind=block.kind, layer=block.name, params=block.params,
-                            flops_per_token=block.flops_per_token, attn_flops_coeff=block.attn_flops_coeff,
-                            measurements=(), linear_time_scale=2.0, attn_time_scale=2.0, overhead_s=0.0,
-                            fit_r2=1.0, fit_max_rel_err=0.0, activation_fit_max_rel_err=0.0, backward_over_forward=2.0,
-                            activation_bytes_per_token=block.act_bytes_tp + block.act_bytes_replicated)
-    path = tmp_path / "model-profile.json"
-    path.write_text(ModelProfile(model="llama2-7b", device="h100-80gb", dtype="bf16", reference_flops=1e15,
-                                 layers=(slow,)).model_dump_json())
+    paths = {}
+    for scale in (1.0, 2.0):
+        kind = LayerKindProfile(kind=block.kind, layer=block.name, params=block.params,
+                                flops_per_token=block.flops_per_token, attn_flops_coeff=block.attn_flops_coeff,
+                                measurements=(), linear_time_scale=scale, attn_time_scale=scale, overhead_s=0.0,
+                                fit_r2=1.0, fit_max_rel_err=0.0, activation_fit_max_rel_err=0.0,
+                                backward_over_forward=2.0,
+                                activation_bytes_per_token=block.act_bytes_tp + block.act_bytes_replicated)
+        paths[scale] = tmp_path / f"model-profile-{scale}.json"
+        paths[scale].write_text(ModelProfile(model="llama2-7b", device="h100-80gb", dtype="bf16",
+                                             reference_flops=1e15, layers=(kind,)).model_dump_json())
+    path = paths[2.0]
     manual = ["plan", *SMALL, "--tp", "2", "--json"]
     assert main(manual) == 0
     plain = Plan.from_json(capsys.readouterr().out)
+    assert main([*manual, "--model-profile", str(paths[1.0])]) == 0
+    measured = Plan.from_json(capsys.readouterr().out)
     assert main([*manual, "--model-profile", str(path)]) == 0
     profiled = Plan.from_json(capsys.readouterr().out)
-    # Blocks twice as slow as the FLOPs model: compute grows by nearly 2x (the head is unchanged).
-    assert 1.7 < profiled.prediction.compute_s / plain.prediction.compute_s < 2.0
+    # A profile prices the blocks it measured (the FLOPs model times its scales) instead of the
+    # per-operation model; blocks twice as slow: compute grows by nearly 2x (the head is unchanged).
+    assert measured.prediction.compute_s != plain.prediction.compute_s
+    assert 1.7 < profiled.prediction.compute_s / measured.prediction.compute_s < 2.0
     err = fails(capsys, ["plan", "--model", "llama2-13b", "--model-profile", str(path), "--tp", "2"])
     assert "model profile was measured on model 'llama2-7b', not 'llama2-13b'" in err
+
+
+def test_memory_margin_flag_sets_the_planners_free_share(capsys):
+    assert main(["plan", *SMALL, "--memory-margin", "0.3", "--json"]) == 0
+    plan = Plan.from_json(capsys.readouterr().out)
+    assert plan.cluster.memory_margin == 0.3
+    assert plan.prediction.peak_memory <= 0.7 * plan.cluster.device.memory_bytes
+    err = fails(capsys, ["plan", *SMALL, "--memory-margin", "1.5"])
+    assert "--memory-margin must be a fraction in [0, 1), got 1.5" in err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tp", "0"], "--tp must be a positive integer, not 0"),
+    (["--pp", "0"], "--pp must be a positive integer, not 0"),
+    (["--micro-batch-size", "0"], "--micro-batch-size must be a positive integer, not 0"),
+    (["--gpus", str(10**18)], "1,000,000,000,000,000,000 GPUs is more than the planner supports (at most 1,048,576)"),
+    (["--global-batch", str(10**12)], "sequences of global batch is more than the planner supports (at most 4,194,304)"),
+])
+def test_bad_flags_are_refused_in_one_line(capsys, flags, message):
+    assert message in fails(capsys, ["plan", *flags])
+
+
+def test_a_config_with_a_billion_layers_is_refused_before_it_is_built(capsys, tmp_path):
+    config = json.loads((EXAMPLES / "open-llama-3b" / "config.json").read_text())
+    config["num_hidden_layers"] = 10**9
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert "1,000,000,002 layers is more than the planner supports (at most 4,096)" in fails(
+        capsys, ["plan", "--model", str(tmp_path)])
+
+
+@pytest.mark.parametrize("field, value, message", [
+    (("device", "peak_flops", "bf16"), 0, "peak_flops[bf16] must be a positive number, got 0"),
+    (("device", "peak_flops", "bf16"), -1e15, "peak_flops[bf16] must be a positive number, got -1000000000000000.0"),
+    (("device", "peak_flops", "bf16"), float("nan"), "peak_flops[bf16] must be a positive number, got nan"),
+    (("intra_node", "bandwidth"), 0, "intra_node.bandwidth: Input should be greater than 0"),
+    (("inter_node", "bandwidth"), float("nan"), "inter_node.bandwidth: Input should be a finite number"),
+    (("device", "memory_bandwidth"), -1.0, "device.memory_bandwidth: Input should be greater than 0"),
+])
+def test_cluster_file_with_impossible_rates(capsys, tmp_path, field, value, message):
+    data = json.loads(make_cluster("h100-80gb", 16, 8).model_dump_json())
+    node = data
+    for key in field[:-1]:
+        node = node[key]
+    node[field[-1]] = value
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(data))  # NaN is written as the usual non-standard token
+    assert message in fails(capsys, ["plan", "--cluster", str(path), "--tp", "2"])

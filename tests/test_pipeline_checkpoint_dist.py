@@ -14,7 +14,7 @@ FOUR_RANK_CHECKS = {
     "pp2xdp2_fsdp_1f1b_matches_single_process",
     "pp2xdp2_fsdp_interleaved_1f1b_matches_single_process",
     "pp2xdp2_fsdp_zero_bubble_matches_single_process",
-    "zero_bubble_refuses_nested_fsdp",
+    "pp2xdp2_nested_fsdp_zero_bubble_matches_single_process",
     "pp2xdp2_fsdp_tied_gpt2_matches_single_process",
     "trainer_pp2_tp2_sp_packed_documents_match_single_process",
     "pp2xdp2_checkpoint_saved",

@@ -71,7 +71,7 @@ def test_act_layout_blocks_tile_the_activation():
 
 def test_ddp_path_only_for_homogeneous_plain_data_parallel():
     assert uses_ddp(make_plan(LLAMA, 4, S(dp=4)))
-    assert uses_ddp(make_plan(LLAMA, 4, S(dp=4, zero=1)))
+    assert not uses_ddp(make_plan(LLAMA, 4, S(dp=4, zero=1)))  # ZeRO-1 runs on FSDP2 (grad_sync)
     assert uses_ddp(make_plan(LLAMA, 4, S(dp=2, sp="ulysses", sp_degree=2)))
     assert not uses_ddp(make_plan(LLAMA, 4, S(dp=4, zero=2)))
     assert not uses_ddp(make_plan(LLAMA, 4, S(dp=2, tp=2)))
@@ -84,13 +84,25 @@ def test_refusals_name_the_field():
         check_plan_supported(ep_plan, 4)
     with pytest.raises(TesseraError, match="pipeline.degree=2"):
         check_plan_supported(make_plan(LLAMA, 4, S(dp=2), num_micro_batches=2, stages=((0, 3), (3, 6))), 4)
-    with pytest.raises(TesseraError, match=r"seq_len 9 does not split into 2"):
-        check_plan_supported(make_plan(LLAMA, 4, S(tp=2, dp=2, sp="megatron"), seq_len=9), 4)
-    gpt = make_plan(LLAMA.model_copy(update={"tie_embeddings": True}), 4, [S(dp=4)] * 5 + [S(dp=2, tp=2)])
-    with pytest.raises(TesseraError, match="tied embeddings"):
-        check_plan_supported(gpt, 4)
+    with pytest.raises(TesseraError, match=r"plan.layers\[1\] \(block0\).tp=4 does not divide the 4 heads / 2 KV"):
+        check_plan_supported(make_plan(LLAMA, 4, S(tp=4)), 4)
     with pytest.raises(TesseraError, match="offload_optimizer needs zero"):
         check_plan_supported(make_plan(LLAMA, 4, S(dp=4).model_copy(update={"offload_optimizer": True})), 4)
+
+
+def test_layouts_the_search_emits_are_accepted():
+    """Tied embeddings sharded two ways (the head holds a copy), dps that do not nest (the batch
+    is then loaded in gcd(dp) blocks), ZeRO with offload on one rank, a sequence that does not
+    split into the sequence shards (padded, padding ignored by the loss)."""
+    from tessera.runtime.parallel_model import data_parallel_size
+
+    gpt = make_plan(LLAMA.model_copy(update={"tie_embeddings": True}), 4, [S(dp=4)] * 5 + [S(dp=2, tp=2)])
+    check_plan_supported(gpt, 4)
+    check_plan_supported(make_plan(LLAMA, 2, S(tp=2, zero=1, offload=True)), 2)
+    six = make_plan(LLAMA, 6, [S(dp=2, tp=3)] + [S(dp=3, tp=2)] * 4 + [S(dp=6)], global_batch=12)
+    check_plan_supported(six, 6)
+    check_plan_supported(make_plan(LLAMA, 4, S(tp=2, dp=2, sp="megatron"), seq_len=9), 4)  # padded to 10
+    assert data_parallel_size(six) == 1 and data_parallel_size(gpt) == 2
 
 
 def _one_line_error(capsys, argv) -> str:
@@ -132,3 +144,38 @@ def test_default_local_plan_runs_on_this_runtime(nproc):
     plan = make_local_plan("tiny-llama", nproc, Workload(global_batch=8, seq_len=128, dtype="fp32"))
     assert plan.world_size == nproc
     check_plan_supported(plan, nproc, pipeline_available=True)
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gpt2", "gpt2", "tiny-moe"])
+def test_searched_plans_are_accepted_by_the_runtime(model):
+    """Every plan the search emits for local ranks (free, and forced into each pipeline schedule)
+    is one the runtime runs; expert parallelism (its own issue) is searched out."""
+    from tessera.search import search
+    from tessera.search.space import ALL_SCHEDULES, SearchOptions
+    from tessera.spec.presets.clusters import local_cpu_cluster
+    from tessera.spec.presets.models import get_model
+    from tessera.spec.workload import Workload
+
+    workload = Workload(global_batch=16, seq_len=128, dtype="fp32")
+    for nproc in (2, 4, 8):
+        options = [SearchOptions(max_ep=1)] + [SearchOptions(max_ep=1, pp=2, schedules=(s,)) for s in ALL_SCHEDULES]
+        for opts in options:
+            plan = search(get_model(model), local_cpu_cluster(nproc), workload, options=opts)
+            check_plan_supported(plan, nproc, pipeline_available=True)
+
+
+def test_sequences_pad_to_the_shards():
+    import torch
+
+    from tessera.runtime.parallel_model import IGNORE, pad_sequences, sequence_multiple
+
+    plan = make_plan(LLAMA, 4, [S(dp=4)] + [S(sp="ulysses", sp_degree=2, dp=2)] * 2 + [S(tp=2, dp=2, sp="megatron")] * 3)
+    assert sequence_multiple(plan) == 2
+    tokens = torch.arange(14).view(2, 7) + 1
+    docs = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0]])
+    t, l, p, d = pad_sequences(4, tokens, tokens, None, docs)
+    assert t.shape == (2, 8) and t[:, 7].eq(0).all() and l[:, 7].eq(IGNORE).all()
+    assert p[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 0]
+    # The padding is a document of its own: no real token attends to it.
+    assert d.tolist() == [[0, 0, 0, 1, 1, 1, 1, 2], [0, 0, 0, 0, 0, 0, 0, 1]]
+    assert pad_sequences(7, tokens, tokens)[0] is tokens

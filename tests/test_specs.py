@@ -34,7 +34,7 @@ def test_ring_collectives_follow_alpha_beta():
     n = 1e9
     intra = collective_time(c, "all_reduce", n, 8, stride=1)
     bw = c.intra_node.bandwidth
-    assert intra == pytest.approx(2 * 7 / 8 * n / bw + 14 * c.intra_node.latency)
+    assert intra == pytest.approx(c.collective_latency + 2 * 7 / 8 * n / bw + 14 * c.intra_node.latency)
     # The same group size laid out across nodes runs at the network's bandwidth.
     assert members_per_node(8, 8, 8) == 1
     assert collective_time(c, "all_reduce", n, 2, stride=8) > collective_time(c, "all_reduce", n, 2, stride=1)
@@ -75,3 +75,11 @@ def test_plan_checks_degrees_against_devices():
 def test_plan_refuses_other_model():
     with pytest.raises(PlanError, match="made for model 'llama2-7b'"):
         _plan().check_matches(model=get_model("gpt2"))
+
+
+@pytest.mark.parametrize("peak", [0.0, -1.0, float("nan"), float("inf")])
+def test_device_refuses_non_positive_or_non_finite_peaks(peak):
+    from tessera.spec.cluster import DeviceSpec
+
+    with pytest.raises(ValueError, match="peak_flops\\[bf16\\] must be a positive number"):
+        DeviceSpec(name="x", memory_bytes=1e9, memory_bandwidth=1e9, peak_flops={"bf16": peak})

@@ -18,6 +18,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "show": ("tessera.cli.show", "show a plan as tables and a picture"),
     "train": ("tessera.cli.train", "train a model with a plan (launches torchrun for --nproc)"),
     "convert": ("tessera.cli.convert", "convert Hugging Face checkpoints to and from Tessera"),
+    "export": ("tessera.cli.export", "write a training checkpoint as a Hugging Face model directory"),
     "profile": ("tessera.cli.profile", "measure the hardware or a model and write a profile JSON"),
     "validate": ("tessera.cli.validate", "run a plan for a few steps: predicted vs measured"),
 }

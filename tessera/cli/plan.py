@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     where.add_argument("--gpus-per-node", type=int, metavar="N", default=None,
                        help=f"GPUs per node (default {DEFAULT_GPUS_PER_NODE})")
     where.add_argument("--gpu", default=None, help=f"GPU kind (default {DEFAULT_GPU})")
+    where.add_argument("--memory-margin", type=float, metavar="FRACTION", default=None,
+                       help="share of device memory the planner leaves free (default 0.05, "
+                            "on top of the allocator's fragmentation and the framework reserve)")
     where.add_argument("--cluster", metavar="JSON", help="cluster spec JSON (tessera profile hardware); "
                                                          "--gpus resizes it")
     manual = p.add_argument_group("a hand-made plan (any of these skips the search)")
@@ -72,6 +75,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_cluster(args: argparse.Namespace):
+    from ..search.limits import check_search_size
+
+    check_search_size(num_gpus=args.gpus)  # before anything counts them
+    cluster = _base_cluster(args)
+    margin = getattr(args, "memory_margin", None)
+    if margin is not None:
+        if not 0.0 <= margin < 1.0:
+            raise TesseraError(f"--memory-margin must be a fraction in [0, 1), got {margin}")
+        cluster = cluster.model_copy(update={"memory_margin": margin})
+    return cluster
+
+
+def _base_cluster(args: argparse.Namespace):
     from ..spec.loaders import load_cluster
     from ..spec.presets import make_cluster
 
@@ -86,9 +102,13 @@ def build_cluster(args: argparse.Namespace):
 
 
 def build_model(args: argparse.Namespace):
-    from ..spec.loaders import resolve_model
+    from ..search.limits import check_search_size
+    from ..spec.hf_config import resolve_model_config
+    from ..spec.model import ModelSpec
 
-    model = resolve_model(args.model)
+    config = resolve_model_config(args.model)
+    check_search_size(num_layers=config.num_layers + 2)  # + embedding and head; before building them
+    model = ModelSpec.from_config(config)
     if args.model_profile:
         from ..profile.apply import apply_model_profile
 
@@ -108,6 +128,9 @@ def build_workload(args: argparse.Namespace, model):
                            "learned positions")
     if args.global_batch <= 0 or seq_len <= 0:
         raise TesseraError(f"--global-batch and --seq-len must be positive (got {args.global_batch}, {seq_len})")
+    from ..search.limits import check_search_size
+
+    check_search_size(global_batch=args.global_batch)
     return Workload(global_batch=args.global_batch, seq_len=seq_len, dtype=args.dtype,
                     optimizer=args.optimizer)
 
@@ -115,6 +138,10 @@ def build_workload(args: argparse.Namespace, model):
 def manual_options(args: argparse.Namespace) -> dict:
     """The hand-made plan's degrees the user gave (empty: search instead)."""
     given = {k: getattr(args, k) for k in MANUAL_FLAGS if getattr(args, k) is not None}
+    for k, v in given.items():
+        if isinstance(v, int) and not isinstance(v, bool) and v < (0 if k in ("zero", "dp_shard") else 1):
+            least = "0 or more" if k == "dp_shard" else "a positive integer"
+            raise TesseraError(f"--{k.replace('_', '-')} must be {least}, not {v}")
     if "offload" in given:
         given["offload"] = bool(given["offload"])
     return given
@@ -179,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
     # Tables go to stdout, unless --json keeps stdout for the plan; the spinner always to stderr.
     out = make_console(stderr=args.json)
     status = make_console(stderr=True)
+    manual_options(args)  # refuse bad flags before printing anything
     model = build_model(args)
     cluster = build_cluster(args)
     workload = build_workload(args, model)

@@ -4,11 +4,17 @@
     torchrun --nproc-per-node 8 -m tessera train --plan plan.json --data DIR --steps 1000 \\
              --checkpoint-dir ckpt --checkpoint-every 100
     tessera train ... --resume ckpt                     # continue (another plan or world size too)
+    tessera train --init-from HF_DIR --data chat.jsonl --nproc 4   # fine-tune a Hugging Face model
 
 Without --plan, the plan is searched for the local ranks (`tessera.search`), or, where the
 search is not available, made by hand as plain data parallelism. With --nproc N outside torchrun,
 the plan is written to the run directory and N processes are launched with
 `torch.distributed.run`, each running `tessera train --plan ...`.
+
+With --init-from HF_DIR (config.json, safetensors shards, tokenizer.json), the plan is made for
+that model, each rank reads its shards of the weights from the files (sharded plans build the
+model on the meta device, so no rank holds it whole), and text data is tokenized with the model's
+own tokenizer and chat template (`runtime/finetune_data.py`).
 """
 from __future__ import annotations
 
@@ -35,7 +41,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--seq-len", type=int, default=128, help="tokens per sequence when planning (default 128)")
     src.add_argument("--ep", type=int, default=None,
                      help="search only plans whose MoE layers use this expert-parallel degree")
-    src.add_argument("--data", default=None, help="directory of .txt/.jsonl/.bin/.npy files (default: Shakespeare)")
+    src.add_argument("--init-from", default=None, metavar="HF_DIR",
+                     help="start from a Hugging Face checkpoint directory (its weights, tokenizer and chat template)")
+    src.add_argument("--data", default=None,
+                     help="a .txt/.jsonl/.bin/.npy file or a directory of them (default: Shakespeare); with "
+                          "--init-from, JSONL lines may be {\"text\": ...} or {\"messages\": [...]} (chat)")
     src.add_argument("--synthetic-data", action="store_true", help="train on seeded random tokens")
     run = p.add_argument_group("how long and how")
     run.add_argument("--steps", type=int, default=100)
@@ -101,8 +111,10 @@ def _validate(plan, world: int, args) -> None:
     from ..runtime.trainer import _pipeline_available
 
     check_plan_supported(plan, world, pipeline_available=_pipeline_available())
-    if args.data is not None and not Path(args.data).is_dir():
+    if args.data is not None and not (Path(args.data).is_dir() or (args.init_from and Path(args.data).is_file())):
         raise TesseraError(f"data directory {args.data} does not exist")
+    if args.init_from is not None:
+        _check_init_from(plan, args)
     if args.resume is not None and not Path(args.resume).exists():
         raise TesseraError(f"checkpoint directory {args.resume} does not exist")
 
@@ -112,7 +124,7 @@ def _child_argv(args, plan_path: Path, metrics: Path) -> list[str]:
             "--warmup", str(args.warmup), "--grad-clip", str(args.grad_clip), "--seed", str(args.seed),
             "--out", str(metrics.parent), "--log-every", str(args.log_every)]
     for flag, value in (("--data", args.data), ("--checkpoint-dir", args.checkpoint_dir),
-                        ("--resume", args.resume)):
+                        ("--resume", args.resume), ("--init-from", args.init_from)):
         if value is not None:
             argv += [flag, value]
     if args.checkpoint_every:
@@ -127,13 +139,20 @@ def run(args) -> int:
 
     if args.plan and args.model:
         raise TesseraError("give either --plan or --model (a plan already names its model)")
+    if args.init_from and args.model:
+        raise TesseraError("give either --init-from or --model (the checkpoint's config.json is the model)")
     world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else (args.nproc or 1)
+    model = args.init_from or args.model or DEFAULT_MODEL
+    if args.init_from:
+        from ..models.hf_load import hf_model_config
+
+        hf_model_config(args.init_from)  # the directory, config.json and its features, in one line
     if args.plan:
         plan = Plan.load(args.plan)
     elif args.adaptive:
-        plan = make_replicated_plan(args.model or DEFAULT_MODEL, world, _workload(args))
+        plan = make_replicated_plan(model, world, _workload(args))
     else:
-        plan = make_local_plan(args.model or DEFAULT_MODEL, world, _workload(args), args.ep)
+        plan = make_local_plan(model, world, _workload(args), args.ep)
     if args.adaptive:
         from ..runtime.adaptive import check_adaptive_plan
 
@@ -143,6 +162,25 @@ def run(args) -> int:
     if world > 1 and not _under_torchrun():
         return _launch(args, plan, world, out)
     return _train_here(args, plan, out)
+
+
+def _check_init_from(plan, args) -> None:
+    """Before any process starts: the plan is for this checkpoint, its shards are all there, its
+    tokenizer fits the embedding, and the data tokenizes (the ranks then read the token cache)."""
+    from ..models.hf_load import hf_model_config, same_architecture, stored_tensors
+
+    cfg = hf_model_config(args.init_from)
+    if plan.model.config is not None and not same_architecture(cfg, plan.model.config):
+        raise TesseraError(f"the plan is for the model {plan.model.name}, not for the checkpoint in "
+                           f"{args.init_from} (its config.json describes another architecture)")
+    stored_tensors(args.init_from)
+    if not args.synthetic_data:
+        from ..runtime.finetune_data import finetune_stream
+        from ..runtime.hf_tokenizer import HFTokenizer
+
+        tokenizer = HFTokenizer(args.init_from)
+        tokenizer.check_fits(cfg.vocab_size)
+        finetune_stream(args.data, tokenizer)  # tokenized (and cached) once, bad samples refused, here
 
 
 def _launch(args, plan, nproc: int, out: Path) -> int:
@@ -168,7 +206,8 @@ def _train_here(args, plan, out: Path) -> int:
         optim=OptimConfig(lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps, grad_clip=args.grad_clip),
         metrics_path=str(out / "metrics.jsonl"), tensorboard_dir=str(out / "tensorboard"),
         log_every=args.log_every, compile=args.compile, checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every, resume=args.resume, adaptive=args.adaptive)
+        checkpoint_every=args.checkpoint_every, resume=args.resume, adaptive=args.adaptive,
+        init_from=args.init_from)
     progress = _Progress(args.steps) if int(os.environ.get("RANK", 0)) == 0 else None
     trainer = Trainer(config, on_step=progress.update if progress else None)
     try:

@@ -17,20 +17,28 @@ MFU = 3 * model forward FLOPs of the step (attention included, recompute exclude
       an fp32 run on CPUs is measured against the fp32 peak, not the much lower bf16 one)
 
 Memory of pipeline rank r (chunks r, r + pp, ...):
-    sum of layer model states + in_flight(schedule, r) * sum of layer activations
-    + max layer buffer + device reserved bytes
-where the LM head's activation (fp32 logits) is reported under buffers. `fits` = the largest
-rank total <= device memory.
+    allocated = sum of layer model states + in_flight(schedule, r) * sum of layer activations
+                + max layer buffer
+    total     = allocated + fragmentation * allocated + device reserved bytes
+(cost/memory.py gives each term; the LM head's activations are its saved tensors and the logits
+the loop holds, its buffer the gradients at the start of backward; `stage_memory` says when the
+gradients are counted early). `fits` = the largest
+rank total <= device memory * (1 - memory_margin) (cost/memory.py: `memory_budget`) and its
+offloaded states (`host`) <= the device's share of host memory.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ..plan import MemoryBreakdown, Plan, Prediction
-from ..spec.model import LayerKind
 from .layer import (LayerCosts, cost_key, StepContext, StrategyTable, layer_costs, pipeline_p2p_time, shape_key,
                     transition_time)
 from .schedule import ScheduleResult, in_flight, simulate
+
+
+def usable_memory(cluster) -> float:
+    """Device bytes a plan may use: memory less the planner's margin."""
+    return cluster.device.memory_bytes * (1.0 - cluster.memory_margin)
 
 
 def plan_context(plan: Plan) -> StepContext:
@@ -85,7 +93,14 @@ def _simulate(plan: Plan, ctx: StepContext, costs: list[LayerCosts]) -> tuple[Sc
 
 
 def stage_memory(plan: Plan, costs: list[LayerCosts] | None = None) -> tuple[MemoryBreakdown, ...]:
-    """Peak memory breakdown of each pipeline rank (see the module docstring)."""
+    """Peak memory breakdown of each pipeline rank (see the module docstring): states + in-flight
+    activations + the largest layer buffer, the same sum the search charges.
+
+    The gradients are counted as alive when the backward starts. They are, when an earlier
+    micro-batch of the step made them (m > 1) or DDP keeps them in its buckets (the runtime's DDP
+    path over more than one rank). With one micro-batch and no DDP they appear layer by layer
+    during the backward instead, as the activations are freed, and the runtime's peak is lower
+    by up to the gradient bytes (an upper bound, on the safe side)."""
     ctx = plan_context(plan)
     costs = costs if costs is not None else _per_layer_costs(plan, ctx)
     pipe = plan.pipeline
@@ -93,20 +108,17 @@ def stage_memory(plan: Plan, costs: list[LayerCosts] | None = None) -> tuple[Mem
     for r in range(pipe.degree):
         layers = [i for c, (s, e) in enumerate(pipe.stages) if pipe.rank_of_chunk(c) == r for i in range(s, e)]
         k = in_flight(pipe.schedule.value, pipe.degree, r, plan.num_micro_batches, pipe.virtual_stages)
-        acts = logits = 0.0
-        for i in layers:
-            a = k * _scalar(costs[i], "act")
-            if plan.model.layers[i].kind == LayerKind.LM_HEAD:
-                logits += a
-            else:
-                acts += a
+        acts = sum(k * _scalar(costs[i], "act") for i in layers)
+        params = sum(_scalar(costs[i], "params") for i in layers)
+        grads = sum(_scalar(costs[i], "grads") for i in layers)
+        optimizer = sum(_scalar(costs[i], "optimizer") for i in layers)
+        buffers = max((_scalar(costs[i], "buf") for i in layers), default=0.0)
+        allocated = params + grads + optimizer + acts + buffers
         out.append(MemoryBreakdown(
-            params=sum(_scalar(costs[i], "params") for i in layers),
-            grads=sum(_scalar(costs[i], "grads") for i in layers),
-            optimizer=sum(_scalar(costs[i], "optimizer") for i in layers),
-            activations=acts,
-            buffers=logits + max((_scalar(costs[i], "buf") for i in layers), default=0.0)
-            + plan.cluster.device.reserved_bytes,
+            params=params, grads=grads, optimizer=optimizer, activations=acts,
+            buffers=buffers + plan.cluster.device.reserved_bytes,
+            fragmentation=plan.cluster.fragmentation * allocated,
+            host=sum(_scalar(costs[i], "host") for i in layers),
         ))
     return tuple(out)
 
@@ -139,4 +151,5 @@ def evaluate(plan: Plan) -> Prediction:
     return Prediction(
         step_time_s=step, tokens_per_s=plan.workload.tokens_per_step / step, mfu=mfu,
         stage_memory=memory, compute_s=compute, exposed_comm_s=max(0.0, step - compute - bubble),
-        bubble_s=bubble, fits=max(mb.total for mb in memory) <= plan.cluster.device.memory_bytes)
+        bubble_s=bubble, fits=(max(mb.total for mb in memory) <= usable_memory(plan.cluster)
+                               and max(mb.host for mb in memory) <= plan.cluster.host_memory_bytes))

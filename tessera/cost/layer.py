@@ -3,36 +3,60 @@
 `layer_costs(layer, table, ctx)` returns, per candidate strategy, per device:
 
 Per micro-batch (seconds):
-    compute  f_c, b_c from FLOPs (compute.py): f_c = tokens * (linear + attn * s) / (tp * sp) / F
-             x (1 + [tp > 1] tp_slowdown + [Ulysses] sp_slowdown) (measured; TP's per degree,
-             `LayerSpec.tp_costs`),
-             b_c = 2 f_c + recompute (one forward for full, the attention core for selective);
-             wgrad = the weight-gradient half of the linear backward (zero-bubble's W).
+    compute  f_c, b_c per operation (compute.py: GEMMs by shape after TP sharding, attention by
+             its kernel, memory-bound bytes over bandwidth, launches), or, for a measured layer
+             or a device without a GEMM description, by FLOPs at the flat efficiency; the GEMM
+             and attention time x (1 + [tp > 1] tp_slowdown + [Ulysses] sp_slowdown) (measured;
+             TP's per degree, `LayerSpec.tp_costs`); b_c includes recompute (the forward for
+             full, the attention core for selective) and, per operation, adding the micro-batch's
+             weight gradients into the device's gradient buffer (3 x its bytes over bandwidth,
+             all micro-batches but the first: x (m - 1) / m);
+             wgrad = the weight-gradient GEMMs (zero-bubble's W).
     fixed    measured per-call costs, per micro-batch, split as the compute (backward = 2x):
              f_c += (call_overhead_s + [tp > 1] tp_overhead_s + [Ulysses] sp_overhead_s
              + [ZeRO-3 over > 1 rank] zero3_overhead_s) / 3, b_c += 2/3 of the same
              (+ 1/3 more under full recompute, which replays the forward).
-    TP       blocks: 2 all-reduces forward and 2 backward of the t x h activation over the tp group
-             (Megatron SP: an all-gather + reduce-scatter pair instead, the same volume);
-             embedding 1 forward; LM head 1 forward, 1 backward.
-    Ulysses  4 all-to-alls forward (q, k, v, output) and 4 backward over the sp group (stride tp).
-    EP       MoE layers: cost/moe.py (counts, dispatch and combine all-to-alls over ep ranks, routing
-             skew, node crossing, replay under recompute).
-    ZeRO-3   all-gather params forward; all-gather + reduce-scatter grads backward, overlapped
-             with the layer's compute: overlapped(c, x) = c + (slowdown - 1) min(c, x) + max(0, x - c)
-             (`ClusterSpec.overlap_slowdown`: compute runs slower while NCCL kernels share the SMs).
-    ZeRO-2   reduce-scatter grads each backward (overlapped).
-Per step (seconds, once): ZeRO-0/1 gradient all-reduce (ZeRO-1: reduce-scatter + all-gather, the
-    same volume) and the HSDP / Ulysses replica all-reduce of the 1/S shard, overlapped with the
-    last micro-batch's backward of the layer after its ZeRO-2/3 traffic (DDP buckets and FSDP2's
-    post-backward issue them per layer on their own stream); ZeRO-2 parameter all-gather after the
-    update overlapped with the first forward; the optimizer update, memory-bound:
-    (3 pb + 2 ob) * local params / HBM bandwidth. With offload: gradients down and parameters up
-    (2 pb) plus the host update's own traffic (2 ob + 2 pb), all at `host_bandwidth`, not
-    overlapped — a GPU's share of its node's DRAM bandwidth is of the order of its PCIe link, so
-    one measured figure bounds both.
+
+Collectives charged (the list `cost/collectives.py` compares with the runtime). t = tokens per
+device, h = hidden, a = activation bytes per element, pb = parameter bytes, P = the layer's
+parameters / tp (experts / (tp ep)), S = ZeRO shard degree, m = micro-batches:
+    TP       on the critical path (DTensor TP issues them between dependent GEMMs and does not
+             overlap them; Megatron's --tp-comm-overlap is not what the runtime runs), over the tp
+             group (stride 1), message t h a:
+             blocks 2 all-reduces forward + 2 backward (Megatron SP: 2 all-gathers + 2
+             reduce-scatters each way, same volume); embedding 1 forward; LM head 1 forward +
+             1 backward. Full recompute replays the forward's in the backward (selective keeps
+             their outputs): per micro-batch.
+    Ulysses  4 all-to-alls forward (q, k, v, output; message t h a / tp per rank for q and the
+             output, x kv_heads r / heads for k and v, r = the runtime's KV repeats when the group
+             outnumbers the KV heads) and 4 backward over the sp group (stride tp); full
+             recompute replays the forward's.
+    EP       MoE layers: cost/moe.py — a counts all-to-all, dispatch and combine all-to-alls (t top_k h a
+             per rank, the busiest rank's load x the routing skew; the inter-node share scaled by
+             `a2a_internode_scale`) forward, the two token ones backward, over ep ranks (stride
+             tp); full and selective recompute replay the forward's; the skewed expert compute.
+    ZeRO     over the shard group (S ranks, stride tp sp), message pb P; overlapped with the
+             layer's compute: overlapped(c, x) = c + (slowdown - 1) min(c, x) + max(0, x - c):
+             ZeRO-0  1 all-reduce over dp sp ranks per step (after the last micro-batch);
+             ZeRO-1  1 reduce-scatter + 1 all-gather per step (gradients accumulate unsharded);
+             ZeRO-2  1 reduce-scatter per micro-batch; 1 all-gather per step (parameters kept
+                     unsharded over the step's micro-batches), under the first forward;
+             ZeRO-3  1 all-gather forward, 1 all-gather + 1 reduce-scatter backward, per
+                     micro-batch;
+             HSDP (S < dp sp) and Ulysses replicas: 1 all-reduce of the pb P / S shard over the
+                     replicas per step.
+             The once-per-step ones ride on the last micro-batch's backward after its ZeRO-2/3
+             traffic (DDP buckets and FSDP2's post-backward issue them per layer).
+    Offload  (FSDP2 CPUOffloadPolicy) the pb P / S parameter shard host-to-device before every
+             all-gather and the gradient shard device-to-host after every reduce-scatter, over
+             `host_bandwidth`, on the path of that collective; the AdamW step on the host,
+             (2 ob + 2 pb) P / S bytes at `host_memory_bandwidth`, not overlapped.
+    Tied     an LM head tied to the embedding on another pipeline rank (pp > 1): 1 all-reduce of
+             its pb V h / tp gradient with the embedding's rank per step.
+Per step (seconds, once) besides: the optimizer update, memory-bound, (3 pb + 2 ob) P / S
+    bytes at the device's streaming bandwidth.
 Group spans follow the rank layout (tp innermost, then sp, then dp): the tp group has stride 1,
-Ulysses stride tp, ZeRO shard groups stride tp * sp.
+Ulysses stride tp, ZeRO shard groups stride tp * sp (comm.py enumerates the groups).
 
 Memory: see memory.py. No torch.
 """
@@ -48,16 +72,18 @@ from ..spec.cluster import ClusterSpec
 from ..spec.model import LayerKind, LayerSpec
 from ..spec.workload import Workload
 from .comm import collective_times, p2p_time, spans_nodes
-from .compute import achieved_flops
+from .compute import (BACKWARD_FACTOR, achieved_flops, attention_seconds, linear_seconds, memory_bound_seconds,
+                      per_operation)
 from .moe import moe_times
 from .memory import (RC_FULL, RC_NONE, RC_SELECTIVE, activation_bytes, buffer_bytes, expert_shard,
-                     model_state_bytes)
+                     model_state_bytes, offloaded_bytes)
 
 _RC_CODE = {"none": RC_NONE, "selective": RC_SELECTIVE, "full": RC_FULL}
 _TP_COLLECTIVES = {LayerKind.EMBEDDING: (1, 0), LayerKind.LM_HEAD: (1, 1)}  # others: (2, 2)
 
 
 _RC_NAME = {v: k for k, v in _RC_CODE.items()}
+INFEASIBLE_BYTES = 1e30  # the device memory of a strategy that cannot run (finite: the search does arithmetic on it)
 
 
 @dataclass(frozen=True)
@@ -117,6 +143,10 @@ class StepContext:
     workload: Workload
     stage_size: int  # devices of a pipeline stage (= dp * sp * tp of every layer in it)
     micro_batch_seqs: int  # sequences per micro-batch over the stage (micro_batch_size * dp_of_batch)
+    # Layers whose offloaded states share a device's host memory (the search: the model's layers
+    # per pipeline rank); an offloaded strategy that would overflow the host if every one of them
+    # took as much is infeasible. 0: not checked here (`evaluate` checks each rank's exact sum).
+    host_layers: float = 0.0
 
     @property
     def act_elt(self) -> int:
@@ -139,6 +169,12 @@ class LayerCosts:
     optimizer: np.ndarray
     act: np.ndarray  # per in-flight micro-batch
     buf: np.ndarray
+    host: np.ndarray  # offloaded states in host memory
+    # Of params + grads, the runtime's extra copies (`_runtime_copies`), and of `act`, what the
+    # training loop holds without autograd saving it (the logits): what an instrumented count of
+    # model-state tensors and saved tensors cannot see (tessera.profile.results.predicted_memory).
+    copies: np.ndarray | None = None
+    held: np.ndarray | None = None
 
     @property
     def states(self) -> np.ndarray:
@@ -164,31 +200,71 @@ def tp_terms(layer: LayerSpec, tp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return terms[index.reshape(np.shape(tp)), 0], terms[index.reshape(np.shape(tp)), 1]
 
 
+def kv_repeats(num_heads: int, num_kv_heads: int, size: int) -> int:
+    """Fewest repeats r of each KV head such that the KV heads split over a Ulysses group of
+    `size` ranks (num_kv_heads r divisible by size) and still group the query heads evenly: what
+    the runtime's Ulysses attention does (runtime/attention.py). 1 when they split as they are."""
+    if size <= 1 or not num_kv_heads:
+        return 1
+    group = max(1, num_heads // num_kv_heads)
+    for r in range(1, group + 1):
+        if group % r == 0 and (num_kv_heads * r) % size == 0:
+            return r
+    return group
+
+
+def _kv_repeats(layer: LayerSpec, sp: np.ndarray) -> np.ndarray:
+    degrees, index = np.unique(sp, return_inverse=True)
+    reps = np.array([kv_repeats(layer.num_heads, layer.num_kv_heads, int(d)) for d in degrees], dtype=float)
+    return reps[index.reshape(np.shape(sp))]
+
+
+def _compute(layer: LayerSpec, t: StrategyTable, ctx: StepContext, tokens, slowdown):
+    """(forward, backward incl. recompute, weight-gradient, attention forward) compute seconds
+    per micro-batch, per strategy (cost/compute.py)."""
+    cl, wl = ctx.cluster, ctx.workload
+    seq = wl.seq_len
+    if not per_operation(layer, cl):
+        rate = achieved_flops(cl, wl.dtype) * t.tp * t.sp / slowdown
+        lin = tokens * layer.flops_per_token * layer.linear_time_scale
+        att = tokens * layer.attn_flops_coeff * seq * layer.attn_time_scale
+        cf = (lin + att) / rate
+        cb = BACKWARD_FACTOR * cf
+        cb = cb + np.where(t.recompute == RC_FULL, cf, 0.0)
+        cb = cb + np.where(t.recompute == RC_SELECTIVE,
+                           (att * layer.selective_attn_fraction
+                            + tokens * layer.selective_flops_per_token * layer.linear_time_scale) / rate, 0.0)
+        return cf, cb, lin / rate
+    ab = ctx.act_elt
+    lf, ld, lw = linear_seconds(layer, cl, wl.dtype, ab, tokens / t.sp, t.tp, t.ep)
+    af, abk = attention_seconds(layer, cl, wl.dtype, ab, tokens / seq, seq, t.tp, t.sp)
+    tp_sp = np.where(t.megatron, t.tp, 1)
+    mf, mb = memory_bound_seconds(layer, cl, ab, tokens / t.sp, t.tp, tp_sp)
+    cf = (lf + af) * slowdown + mf
+    cb = (ld + lw + abk) * slowdown + mb
+    cb = cb + np.where(t.recompute == RC_FULL, cf, 0.0)
+    cb = cb + np.where(t.recompute == RC_SELECTIVE, af * slowdown * layer.selective_attn_fraction, 0.0)
+    return cf, cb, lw * slowdown
+
+
 def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCosts:
     cl, wl = ctx.cluster, ctx.workload
-    seq, ab, pb, ob = wl.seq_len, ctx.act_elt, wl.param_bytes, wl.optimizer_bytes
-    tokens = ctx.micro_batch_seqs / t.dp * seq  # per data-parallel replica
+    ab, pb, ob = ctx.act_elt, wl.param_bytes, wl.optimizer_bytes
+    tokens = ctx.micro_batch_seqs / t.dp * wl.seq_len  # per data-parallel replica
     tokens_dev = tokens / t.sp  # Ulysses shards the sequence
     tp_overhead, tp_slowdown = tp_terms(layer, t.tp)
-    rate = (achieved_flops(cl, wl.dtype) * t.tp * t.sp
-            / (1.0 + tp_slowdown + np.where(t.sp > 1, layer.sp_slowdown, 0.0)))
-    lin = tokens * layer.flops_per_token * layer.linear_time_scale
-    att = tokens * layer.attn_flops_coeff * seq * layer.attn_time_scale
-    cf = (lin + att) / rate
-    cb = 2.0 * cf
-    cb = cb + np.where(t.recompute == RC_FULL, cf, 0.0)
-    cb = cb + np.where(t.recompute == RC_SELECTIVE,
-                       (att * layer.selective_attn_fraction
-                        + tokens * layer.selective_flops_per_token * layer.linear_time_scale) / rate, 0.0)
-    wgrad = lin / rate
+    slowdown = 1.0 + tp_slowdown + np.where(t.sp > 1, layer.sp_slowdown, 0.0)
+    cf, cb, wgrad = _compute(layer, t, ctx, tokens, slowdown)
     # Fixed per-call costs (measured): 1/3 forward, 2/3 backward; full recompute replays the forward's.
     fixed = (layer.call_overhead_s + tp_overhead
              + np.where(t.sp > 1, layer.sp_overhead_s, 0.0)
              + np.where((t.zero >= 3) & (t.shard > 1), layer.zero3_overhead_s, 0.0))
     cf = cf + fixed / 3.0
     cb = cb + 2.0 * fixed / 3.0 + np.where(t.recompute == RC_FULL, fixed / 3.0, 0.0)
+    full = t.recompute == RC_FULL
 
-    # Tensor parallel: activation t x h on the tp group.
+    # Tensor parallel: activation t x h on the tp group, on the critical path (DTensor TP does not
+    # overlap its collectives); full recompute replays the forward's in the backward.
     n_f, n_b = _TP_COLLECTIVES.get(layer.kind, (2, 2))
     act_msg = tokens_dev * layer.hidden * ab
     ar = collective_times(cl, "all_reduce", act_msg, t.tp, 1)
@@ -196,23 +272,30 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
             + collective_times(cl, "reduce_scatter", act_msg, t.tp, 1))
     tp_one = np.where(t.megatron, pair, ar)
     comm_f = n_f * tp_one
-    comm_b = n_b * tp_one
+    comm_b = n_b * tp_one + np.where(full, n_f * tp_one, 0.0)
+    repeats = np.ones(np.shape(t.sp))
     if layer.num_heads and layer.attn_flops_coeff:
-        kv = layer.num_kv_heads / layer.num_heads
+        # Ulysses: q, k, v and the output; K and V repeated when the group outnumbers the KV heads.
+        repeats = _kv_repeats(layer, t.sp)
+        kv = np.minimum(1.0, layer.num_kv_heads * repeats / layer.num_heads)
         q_msg = tokens_dev * layer.hidden * ab / t.tp
         a2a = (2 * collective_times(cl, "all_to_all", q_msg, t.sp, t.tp)
                + 2 * collective_times(cl, "all_to_all", q_msg * kv, t.sp, t.tp))
         comm_f = comm_f + a2a
-        comm_b = comm_b + a2a
+        comm_b = comm_b + a2a + np.where(full, a2a, 0.0)
     if layer.num_experts:  # all-to-alls, routing skew, node crossing: cost/moe.py
-        comm_f, comm_b = (a + b for a, b in zip((comm_f, comm_b), moe_times(layer, t, cl, tokens_dev, ab, rate)))
+        comm_f, comm_b = (a + b for a, b in zip((comm_f, comm_b), moe_times(layer, t, cl, tokens_dev, ab, cf)))
 
     # Data parallel / ZeRO over S = shard ranks (stride tp * sp), replicas R = dp * sp / S.
+    # A tied LM head shares the embedding's weight on the same pipeline rank (pp = 1: counted
+    # there once); on another rank it holds a copy whose gradient joins the embedding's.
+    pp = max(1, cl.num_gpus // ctx.stage_size)
+    shared = layer.tied_params if pp == 1 else 0
     shard = t.shard
     es = expert_shard(shard, t.dp, t.sp, t.ep)
     slow = cl.overlap_slowdown
-    pd, pe = layer.dense_params / t.tp, layer.expert_params / (t.tp * t.ep)
-    ag = rs = ar_step = rep = 0.0
+    pd, pe = (layer.dense_params - shared) / t.tp, layer.expert_params / (t.tp * t.ep)
+    ag = rs = ar_step = rep = h2d = d2h = 0.0
     for p, s, group in ((pd, shard, t.dp * t.sp), (pe, es, t.dp * t.sp // t.ep)):
         if not np.any(p):
             continue
@@ -223,30 +306,91 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
         replicas = group // s
         rep_stride = np.where(t.sp > 1, t.tp, t.tp * t.sp * s)
         rep = rep + collective_times(cl, "all_reduce", pb * p / s, replicas, rep_stride)
+        # Offload (FSDP2 CPUOffloadPolicy): the parameter shard comes up before every all-gather,
+        # the gradient shard goes down after every reduce-scatter, over the host link.
+        h2d = h2d + np.where(t.offload, pb * p / s / cl.host_bandwidth, 0.0)
+        d2h = d2h + np.where(t.offload, pb * p / s / cl.host_bandwidth, 0.0)
+    ag, rs = ag + h2d, rs + d2h
     z = t.zero
     fwd = cf + comm_f + np.where(z == 3, overlap_extra(cf, ag, slow), 0.0)
     bwd = cb + comm_b + np.where(z == 3, overlap_extra(cb, ag + rs, slow),
                                  np.where(z == 2, overlap_extra(cb, rs, slow), 0.0))
     # Once per step, the last micro-batch's backward also carries the gradient sync (ZeRO-0
     # all-reduce, ZeRO-1 reduce-scatter + all-gather) and the HSDP replica all-reduce, queued after
-    # that backward's own ZeRO-2/3 traffic: charge the extra exposure they add.
+    # that backward's own ZeRO-2/3 traffic: charge the extra exposure they add. A tied head's
+    # copy on another stage all-reduces its gradient with the embedding's (2 ranks, once).
     per_mb = np.where(z == 3, ag + rs, np.where(z == 2, rs, 0.0))
     once = np.where(z == 0, ar_step, np.where(z == 1, ag + rs, 0.0) + rep)  # ZeRO-0: ar_step is the whole sync
+    if layer.tied_params and pp > 1:
+        once = once + collective_times(cl, "all_reduce", pb * layer.tied_params / t.tp, 2,
+                                       ctx.stage_size * (pp - 1))
     sync = (overlap_extra(cb, per_mb + once, slow) - overlap_extra(cb, per_mb, slow)
             + np.where(z == 2, overlap_extra(cf, ag, slow), 0.0))
 
-    params, grads, optimizer = model_state_bytes(layer, wl, t.tp, t.ep, z, shard, es, t.offload)
+    params, grads, optimizer = model_state_bytes(layer, wl, t.tp, t.ep, z, shard, es, t.offload,
+                                                 dense_params=layer.dense_params - shared)
+    host = offloaded_bytes(layer, wl, t.tp, t.ep, shard, es, t.offload, dense_params=layer.dense_params - shared)
+    if per_operation(layer, cl):
+        # Every micro-batch's weight gradients but the first's are added into the gradient buffer
+        # the device keeps (unsharded under ZeRO-0/1, the shard under ZeRO-2/3): read both, write
+        # one; charged to each micro-batch as (m - 1) / m of that.
+        m = max(1.0, wl.global_batch / ctx.micro_batch_seqs)
+        accumulate = 3.0 * grads / cl.device.streaming_bandwidth * (m - 1) / m
+        cb, bwd = cb + accumulate, bwd + accumulate
+    before = params + grads
+    params, grads = _runtime_copies(params, grads, wl, t, z, pp, pd, pe, shard, es,
+                                    m=max(1.0, wl.global_batch / ctx.micro_batch_seqs))
+    copies = params + grads - before
+    if ctx.host_layers:
+        params = np.where(host * ctx.host_layers > cl.host_memory_bytes, INFEASIBLE_BYTES, params)
     local = pd / np.where(z >= 1, shard, 1) + pe / np.where(z >= 1, es, 1)
-    opt_time = np.where(t.offload, (4 * pb + 2 * ob) * local / cl.host_bandwidth,
-                        (3 * pb + 2 * ob) * local / cl.device.memory_bandwidth)
-    act = activation_bytes(layer, tokens_dev, t.tp, t.megatron, t.recompute)
-    buf = buffer_bytes(layer, wl, tokens_dev, t.tp, t.ep, t.megatron, z, t.recompute)
+    # The update: memory-bound, on the device (reads p, g, m, v, master; writes them back:
+    # (3 pb + 2 ob) per parameter) or, offloaded, on the host (2 ob + 2 pb: the fp32 states
+    # read and written, the gradient read and the working copy written) at host DRAM bandwidth.
+    opt_time = np.where(t.offload, (2 * ob + 2 * pb) * local / cl.host_memory_bandwidth,
+                        (3 * pb + 2 * ob) * local / cl.device.streaming_bandwidth)
+    fused_norms = cl.device.sm_count > 0  # CUDA's fused RMSNorm; a CPU runs the composite (memory.py)
+    act = activation_bytes(layer, tokens_dev, t.tp, t.megatron, t.recompute, seq_len=wl.seq_len, sp=t.sp,
+                           elt=ab, fused_norms=fused_norms)
+    if layer.num_heads and layer.head_dim:
+        # Ulysses: repeated K and V (more ranks than KV heads) are what attention saves, and the
+        # output projection saves the all-to-all's copy of the attention output beside SDPA's.
+        kv_dim = layer.num_kv_heads * layer.head_dim
+        q_dim = layer.num_heads * layer.head_dim
+        act = act + np.where(full | (t.recompute == RC_SELECTIVE), 0.0,
+                             tokens_dev * ab * ((repeats - 1) * 2 * kv_dim + np.where(t.sp > 1, q_dim, 0)) / t.tp)
+    buf = buffer_bytes(layer, wl, tokens_dev, t.tp, t.ep, t.megatron, z, t.recompute, offload=t.offload,
+                       seq_len=wl.seq_len, sp=t.sp, dense_params=layer.dense_params - shared, elt=ab,
+                       fused_norms=fused_norms)
     shape = np.shape(t.dp)
-    full = lambda x: np.broadcast_to(np.asarray(x, dtype=float), shape)  # noqa: E731
-    return LayerCosts(fwd=full(fwd), bwd=full(bwd), wgrad=full(wgrad), compute_fwd=full(cf),
-                      compute_bwd=full(cb), step=full(sync + opt_time), optimizer_time=full(opt_time),
-                      params=full(params), grads=full(grads), optimizer=full(optimizer),
-                      act=full(act), buf=full(buf))
+    full_ = lambda x: np.broadcast_to(np.asarray(x, dtype=float), shape)  # noqa: E731
+    return LayerCosts(fwd=full_(fwd), bwd=full_(bwd), wgrad=full_(wgrad), compute_fwd=full_(cf),
+                      compute_bwd=full_(cb), step=full_(sync + opt_time), optimizer_time=full_(opt_time),
+                      params=full_(params), grads=full_(grads), optimizer=full_(optimizer),
+                      act=full_(act), buf=full_(buf), host=full_(host), copies=full_(copies),
+                      held=full_(tokens_dev * (ab / 2.0) * layer.act_held_tp / t.tp))
+
+
+def _runtime_copies(params, grads, wl: Workload, t: StrategyTable, z, pp: int, pd, pe, shard, es, m: float):
+    """Copies of model states the runtime keeps beside the ones ZeRO's formulas count.
+
+    - DDP (tp = 1, ZeRO 0 or 1, no pipeline, no offload, over more than one rank: the runtime's
+      DDP path, taken per layer here): DDP's buckets hold the gradients (`gradient_as_bucket_view`),
+      and with more than one micro-batch the micro-batches before the last accumulate into
+      separate `.grad` tensors under `no_sync` (the optimizer frees them after every step), so a
+      second copy exists when the last backward runs: 4 P bytes, the DDP path keeping fp32
+      parameters and gradients under autocast (the states' total is the same as ZeRO's count,
+      2 + 2 + 12 bytes a parameter in mixed precision; only this copy is extra).
+    - FSDP2 keeping parameters unsharded (ZeRO 1 over FSDP2, ZeRO 2): the sharded parameter stays
+      beside the unsharded one. In mixed precision that shard is the fp32 master the optimizer
+      bytes already count; an fp32 run has no master, so it is pb P / S more."""
+    ddp = (t.tp == 1) & (z <= 1) & ~t.offload & (t.dp * t.sp > 1) & (pp == 1)
+    if m > 1:
+        grads = grads + np.where(ddp, 4.0 * (pd + pe), 0.0)
+    if wl.dtype == "fp32":
+        fsdp_unsharded = (z == 2) | ((z == 1) & ~ddp)
+        params = params + np.where(fsdp_unsharded & (shard > 1), wl.param_bytes * (pd / shard + pe / es), 0.0)
+    return params, grads
 
 
 def shape_key(s: LayerStrategy) -> tuple[int, int, int, bool]:

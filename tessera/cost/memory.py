@@ -7,24 +7,57 @@ Model states (bytes), with P_d = dense params / tp and P_e = expert params / (tp
     params    = pb * (P_d / S3 + P_e / S3e)          pb = 2 (bf16) or 4 (fp32 workload)
     grads     = pb * (P_d / S2 + P_e / S2e)          (gradients kept in the working dtype)
     optimizer = ob * (P_d / S1 + P_e / S1e)          ob = 12 for AdamW in mixed precision
-                                                     (fp32 master + m + v); 0 if offloaded
+                                                     (fp32 master + m + v)
 where S_k is the ZeRO shard degree S (dp, or dp_shard under HSDP) when zero >= k, else 1
 (ZeRO-1 shards the optimizer, ZeRO-2 also gradients, ZeRO-3 also parameters), and for the
 expert part S_ke = gcd(S, dp * sp / ep): experts are replicated only over dp * sp / ep ranks.
+Offload (FSDP2 `CPUOffloadPolicy`): the parameter, gradient and optimizer-state shards live in
+host memory; the device keeps only unsharded copies: the parameters when ZeRO < 3 (gathered once
+per step and kept), the gradients when ZeRO < 2 (accumulated unsharded over the micro-batches);
+optimizer 0. A tied LM head on the embedding's pipeline rank counts its shared weight there only.
 
-Activations per in-flight micro-batch (Korthikanti et al. 2022), t tokens on the device
-(t = micro-batch sequences per replica * seq_len / ulysses degree):
-    none       t * (act_tp / tp + act_replicated / tp_sp)     tp_sp = tp with Megatron SP, else 1
-    selective  t * ((act_tp - act_selective) / tp + act_replicated / tp_sp)
-    full       t * act_input / tp_sp                           (only the block input is kept)
-For a GPT block this is s b h (34 - 2) without TP (no dropout masks), s b h (8 + 24 / tp) with TP
-and s b h 32 / tp with TP + SP: the paper's formulas without the dropout masks and with flash
-attention (no s^2 term).
+Activations per in-flight micro-batch, t tokens on the device (t = micro-batch sequences per
+replica * seq_len / ulysses degree), a = activation element bytes (2, or 4 for fp32 runs),
+s = a / 2 (the spec's bytes are 16-bit; 1 for a layer a model profile measured, whose bytes are
+the measured ones, fp32 parts included, so the fp32 terms below are 0 for it):
+    none       t * [s (act_tp / tp + act_replicated / tp_sp) + act_fp32_tp / tp
+                    + (act_fp32_replicated + u) / tp_sp + s held_tp / tp] + scores
+    selective  t * [s ((act_tp - act_selective) / tp + (act_replicated - act_sel_repl) / tp_sp)
+                    + s held_tp / tp]
+    full       t * s act_input / tp_sp                         (only the block input is kept)
+with tp_sp = tp under Megatron SP, else 1, held_tp the logits the training loop holds (LM head),
+u = (8 - a) rms_norm_width on a device without a fused RMSNorm kernel (a CPU: `rms_norm`'s
+composite keeps the fp32 upcast input and normalised product), else 0, and
+scores = t * s * heads / tp * act_score_bytes for unfused attention (Korthikanti's 5 a s / h
+term; 0 with flash attention). For a GPT block with Megatron's kernels ("fused") this is
+s b h (34 - 2) without TP (no dropout masks), s b h (8 + 24 / tp) with TP and s b h 32 / tp
+with TP + SP: the paper's formulas without the dropout masks and with flash attention. For the
+runtime's eager modules (spec/model.py, `_Execution.block_activations`) it is what autograd saves,
+operation by operation: a LLaMA block keeps a (6 h + 2 q + 2 kv + 4 f) + r (2 + heads) bytes per
+token on a GPU (r = 4), and on a CPU in fp32 4 (6 h + 2 q + 2 kv + 4 f + heads + 2), measured
+exactly (tests/test_cost_memory.py).
 
 Transient buffer of a layer (the peak while its backward runs):
-    buf = 2 * pb * (P_d + P_e)  if zero == 3  (its own and the prefetched next layer's weights)
+    buf = t (s bwd_transient + bwd_transient_fp32) / tp
+                                (its incoming and MLP-branch gradients; the LM head's gradients
+                                 of the log-probabilities and fp32 logits, 8 V bytes per token)
+        + 2 * pb * (P_d + P_e)  if zero == 3  (its own and the prefetched next layer's weights)
+        + pb * (P_d + P_e)      if offloaded with zero >= 2 (its unsharded gradient before the
+                                 reduce-scatter and the copy to the host)
         + t * act_none          if full recompute (its activations replayed for its backward)
+        + t * (act_none - act_selective) if selective recompute (the dropped part replayed)
 A stage's buffer is the largest `buf` of its layers plus the device's `reserved_bytes`.
+
+Fragmentation and the planner's margin (`memory_budget`): the caching allocator holds more than
+the tensors it serves. Its waste is charged as `ClusterSpec.fragmentation` (default 10%) of the
+allocated bytes (states + activations + buffers), and the planner keeps `memory_margin` (default
+5%) of the device free:
+    fits  <=>  (states + activations + buffers) (1 + fragmentation) + reserved
+               <= memory (1 - memory_margin)
+10% is the middle of what GMLake (Guo et al., ASPLOS 2024) measured for PyTorch's caching
+allocator on LLM training with recompute and ZeRO (5-30% of reserved memory unused); `reserved`
+(2 GiB by default) holds the CUDA context, NCCL buffers and cuBLAS workspaces. A measured
+profile replaces both (the fragmentation is a field of the cluster file).
 """
 from __future__ import annotations
 
@@ -37,7 +70,19 @@ from .schedule import in_flight
 RC_NONE, RC_SELECTIVE, RC_FULL = 0, 1, 2
 
 __all__ = ["RC_NONE", "RC_SELECTIVE", "RC_FULL", "in_flight", "model_state_bytes",
-           "activation_bytes", "buffer_bytes", "expert_shard"]
+           "activation_bytes", "buffer_bytes", "expert_shard", "memory_budget", "required_memory",
+           "offloaded_bytes"]
+
+
+def memory_budget(cluster) -> float:
+    """Bytes the states, activations and buffers of a pipeline rank may take (module docstring)."""
+    usable = cluster.device.memory_bytes * (1.0 - cluster.memory_margin) - cluster.device.reserved_bytes
+    return usable / (1.0 + cluster.fragmentation)
+
+
+def required_memory(allocated: float, cluster) -> float:
+    """Device bytes needed for `allocated` bytes of states, activations and buffers."""
+    return allocated * (1.0 + cluster.fragmentation) + cluster.device.reserved_bytes
 
 
 def expert_shard(shard, dp, sp, ep):
@@ -45,10 +90,13 @@ def expert_shard(shard, dp, sp, ep):
     return np.gcd(np.asarray(shard, dtype=np.int64), (np.asarray(dp) * np.asarray(sp)) // np.asarray(ep))
 
 
-def model_state_bytes(layer: LayerSpec, workload: Workload, tp, ep, zero, shard, expert_shard_deg, offload):
+def model_state_bytes(layer: LayerSpec, workload: Workload, tp, ep, zero, shard, expert_shard_deg, offload,
+                      dense_params: float | None = None):
     """(params, grads, optimizer) bytes on one device, arrays over strategies."""
     tp, ep, zero = np.asarray(tp), np.asarray(ep), np.asarray(zero)
-    pd = layer.dense_params / tp
+    offload = np.asarray(offload, dtype=bool)
+    dense = layer.dense_params if dense_params is None else dense_params
+    pd = dense / tp
     pe = layer.expert_params / (tp * ep)
     pb, ob = workload.param_bytes, workload.optimizer_bytes
 
@@ -57,28 +105,58 @@ def model_state_bytes(layer: LayerSpec, workload: Workload, tp, ep, zero, shard,
         se = np.where(zero >= k, expert_shard_deg, 1)
         return pd / s + pe / se
 
-    params = pb * sharded(3)
-    grads = pb * sharded(2)
-    optimizer = np.where(np.asarray(offload, dtype=bool), 0.0, ob * sharded(1))
+    params = np.where(offload, np.where(zero >= 3, 0.0, pb * (pd + pe)), pb * sharded(3))
+    grads = np.where(offload, np.where(zero >= 2, 0.0, pb * (pd + pe)), pb * sharded(2))
+    optimizer = np.where(offload, 0.0, ob * sharded(1))
     return params, grads, optimizer
 
 
-def activation_bytes(layer: LayerSpec, tokens, tp, megatron_sp, recompute):
-    """Bytes one in-flight micro-batch keeps on one device (tokens: per device, after Ulysses)."""
+def offloaded_bytes(layer: LayerSpec, workload: Workload, tp, ep, shard, expert_shard_deg, offload,
+                    dense_params: float | None = None):
+    """Host bytes of an offloaded layer on one device: its parameter, gradient and optimizer-state
+    shards, (2 pb + ob) per sharded parameter (what FSDP2's CPUOffloadPolicy keeps on the host)."""
+    tp, ep = np.asarray(tp), np.asarray(ep)
+    dense = layer.dense_params if dense_params is None else dense_params
+    local = dense / tp / shard + layer.expert_params / (tp * ep) / expert_shard_deg
+    per_param = 2 * workload.param_bytes + workload.optimizer_bytes
+    return np.where(np.asarray(offload, dtype=bool), per_param * local, 0.0)
+
+
+def activation_bytes(layer: LayerSpec, tokens, tp, megatron_sp, recompute, seq_len: int = 0, sp=1,
+                     elt: float = 2.0, fused_norms: bool = True):
+    """Bytes one in-flight micro-batch keeps on one device (tokens: per device, after Ulysses;
+    `elt`: activation element bytes; `fused_norms`: the device has a fused RMSNorm kernel)."""
     tp = np.asarray(tp, dtype=float)
     tp_sp = np.where(np.asarray(megatron_sp, dtype=bool), tp, 1.0)
     rc = np.asarray(recompute)
-    none = layer.act_bytes_tp / tp + layer.act_bytes_replicated / tp_sp
-    selective = (layer.act_bytes_tp - layer.act_bytes_selective) / tp + layer.act_bytes_replicated / tp_sp
-    full = layer.act_bytes_input / tp_sp
+    measured = layer.compute_measured
+    s = 1.0 if measured else elt / 2.0
+    held = (elt / 2.0) * layer.act_held_tp / tp
+    fp32 = 0.0 if measured else 1.0
+    upcast = 0.0 if (measured or fused_norms) else (8.0 - elt) * layer.rms_norm_width
+    scores = s * layer.act_score_bytes * layer.num_heads * seq_len / tp
+    none = (s * (layer.act_bytes_tp / tp + layer.act_bytes_replicated / tp_sp)
+            + fp32 * (layer.act_fp32_tp / tp + (layer.act_fp32_replicated + upcast) / tp_sp) + scores + held)
+    selective = s * ((layer.act_bytes_tp - layer.act_bytes_selective) / tp
+                     + (layer.act_bytes_replicated - layer.act_bytes_selective_replicated) / tp_sp) + held
+    full = s * layer.act_bytes_input / tp_sp + held
     per_token = np.where(rc == RC_FULL, full, np.where(rc == RC_SELECTIVE, selective, none))
     return tokens * per_token
 
 
-def buffer_bytes(layer: LayerSpec, workload: Workload, tokens, tp, ep, megatron_sp, zero, recompute):
+def buffer_bytes(layer: LayerSpec, workload: Workload, tokens, tp, ep, megatron_sp, zero, recompute, offload=False,
+                 seq_len: int = 0, sp=1, dense_params: float | None = None, elt: float = 2.0,
+                 fused_norms: bool = True):
     """Transient bytes while this layer's backward runs (see the module docstring)."""
-    tp, ep = np.asarray(tp), np.asarray(ep)
-    gathered = workload.param_bytes * (layer.dense_params / tp + layer.expert_params / (tp * ep))
-    replay = activation_bytes(layer, tokens, tp, megatron_sp, RC_NONE)
-    return (np.where(np.asarray(zero) == 3, 2.0 * gathered, 0.0)
-            + np.where(np.asarray(recompute) == RC_FULL, replay, 0.0))
+    tp, ep, zero = np.asarray(tp), np.asarray(ep), np.asarray(zero)
+    rc = np.asarray(recompute)
+    dense = layer.dense_params if dense_params is None else dense_params
+    gathered = workload.param_bytes * (dense / tp + layer.expert_params / (tp * ep))
+    replay = activation_bytes(layer, tokens, tp, megatron_sp, RC_NONE, seq_len=seq_len, sp=sp, elt=elt,
+                              fused_norms=fused_norms)
+    kept = activation_bytes(layer, tokens, tp, megatron_sp, RC_SELECTIVE, seq_len=seq_len, sp=sp, elt=elt,
+                            fused_norms=fused_norms)
+    transient = tokens * ((elt / 2.0) * layer.bwd_transient + layer.bwd_transient_fp32) / tp
+    return (transient + np.where(zero == 3, 2.0 * gathered, 0.0)
+            + np.where(np.asarray(offload, dtype=bool) & (zero >= 2), gathered, 0.0)
+            + np.where(rc == RC_FULL, replay, np.where(rc == RC_SELECTIVE, replay - kept, 0.0)))

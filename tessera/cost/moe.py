@@ -46,7 +46,7 @@ def slot_bytes(layer: LayerSpec, tokens, act_elt: int):
 
 def load_factor(layer: LayerSpec) -> float:
     """The busiest rank's slots over the mean: min(skew, capacity factor)."""
-    return min(layer.routing_skew, layer.capacity_factor) if layer.capacity_factor else layer.routing_skew
+    return layer.routing_skew if layer.dropless else min(layer.routing_skew, layer.capacity_factor)
 
 
 def all_to_all_times(cluster: ClusterSpec, nbytes, size, stride, internode_scale: float = 1.0):
@@ -68,19 +68,25 @@ def all_to_all_times(cluster: ClusterSpec, nbytes, size, stride, internode_scale
     return out
 
 
-def moe_times(layer: LayerSpec, t, cluster: ClusterSpec, tokens, act_elt: int, rate):
+def moe_times(layer: LayerSpec, t, cluster: ClusterSpec, tokens, act_elt: int, compute_fwd):
     """(forward, backward) extra seconds per micro-batch of a MoE layer under the strategies of
     table `t` (cost/layer.py StrategyTable): its all-to-alls and the skewed expert compute.
-    `tokens`: the rank's tokens per micro-batch; `rate`: the FLOP/s its compute runs at."""
+    `tokens`: the rank's tokens per micro-batch; `compute_fwd`: the layer's forward compute
+    seconds, of which the experts' FLOP share runs (skew - 1) times longer on the busiest rank."""
     ep, tp = np.asarray(t.ep), np.asarray(t.tp)
     skew = np.where(ep > 1, load_factor(layer), 1.0)
     one = all_to_all_times(cluster, slot_bytes(layer, tokens, act_elt) * skew, ep, tp, layer.a2a_internode_scale)
     counts = collective_times(cluster, "all_to_all", COUNT_BYTES * layer.num_experts, ep, tp)
     forward = 2 * one + counts
     replay = np.where(np.asarray(t.recompute) > 0, forward, 0.0)  # selective and full replay them
-    expert_flops = 2.0 * layer.top_k * layer.expert_params / max(1, layer.num_experts)  # per token, forward
-    extra = (skew - 1.0) * np.asarray(tokens, dtype=float) * expert_flops * layer.linear_time_scale / rate
+    extra = (skew - 1.0) * expert_share(layer) * np.asarray(compute_fwd, dtype=float)
     return forward + extra, 2 * one + replay + 2 * extra
+
+
+def expert_share(layer: LayerSpec) -> float:
+    """The experts' share of a MoE layer's forward FLOPs per token (sequence term left out)."""
+    expert_flops = 2.0 * layer.top_k * layer.expert_params / max(1, layer.num_experts)
+    return min(1.0, expert_flops / layer.flops_per_token) if layer.flops_per_token else 0.0
 
 
 @dataclass(frozen=True)

@@ -201,7 +201,8 @@ def _tessera_to_gpt2(sd: StateDict, cfg: TransformerConfig) -> StateDict:
             raise TesseraError(f"tensor '{key}' has no Hugging Face counterpart")
         is_matrix = param == "weight" and not m[2].endswith("norm")
         out[f"transformer.h.{m[1]}.{block[m[2]]}.{param}"] = t.t() if is_matrix else t
-    for i in range(cfg.num_layers):
+    # Fuse q, k, v of the layers present (a streamed export converts a few layers at a time).
+    for i in sorted({int(m[1]) for k in sd if (m := re.fullmatch(r"layers\.(\d+)\.attention\.wq\.weight", k))}):
         for param in ("weight", "bias"):
             parts = [sd[f"layers.{i}.attention.{w}.{param}"] for w in ("wq", "wk", "wv")]
             fused = torch.cat(parts, dim=0)

@@ -12,7 +12,6 @@ arrive as document ids, never as a dense mask (`tessera.models.attention`).
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +19,7 @@ from torch import nn
 
 from ..spec.model import TransformerConfig
 from .attention import Documents, attend
+from .init import init_piece
 from .moe import MoE
 
 
@@ -136,14 +136,10 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
-        """GPT-2 style init: normal(0, 0.02), residual projections scaled by 1/sqrt(2 * layers)."""
-        gen = torch.Generator().manual_seed(seed)
+        """GPT-2 style init (`tessera.models.init`): normal(0, std), residual projections scaled by
+        1/sqrt(2 * layers); each value depends on (seed, name) only, so a rank can draw its shard."""
         for name, p in self.named_parameters():
-            if p.dim() == 1:
-                p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.zeros_like(p))
-                continue
-            scale = std / math.sqrt(2 * self.config.num_layers) if name.endswith(("wo.weight", "w2.weight")) else std
-            p.copy_(torch.randn(p.shape, generator=gen) * scale)
+            p.copy_(init_piece(name, p.shape, seed, self.config.num_layers, std))
         if self.config.position != "learned":
             self.freqs = rope_frequencies(self.config.head_dim, self.config.max_seq_len, self.config.rope_theta)
 

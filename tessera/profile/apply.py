@@ -102,7 +102,7 @@ def _scaled_layer(layer: LayerSpec, profile: ModelProfile) -> LayerSpec:
             acts["act_bytes_input"] = float(layer.hidden * _ELEMENT_BYTES[profile.dtype])
     else:
         acts = dict(act_bytes_replicated=measured)
-    return layer.model_copy(update=dict(linear_time_scale=kp.linear_time_scale,
+    return layer.model_copy(update=dict(compute_measured=True, linear_time_scale=kp.linear_time_scale,
                                         attn_time_scale=kp.attn_time_scale, call_overhead_s=kp.overhead_s,
                                         **{f: getattr(kp, f) or 0.0 for f in PARALLEL_COSTS},
                                         tp_wider=tuple(TPDegreeCost(degree=w.degree, overhead_s=w.overhead_s,

@@ -66,6 +66,10 @@ def device_from_rates(name: str, measured: dict[str, float], reference: str, kno
     else:
         efficiency = 1.0
     peaks = {d: rate / efficiency for d, rate in measured.items()}
+    # A known GPU keeps its kernel description (SMs, GEMM tile, flash-attention throughput); the
+    # measured bandwidth is already the achieved one.
+    kernels = ({k: getattr(known, k) for k in ("sm_count", "gemm_tile", "attention_efficiency", "kernel_launch_s")}
+               if known is not None else {})
     device = DeviceSpec(name=name, memory_bytes=memory, peak_flops=peaks, memory_bandwidth=mem_bw,
-                        reserved_bytes=reserved)
+                        reserved_bytes=reserved, **kernels)
     return device, efficiency

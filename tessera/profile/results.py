@@ -116,11 +116,14 @@ class Validation:
 
 
 def predicted_memory(plan: Plan) -> list[float]:
-    """Per pipeline rank: states + in-flight activations the cost model predicts (no transients)."""
+    """Per pipeline rank: states + in-flight saved activations the cost model predicts, the terms
+    the instrumented count sees: no transients, no copies of the states the runtime keeps beside
+    ZeRO's (DDP's gradients accumulated under no_sync), no logits held by the loop."""
     import numpy as np
 
     from ..cost.evaluate import evaluate, plan_context
     from ..cost.layer import StrategyTable, layer_costs
+    from ..cost.schedule import in_flight
 
     pred = plan.prediction or evaluate(plan)
     ctx = plan_context(plan)
@@ -128,9 +131,12 @@ def predicted_memory(plan: Plan) -> list[float]:
     out = []
     for r, mb in enumerate(pred.stage_memory):
         layers = [i for c, (s, e) in enumerate(pipe.stages) if pipe.rank_of_chunk(c) == r for i in range(s, e)]
-        bufs = [float(np.asarray(layer_costs(plan.model.layers[i], StrategyTable.build([plan.layers[i]]), ctx).buf)[0])
-                for i in layers]
-        out.append(mb.total - max(bufs, default=0.0) - plan.cluster.device.reserved_bytes)
+        k = in_flight(pipe.schedule.value, pipe.degree, r, plan.num_micro_batches, pipe.virtual_stages)
+        costs = [layer_costs(plan.model.layers[i], StrategyTable.build([plan.layers[i]]), ctx) for i in layers]
+        first = lambda x: float(np.asarray(x)[0]) if x is not None else 0.0  # noqa: E731
+        unseen = sum(first(c.copies) + k * first(c.held) for c in costs)
+        out.append(mb.total - mb.fragmentation - max((first(c.buf) for c in costs), default=0.0)
+                   - plan.cluster.device.reserved_bytes - unseen)
     return out
 
 
@@ -140,7 +146,7 @@ def predicted_allocated(plan: Plan) -> list[float]:
     from ..cost.evaluate import evaluate
 
     pred = plan.prediction or evaluate(plan)
-    return [mb.total - plan.cluster.device.reserved_bytes for mb in pred.stage_memory]
+    return [mb.total - mb.fragmentation - plan.cluster.device.reserved_bytes for mb in pred.stage_memory]
 
 
 @dataclass(frozen=True)

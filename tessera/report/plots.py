@@ -29,7 +29,7 @@ COMM_COLOUR = "#8172b3"
 TAIL_COLOUR = "#64b5cd"
 BUBBLE_COLOUR = "#d9d9d9"
 MEMORY_COLOURS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868",
-                  "activations": "#c44e52", "buffers": "#937860"}
+                  "activations": "#c44e52", "buffers": "#937860", "fragmentation": "#8c8c8c"}
 FORMATS = ("png", "svg")
 MAX_PATCHES = 3000  # events drawn one SVG element each; beyond, painted into one image
 

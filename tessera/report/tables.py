@@ -18,7 +18,7 @@ from ..plan import LayerStrategy, MemoryBreakdown, Plan
 from ..spec.model import LayerKind
 
 GiB = 2**30
-MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers")
+MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers", "fragmentation")
 
 
 # --- numbers for people -------------------------------------------------------------------------

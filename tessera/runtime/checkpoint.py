@@ -295,12 +295,16 @@ class CheckpointManager:
     `keep`: complete checkpoints kept (older ones are deleted after a successful save; 0 keeps all).
     `async_save`: write the DCP files in a background thread (on a dedicated gloo group) and
     finish the checkpoint (manifest, rename) at the next `save`, `load` or `wait`. Creating the
-    manager is collective when `async_save` is set."""
+    manager is collective when `async_save` is set. `model_files` (relative path -> bytes: the model
+    config and tokenizer, `runtime/export.py`) are written by rank 0 into every checkpoint, under the
+    manifest like the rest."""
 
-    def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = False):
+    def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = False,
+                 model_files: dict[str, bytes] | None = None):
         self.directory = Path(directory)
         self.keep = keep
         self.async_save = async_save
+        self.model_files = dict(model_files or {})
         self._pending = None  # (future, tmp dir, final dir, step) of an async save in flight
         self._async_group = dist.new_group(backend="gloo") if async_save and _dist() else None
 
@@ -331,6 +335,9 @@ class CheckpointManager:
                 logger.warning("removing %s left by an interrupted save", tmp)
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
+            for rel, content in self.model_files.items():
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                (tmp / rel).write_bytes(content)
         _barrier()
         _sync_zero1_hyperparameters(optimizers, to_outer=False)
         pairs = _pair(model_parts, optimizers)

@@ -15,6 +15,11 @@ document (`tessera.models.attention`: block-sparse or per-document kernels, no S
 packed row computes exactly what its documents would compute one by one. With `pack=False`,
 windows are plain causal sequences.
 
+Streams tokenized with a model's own tokenizer (`tokenizer=`, `runtime/finetune_data.py`) carry a
+flag per token instead: documents start where flagged `DOC_START`, and a label is -100 where the
+next token starts a document or is flagged `NO_LOSS` (a chat's prompt); `Batch.num_targets`
+counts the other labels of the whole global batch, by which the trainer divides the summed loss.
+
 Order: global sample g is window perm_e[g mod W] with e = g // W and perm_e a permutation seeded
 by (seed, e). Each step takes the next `global_batch` samples; rank r of dp takes rows
 [r*B, (r+1)*B) with B = global_batch // dp. The stream of global batches therefore does not depend
@@ -39,6 +44,7 @@ import numpy as np
 import torch
 
 from ..errors import TesseraError
+from .hf_tokenizer import DOC_START, FLAGGED, NO_LOSS
 from .tokenizer import EOT_ID, GPT2_VOCAB_SIZE, encode_documents, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -67,6 +73,9 @@ class Batch:
     positions: torch.Tensor  # restart at 0 at each document start
     doc_ids: torch.Tensor  # 0, 1, 2, ... per document within a row (what attention needs, no mask)
     packed: bool = True  # False: one causal sequence per row, doc_ids all 0
+    # Labels != -100 in the whole global batch (streams with target flags: chat data, model tokenizers);
+    # None: every label is a target. The loss is the sum over targets / this count.
+    num_targets: int | None = None
 
     @property
     def seq_lens(self) -> list[list[int]]:
@@ -84,7 +93,8 @@ class Batch:
 
     def to(self, device: torch.device | str) -> "Batch":
         return Batch(*(t.to(device, non_blocking=True) for t in
-                       (self.tokens, self.labels, self.positions, self.doc_ids)), packed=self.packed)
+                       (self.tokens, self.labels, self.positions, self.doc_ids)), packed=self.packed,
+                     num_targets=self.num_targets)
 
 
 # ----------------------------------------------------------------------------- token streams
@@ -92,11 +102,34 @@ class Batch:
 class TokenStream:
     """Read-only concatenation of token arrays (in memory or memory-mapped), without copying them."""
 
-    def __init__(self, segments: list[np.ndarray], name: str, vocab_size: int | None = None):
-        self.segments = [s for s in segments if len(s)]
+    def __init__(self, segments: list[np.ndarray], name: str, vocab_size: int | None = None,
+                 flags: list[np.ndarray | None] | None = None):
+        """`flags`: per segment, None or a uint8 array of `hf_tokenizer` flags (DOC_START, NO_LOSS)."""
+        flags = flags if flags is not None else [None] * len(segments)
+        kept = [i for i, seg in enumerate(segments) if len(seg)]
+        self.segments = [segments[i] for i in kept]
+        self.flags = [flags[i] for i in kept]
         self.starts = np.cumsum([0] + [len(s) for s in self.segments])
         self.name = name
         self._vocab_size = vocab_size
+
+    @property
+    def has_flags(self) -> bool:
+        return any(f is not None for f in self.flags)
+
+    def read_flags(self, start: int, length: int) -> np.ndarray:
+        """flags[start:start+length] (0 where a segment has none)."""
+        out = np.zeros(length, dtype=np.uint8)
+        pos, end = start, start + length
+        seg = int(np.searchsorted(self.starts, start, side="right")) - 1
+        while pos < end:
+            lo = pos - self.starts[seg]
+            hi = min(end, self.starts[seg + 1]) - self.starts[seg]
+            if self.flags[seg] is not None:
+                out[pos - start: pos - start + hi - lo] = self.flags[seg][lo:hi]
+            pos += hi - lo
+            seg += 1
+        return out
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -317,6 +350,14 @@ def load_token_stream(source: str | Path | None) -> TokenStream:
 
 # ----------------------------------------------------------------------------- the loader
 
+IGNORE_INDEX = -100  # the label of a token that is not a target (cross_entropy's ignore_index)
+
+
+def _is_target(flags: np.ndarray) -> np.ndarray:
+    """A token is a target unless it starts a document (nothing before it in its document) or is
+    flagged NO_LOSS (a chat's prompt)."""
+    return (flags & (DOC_START | NO_LOSS)) == 0
+
 class TokenLoader:
     """Iterates this rank's `Batch` of every step, forever (epochs reshuffle); see the module docstring."""
 
@@ -377,16 +418,31 @@ class TokenLoader:
         for i, w in enumerate(self._window_ids(samples)):
             tokens[i], file_start = self.stream.read(int(w) * s, s + 1)
             starts[i] = file_start[:s]
+        flags = self._flags(samples) if self.stream.has_flags else None
         if self.pack:
-            starts |= tokens[:, :s] == self.eot_id
+            eot = tokens[:, :s] == self.eot_id
+            if flags is not None:  # flagged tokens carry their document starts
+                eot &= (flags[:, :s] & FLAGGED) == 0
+                starts |= (flags[:, :s] & DOC_START) != 0
+            starts |= eot
         else:
             starts[:] = False
         starts[:, 0] = True
         doc_ids = np.cumsum(starts, axis=1) - 1
         idx = np.broadcast_to(np.arange(s), starts.shape)
         positions = idx - np.maximum.accumulate(np.where(starts, idx, 0), axis=1)
+        labels, num_targets = tokens[:, 1:], None
+        if flags is not None:
+            labels = np.where(_is_target(flags[:, 1:]), labels, IGNORE_INDEX)
+            every = first_sample + np.arange(self.global_batch)
+            num_targets = int(_is_target(self._flags(every)[:, 1:]).sum())
         return Batch(*(torch.from_numpy(np.ascontiguousarray(a)) for a in
-                       (tokens[:, :s], tokens[:, 1:], positions, doc_ids)), packed=self.pack)
+                       (tokens[:, :s], labels, positions, doc_ids)), packed=self.pack, num_targets=num_targets)
+
+    def _flags(self, samples: np.ndarray) -> np.ndarray:
+        """(len(samples), S + 1) flags of the samples' windows."""
+        s = self.seq_len
+        return np.stack([self.stream.read_flags(int(w) * s, s + 1) for w in self._window_ids(samples)])
 
     def __iter__(self) -> Iterator[Batch]:
         return self
@@ -417,13 +473,22 @@ class TokenLoader:
 
 def build_dataloader(source: str | Path | None, seq_len: int, global_batch: int, dp_rank: int = 0,
                      dp_size: int = 1, seed: int = 0, pack: bool = True, shuffle: bool = True,
-                     eot_id: int = EOT_ID, model_vocab_size: int | None = None) -> TokenLoader:
+                     eot_id: int = EOT_ID, model_vocab_size: int | None = None, tokenizer=None) -> TokenLoader:
     """This rank's loader over `source` (None = Shakespeare; else a directory, see module docstring).
 
     `eot_id` marks document starts in token files made with another tokenizer; with
     `model_vocab_size`, data whose token ids do not fit the model's embedding is refused.
+    `tokenizer`: a model's own `HFTokenizer` instead of GPT-2's (`runtime/finetune_data.py`: chat
+    data, target flags); its BOS (else EOS) then marks document starts in token files.
     """
-    stream = load_token_stream(source)
+    if tokenizer is not None:
+        from .finetune_data import finetune_stream
+
+        stream = finetune_stream(source, tokenizer)
+        eot_id = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
+        eot_id = -1 if eot_id is None else eot_id
+    else:
+        stream = load_token_stream(source)
     if model_vocab_size is not None and stream.vocab_size > model_vocab_size:
         raise TesseraError(f"'{stream.name}' holds token ids up to {stream.vocab_size - 1}, beyond the "
                            f"model's vocabulary of {model_vocab_size}")

@@ -23,8 +23,9 @@ experts (DTensor column/row parallel on the expert mesh's tp axis).
 Gradients. Tokens of every dp * sp piece reach an expert, so on one rank its gradient is the sum
 over the pieces of its group; FSDP2 averages it over the R replicas (the "edp" axes) and the
 runtime rescales by R / P (P the pieces the loss is split over), giving (1/P) sum over pieces like
-every other parameter. The global gradient norm sums expert parameters over the ep group too
-(`EP_GROUP_ATTR` on each parameter, read by `optim.grad_norm`).
+every other parameter. Experts are always FSDP2 units (over a mesh of one when R = 1), so their
+parameters are DTensors on (a slice of) the expert mesh, and the global gradient norm sums them
+over the ep group too (`ep_group_of`, read by `optim.grad_norm`).
 
 Router losses. n_e is all-reduced over the layer's dp * sp ranks ("tokens" group) and T counts
 the whole micro-batch, so every rank's share of L_lb and L_z is linear in its own tokens and the
@@ -52,7 +53,6 @@ from .mesh import Axis, LayerLayout, ParallelDims, layer_coords
 
 log = logging.getLogger(__name__)
 
-EP_GROUP_ATTR = "expert_parallel_group"  # on expert parameters: the group their norm is summed over
 EXPERT_AXES = ("pp", "edp_replicate", "edp_shard", "ep", "tp")
 
 
@@ -220,8 +220,7 @@ def parallelize_moe(moe: MoE, s: LayerStrategy, plan: Plan, dims: ParallelDims, 
     pieces = s.dp * s.sp_degree
     kwargs: dict = dict(token_pieces=pieces, aux_grad_scale=aux_grad_scale(plan), tp=s.tp)
     if pieces > 1 and plan.model.config.router_aux_loss_coef:
-        tokens = dims.rank_mesh((dims.pp, pieces, s.tp), (Axis.PP, "tokens", Axis.TP))
-        kwargs["token_group"] = tokens.get_group("tokens")
+        kwargs["token_group"] = token_mesh(dims, s).get_group("tokens")
     if s.sp_degree > 1 and plan.model.config.capacity_factor is not None:
         kwargs.update(seq_group=dims.sp_group(LayerLayout.of(s)), seq_pieces=s.sp_degree, seq_rank=coords.sp)
     mesh = None
@@ -256,38 +255,74 @@ def _tp_experts(moe: MoE, tp_mesh, dense_tp_mesh) -> None:
         parallelize_module(moe.shared_expert, dense_tp_mesh, mlp_plan("", moe.shared_expert))
 
 
-def shard_experts(module: nn.Module, s: LayerStrategy, plan: Plan, dims: ParallelDims, mp_policy,
-                  rescale: list) -> tuple[set[int], set[nn.Parameter]]:
-    """FSDP2 on the experts of an expert-parallel block, over their replicas; before the block's
-    own `fully_shard`. Returns (ids of the expert parameters, whose gradient rescale is noted here
-    in `rescale`; parameters the block's fully_shard must ignore: experts held by one rank)."""
-    handled: set[int] = set()
-    ignored: set[nn.Parameter] = set()
+def shard_experts(module: nn.Module, s: LayerStrategy, plan: Plan, dims: ParallelDims, mp_policy, result) -> bool:
+    """FSDP2 on the experts of an expert-parallel block over their replicas (the "edp" axes of the
+    expert mesh), before the block's own `fully_shard`; registers the units with `result.sync` and
+    their gradient rescale R / P in `result.grad_rescale`. Experts held by one rank (R = 1) are
+    sharded over a mesh of one too: their parameters are then DTensors on the expert mesh, whose
+    "ep" axis the gradient norm sums over (optim.grad_norm). Returns whether it sharded any."""
     if s.ep == 1:
-        return handled, ignored
+        return False
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from .grad_sync import ShardedUnit
 
     layout = ExpertLayout.of(s)
     mesh = expert_mesh(dims, layout)
+    found = False
     for moe in moe_layers(module):
-        if layout.replicas == 1 and mp_policy is None and not s.offload_optimizer:
-            ignored.update(moe.experts.parameters())  # one copy of each expert: nothing to reduce
-        else:
-            axes = ("edp_shard",) if layout.replicas == layout.expert_shard else ("edp_replicate", "edp_shard")
-            kwargs = dict(mesh=mesh[axes if len(axes) > 1 else axes[0]], reshard_after_forward=s.zero >= 3)
-            if mp_policy is not None:
-                kwargs["mp_policy"] = mp_policy
-            if s.offload_optimizer:
-                kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=dims.device_type == "cuda")
-            fully_shard(moe.experts, **kwargs)
-        params = list(moe.experts.parameters())
-        for p in params:
-            setattr(p, EP_GROUP_ATTR, mesh.get_group("ep"))
-            handled.add(id(p))
-        pieces = loss_pieces(plan)
-        if layout.replicas != pieces:
-            rescale.append((params, layout.replicas / pieces))
-    return handled, ignored
+        axes = ("edp_shard",) if layout.replicas == layout.expert_shard else ("edp_replicate", "edp_shard")
+        kwargs = dict(mesh=mesh[axes if len(axes) > 1 else axes[0]], reshard_after_forward=s.zero >= 3)
+        if mp_policy is not None:
+            kwargs["mp_policy"] = mp_policy
+        if s.offload_optimizer:
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=dims.device_type == "cuda")
+        fully_shard(moe.experts, **kwargs)
+        for p in moe.experts.parameters():  # FSDP2's sharded parameters: DTensors on the edp (x tp) mesh
+            _EP_GROUPS[id(p.device_mesh)] = (p.device_mesh, mesh.get_group("ep"))
+        result.sync.units.append(ShardedUnit(moe.experts, s.zero))
+        if layout.replicas != loss_pieces(plan):
+            result.grad_rescale.append(([moe.experts], layout.replicas / loss_pieces(plan)))
+        found = True
+    return found
+
+
+# id(mesh) -> (mesh, ep group) for the meshes expert parameters live on (their names start with
+# "edp"); DeviceMesh hands out one object per (ranks, names), so the latest plan's entry wins.
+_EP_GROUPS: dict[int, tuple] = {}
+
+
+def ep_group_of(mesh):
+    """The expert-parallel group whose ranks hold the other experts, for a mesh expert parameters
+    live on; None for any other mesh."""
+    entry = _EP_GROUPS.get(id(mesh))
+    if entry is None or entry[0] is not mesh or not any(n.startswith("edp") for n in (mesh.mesh_dim_names or ())):
+        return None
+    return entry[1]
+
+
+def dense_modules(module: nn.Module) -> list[nn.Module]:
+    """The modules of `module` holding parameters of their own, experts' excepted (for a rescale
+    that the experts get separately)."""
+    inside = {id(m) for e in module.modules() if isinstance(e, Experts) for m in e.modules()}
+    return [m for m in module.modules() if id(m) not in inside and any(True for _ in m.parameters(recurse=False))]
+
+
+def build_expert_meshes(plan: Plan, dims: ParallelDims) -> None:
+    """Create the MoE layers' meshes (expert mesh, router-statistics group) in plan order on every
+    rank (`ParallelDims.build_all`: group creation is collective over the world)."""
+    cfg = plan.model.config
+    for layer, s in zip(plan.model.layers, plan.layers):
+        if layer.kind != LayerKind.MOE_DECODER:
+            continue
+        if s.ep > 1:
+            expert_mesh(dims, ExpertLayout.of(s))
+        if cfg is not None and cfg.router_aux_loss_coef and s.dp * s.sp_degree > 1:
+            token_mesh(dims, s)
+
+
+def token_mesh(dims: ParallelDims, s: LayerStrategy):
+    return dims.rank_mesh((dims.pp, s.dp * s.sp_degree, s.tp), (Axis.PP, "tokens", Axis.TP))
 
 
 # --- reports ---------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ backward.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 
@@ -63,13 +64,19 @@ class ActLayout:
         return batch // self.dp, seq // self.seq_parts
 
     def refines(self, other: "ActLayout", batch: int, seq: int) -> bool:
-        """True when, on every stage rank, this layout's block lies inside `other`'s block."""
-        for r in range(self.stage_size):
-            b0, b1, s0, s1 = self.block(r, batch, seq)
-            c0, c1, t0, t1 = other.block(r, batch, seq)
-            if not (c0 <= b0 and b1 <= c1 and t0 <= s0 and s1 <= t1):
-                return False
-        return True
+        """True when, on every stage rank, this layout's block lies inside `other`'s block
+        (a loop over the stage's ranks, cached: forward asks it at every layout change)."""
+        return _refines(self, other, batch, seq)
+
+
+@functools.lru_cache(maxsize=4096)
+def _refines(a: ActLayout, other: ActLayout, batch: int, seq: int) -> bool:
+    for r in range(a.stage_size):
+        b0, b1, s0, s1 = a.block(r, batch, seq)
+        c0, c1, t0, t1 = other.block(r, batch, seq)
+        if not (c0 <= b0 and b1 <= c1 and t0 <= s0 and s1 <= t1):
+            return False
+    return True
 
 
 def take_block(x: torch.Tensor, have: ActLayout, want: ActLayout, stage_rank: int,

@@ -1,23 +1,32 @@
 """Build big models without ever holding them whole: meta device, parallelise, then initialise shards.
 
-`materialize(part, param_shapes(full_meta), config, seed, device)` allocates a parallelised part (`to_empty`) and writes
-into each local shard the values `Transformer.init_weights(seed)` would give the full model: the
-same generator is drawn in the same parameter order, one full parameter at a time (peak extra
-memory: the largest single parameter), and each rank keeps its slice (`distribute_tensor` with no
-source rank: every rank slices its own copy, no communication).
+    model = build_model(config, device="meta")
+    par = parallelize(model, plan, dims, rank)          # no memory, no collectives
+    materialize(par.chunk, config, seed, device)        # this rank's shards, as one process would
+    par.wrap_ddp()                                      # DDP plans only
+
+`materialize` allocates the part's local storage (`to_empty`) and writes into each local shard the
+values `Transformer.init_weights(seed)` gives the whole model there: the init rule draws every
+parameter in row blocks with their own seeds (`tessera.models.init`), so a rank draws only the
+rows of its own shards. Peak extra memory: one row block (~4 MiB) plus one shard.
+
+A shard is located by DTensor's own layout arithmetic (`compute_local_shape_and_global_offset`,
+which covers the `_StridedShard` placements FSDP2 gives tensor-parallel weights); a local shard
+that is not one rectangle of the parameter (no plan makes one today) falls back to drawing the
+whole parameter and slicing it with `distribute_tensor`.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
 
-from ..models.transformer import Transformer, rope_frequencies
+from ..models.init import init_piece
+from ..models.transformer import rope_frequencies
 from ..spec.model import TransformerConfig
 
 # Wrapper segments that parallelisation adds to parameter names (recompute, compile, DDP).
 _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
+EMBEDDING_WEIGHT, HEAD_WEIGHT = "tok_embeddings.weight", "output.weight"
 
 
 def canonical_name(name: str) -> str:
@@ -26,45 +35,59 @@ def canonical_name(name: str) -> str:
     return name
 
 
-def _init_value(name: str, shape: torch.Size, gen: torch.Generator, num_layers: int, std: float) -> torch.Tensor:
-    """The value of one parameter under `Transformer.init_weights` (same rule, same draw order)."""
-    if len(shape) == 1:
-        return torch.ones(shape) if name.endswith("norm.weight") else torch.zeros(shape)
-    scale = std / math.sqrt(2 * num_layers) if name.endswith(("wo.weight", "w2.weight")) else std
-    return torch.randn(shape, generator=gen) * scale
+def local_rectangle(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(offset, shape) of this rank's shard of `p` inside the full parameter, or None when the
+    shard is not one rectangle. A plain tensor is its own full parameter."""
+    if not hasattr(p, "device_mesh"):
+        return (0,) * p.dim(), tuple(p.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    if tuple(shape) != tuple(p.to_local().shape):
+        return None
+    return tuple(offset), tuple(shape)
+
+
+def full_value_slice(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a full value laid out like parameter (or gradient) `p`."""
+    if not hasattr(p, "device_mesh"):
+        return full
+    rect = local_rectangle(p)
+    if rect is not None:
+        return full[tuple(slice(o, o + n) for o, n in zip(*rect))]
+    from torch.distributed.tensor import distribute_tensor
+
+    device = torch.device(p.device_mesh.device_type, torch.cuda.current_device()) \
+        if p.device_mesh.device_type == "cuda" else torch.device(p.device_mesh.device_type)
+    return distribute_tensor(full.to(device), p.device_mesh, p.placements, src_data_rank=None).to_local()
 
 
 @torch.no_grad()
-def _write(p: torch.Tensor, full: torch.Tensor) -> None:
-    if hasattr(p, "device_mesh"):
-        from torch.distributed.tensor import distribute_tensor
-
-        local = distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=None).to_local()
-        p.to_local().copy_(local)
+def _initialise(name: str, p: torch.Tensor, config: TransformerConfig, seed: int, std: float) -> None:
+    local = p.to_local() if hasattr(p, "to_local") else p
+    rect = local_rectangle(p)
+    if rect is not None:
+        value = init_piece(name, p.shape, seed, config.num_layers, std, *rect)
     else:
-        p.copy_(full)
-
-
-def param_shapes(model: Transformer) -> list[tuple[str, torch.Size]]:
-    """(name, shape) of every parameter in `init_weights` order; take it before parallelising."""
-    return [(name, p.shape) for name, p in model.named_parameters()]
+        value = full_value_slice(init_piece(name, p.shape, seed, config.num_layers, std), p)
+    local.copy_(value)
 
 
 @torch.no_grad()
-def materialize(part: nn.Module, shapes: list[tuple[str, torch.Size]], config: TransformerConfig, seed: int,
-                device: torch.device, std: float = 0.02) -> None:
-    """Allocate `part` on `device` and initialise it as the full model would be with `seed`."""
+def materialize(part: nn.Module, config: TransformerConfig, seed: int, device: torch.device,
+                std: float = 0.02) -> None:
+    """Allocate `part` (a parallelised model or chunk on the meta device) on `device` and
+    initialise every local shard as `build_model(config, seed)` initialises the whole model."""
     part.to_empty(device=device)
-    targets: dict[str, list[torch.Tensor]] = {}
+    seen: set[int] = set()
     for name, p in part.named_parameters(remove_duplicate=False):
-        targets.setdefault(canonical_name(name), []).append(p)
-    if config.tie_embeddings:  # a pipeline's untied head copy starts equal to the embedding
-        targets.setdefault("tok_embeddings.weight", []).extend(targets.pop("output.weight", []))
-    gen = torch.Generator().manual_seed(seed)
-    for name, shape in shapes:
-        value = _init_value(name, shape, gen, config.num_layers, std)
-        for p in {id(t): t for t in targets.get(name, [])}.values():
-            _write(p, value)
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        name = canonical_name(name)
+        if config.tie_embeddings and name == HEAD_WEIGHT:  # a pipeline's untied head copy
+            name = EMBEDDING_WEIGHT
+        _initialise(name, p, config, seed, std)
     if config.position != "learned":
         freqs = rope_frequencies(config.head_dim, config.max_seq_len, config.rope_theta).to(device)
         for module in part.modules():

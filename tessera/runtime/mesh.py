@@ -131,6 +131,7 @@ class ParallelDims:
     _layer_meshes: dict = field(default_factory=dict, repr=False)
     _sp_meshes: dict = field(default_factory=dict, repr=False)
     _stage_group: object = field(default=None, repr=False)
+    _built: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.pp * self.stage_size != self.world_size:
@@ -148,6 +149,26 @@ class ParallelDims:
                    reference=reference, device_type=device_type)
 
     # --- meshes (need an initialised process group) ----------------------------------------------
+    def build_all(self, plan: Plan) -> None:
+        """Create every mesh and group of the plan now, in plan order, on every rank.
+
+        Creating a process group is collective over the whole world, so ranks must create the
+        same groups in the same order; built lazily, ranks of different pipeline stages (which
+        parallelise different layers) would deadlock. Idempotent."""
+        if self._built:
+            return
+        self.mesh  # noqa: B018 (builds it)
+        self.stage_group  # noqa: B018
+        for s in plan.layers:
+            layout = LayerLayout.of(s)
+            self.layer_mesh(layout)
+            if s.sp_degree > 1:
+                self.sp_group(layout)
+        from .expert_parallel import build_expert_meshes
+
+        build_expert_meshes(plan, self)
+        self._built = True
+
     @property
     def mesh(self) -> "DeviceMesh":
         """The world mesh ("pp", "dp", "sp", "tp") of the reference layout."""

@@ -84,11 +84,14 @@ class SamplePlacer:
         per = n // self.data_ranks
         d = self.dims.stage_rank(self.rank) // (self.plan.stage_size // self.data_ranks)
         mine = order[d * per:(d + 1) * per]
-        return tuple(None if f is None else f[mine] for f in full)
+        placed = tuple(None if f is None else f[mine] for f in full)
+        self.tokens = placed[0]
+        return placed
 
-    def observe(self, tokens: torch.Tensor) -> None:
-        """Update the routing table with the step just run; `tokens`: this rank's placed rows."""
+    def observe(self) -> None:
+        """Update the routing table with the routing of the step just run (its placed rows)."""
         cfg = self.plan.model.config
+        tokens = self.tokens
         delta = np.zeros((cfg.vocab_size, cfg.num_experts))
         seen = np.zeros(cfg.vocab_size)
         chunks = tokens.chunk(self.plan.num_micro_batches)

@@ -69,23 +69,12 @@ def implementation(params, fused: bool | None = None) -> dict:
     return {"fused": False, "foreach": _foreach_ok(params)}
 
 
-def build_optimizer(params, cfg: OptimConfig, zero1_group=None) -> torch.optim.Optimizer:
-    """AdamW; with `zero1_group`, ZeRO-1 (`ZeroRedundancyOptimizer`) shards its state over the group."""
+def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW over the (possibly sharded) parameters: ZeRO shards its state with the parameters;
+    fused where `implementation` chooses it."""
     params = list(params)
     kwargs = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
-    impl = implementation(params, cfg.fused)
-    if zero1_group is not None:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        groups = param_groups(params, cfg.weight_decay)
-        # The local shard's AdamW: fused where chosen, else torch's own default (as before).
-        opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
-                                      process_group=zero1_group, weight_decay=groups[0]["weight_decay"],
-                                      **kwargs, **({"fused": True} if impl["fused"] else {}))
-        for g in groups[1:]:
-            opt.add_param_group(g)
-        return opt
-    return torch.optim.AdamW(param_groups(params, cfg.weight_decay), **kwargs, **impl)
+    return torch.optim.AdamW(param_groups(params, cfg.weight_decay), **kwargs, **implementation(params, cfg.fused))
 
 
 def lr_lambda(cfg: OptimConfig):
@@ -113,9 +102,9 @@ def grad_norm(params, pp_group=None) -> torch.Tensor:
     """Global L2 norm of the gradients: sqrt(sum over groups of the group's squared norm).
 
     A DTensor group's squared norm sums the local shards over every mesh axis it is sharded on;
-    replicated axes hold copies and are not summed. Expert parameters (`expert_parallel_group`
-    attribute, runtime/expert_parallel.py) also sum over the ranks holding the other experts.
-    `pp_group` adds the other pipeline stages.
+    replicated axes hold copies and are not summed. Expert parameters (DTensors on the meshes
+    runtime/expert_parallel.py shards them over) also sum over the expert-parallel group, whose
+    ranks hold the other experts. `pp_group` adds the other pipeline stages.
     """
     from torch.distributed.tensor import Shard
 
@@ -124,11 +113,10 @@ def grad_norm(params, pp_group=None) -> torch.Tensor:
         if p.grad is None:
             continue
         g = p.grad
-        ep_group = getattr(p, "expert_parallel_group", None)
-        key = (_mesh_key(g), tuple(getattr(g, "placements", ())), id(ep_group))
-        groups.setdefault(key, (ep_group, []))[1].append(g)
+        key = (_mesh_key(g), tuple(getattr(g, "placements", ())))
+        groups.setdefault(key, []).append(g)
     total = None
-    for ep_group, grads in groups.values():
+    for grads in groups.values():
         local = [_local(g) for g in grads]
         sq = torch.stack([n.float() for n in torch._foreach_norm(local)]).pow(2).sum()
         first = grads[0]
@@ -137,14 +125,22 @@ def grad_norm(params, pp_group=None) -> torch.Tensor:
             for axis, placement in enumerate(first.placements):
                 if isinstance(placement, Shard) and mesh.size(axis) > 1:
                     dist.all_reduce(sq, group=mesh.get_group(axis))
-        if ep_group is not None:
-            dist.all_reduce(sq, group=ep_group)
+            ep_group = _expert_group(mesh)
+            if ep_group is not None:
+                dist.all_reduce(sq, group=ep_group)
         total = sq if total is None else total + sq.to(total.device)
     if total is None:
         total = torch.zeros(())
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)
     return total.sqrt()
+
+
+def _expert_group(mesh):
+    """The ranks holding the other experts, for a mesh that expert parameters live on (None else)."""
+    from .expert_parallel import ep_group_of
+
+    return ep_group_of(mesh)
 
 
 def clip_grad_norm_(params, max_norm: float, pp_group=None, skip_in_norm: set[int] = frozenset()) -> torch.Tensor:

@@ -2,13 +2,14 @@
 
 `ParallelTransformer` keeps the submodules (and state-dict names) of `tessera.models.Transformer`
 and replaces its forward: each rank receives its block of the batch in the plan's data layout
-(the batch split over the smallest dp of any layer), every layer takes its own (batch, sequence)
+(the batch split over the gcd of the layers' dp), every layer takes its own (batch, sequence)
 block of that (`StageContext.data_block`), and activations move between layers whose layouts
 differ with `layout.reshard`. `ParallelLoss` is the cross-entropy of the LM head's block, with
 loss parallelism when the head is tensor-parallel.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +23,12 @@ from .layout import ActLayout, reshard, take_block
 from .mesh import ParallelDims
 
 
+def data_parallel_size(plan: Plan) -> int:
+    """How many blocks the batch is loaded in: the gcd of the layers' dp, so that every layer's
+    batch block on a rank lies inside the block that rank loads (dp 2 and 3 load it whole)."""
+    return math.gcd(*(s.dp for s in plan.layers))
+
+
 @dataclass
 class StageContext:
     """What a chunk needs to place data: its layer strategies, its rank and its stage group."""
@@ -29,13 +36,13 @@ class StageContext:
     plan: Plan
     stage_rank: int
     group: object
-    data_layout: ActLayout  # the block of the batch each rank loads (the smallest dp of the plan)
+    data_layout: ActLayout  # the block of the batch each rank loads (`data_parallel_size`)
     layer_acts: list[ActLayout] = field(default_factory=list)
 
     @classmethod
     def build(cls, plan: Plan, dims: ParallelDims, rank: int) -> "StageContext":
-        dp_min = min(s.dp for s in plan.layers)
-        data = ActLayout(dp=dp_min, sp=1, tp=plan.stage_size // dp_min)
+        data_dp = data_parallel_size(plan)
+        data = ActLayout(dp=data_dp, sp=1, tp=plan.stage_size // data_dp)
         acts = [ActLayout.of(s) for s in plan.layers]
         # The embedding's output is never split over tp (learned positions add full rows).
         acts[0] = ActLayout.of(plan.layers[0], seq_over_tp=False)
@@ -148,7 +155,10 @@ class ParallelLoss:
     """Mean cross-entropy of this rank's piece of the LM head's layout (loss parallel under TP).
 
     Called as `loss(logits, labels)` with labels (B_d, S) in the data layout; the caller runs
-    forward and backward inside `context()` (loss parallel needs both under it).
+    forward and backward inside `context()` (loss parallel needs both under it). When the
+    sequence was padded to split evenly (`pad_sequences`: padded labels are `IGNORE`),
+    `real_seq_len` is the unpadded length and each piece divides its sum by the real tokens of an
+    even share, rows * real_seq_len / pieces, so that the pieces' mean is the batch mean.
     """
 
     def __init__(self, ctx: StageContext):
@@ -157,6 +167,12 @@ class ParallelLoss:
         self.vocab_parallel = head.tp > 1
         self.act = _seq_only(ctx.layer_acts[-1])
         self.pieces = head.dp * head.sp_degree
+        # Batches with masked labels (-100): the trainer sets, per step, pieces x micro-batches /
+        # (targets in the global batch), and the loss is the sum over this piece's targets times
+        # that, so that the averaged gradients are those of the global batch's mean over targets
+        # (a piece without targets then adds 0, not NaN). None: the mean over the piece.
+        self.target_scale: float | None = None
+        self.real_seq_len: int | None = None
 
     def context(self):
         if self.vocab_parallel:
@@ -168,7 +184,44 @@ class ParallelLoss:
         return nullcontext()
 
     def __call__(self, logits, labels: torch.Tensor) -> torch.Tensor:
+        seq = labels.shape[1]
         labels = self.ctx.data_block(labels, self.act)
         # fp32 logits (bf16 runs): the log-softmax over the vocabulary loses too much in bf16. The
         # vocabulary-sharded DTensor of loss parallelism casts its shards alike.
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        logits, targets = logits.flatten(0, 1).float(), labels.flatten()
+        if self.target_scale is not None:
+            return F.cross_entropy(logits, targets, reduction="sum", ignore_index=IGNORE) * self.target_scale
+        real = self.real_seq_len
+        if real is None or real == seq:
+            return F.cross_entropy(logits, targets)
+        total = F.cross_entropy(logits, targets, reduction="sum", ignore_index=IGNORE)
+        return total / (labels.shape[0] * real / self.act.seq_parts)
+
+
+IGNORE = -100  # label of a padding position (cross-entropy's ignore_index)
+
+
+def sequence_multiple(plan: Plan) -> int:
+    """The sequence length must be a multiple of this for every layer's sequence shards to be
+    equal (Megatron sequence parallel x tp, Ulysses x sp)."""
+    return math.lcm(*(ActLayout.of(s).seq_parts for s in plan.layers[1:]))
+
+
+def pad_sequences(multiple: int, tokens, labels, positions=None, doc_ids=None):
+    """Pad (B, S) batches at the end of every sequence to a multiple of `multiple` tokens:
+    padding tokens are 0 with `IGNORE` labels at position 0; causal attention keeps them out of
+    every real token's context; packed documents get the padding as one more document of each
+    row (ids stay non-decreasing), so no real token attends to it."""
+    seq = tokens.shape[1]
+    pad = -seq % multiple
+    if pad == 0:
+        return tokens, labels, positions, doc_ids
+    tokens = F.pad(tokens, (0, pad))
+    labels = F.pad(labels, (0, pad), value=IGNORE)
+    if positions is None:
+        positions = torch.arange(seq, device=tokens.device).expand(tokens.shape[0], seq)
+    positions = F.pad(positions, (0, pad))
+    if doc_ids is not None:
+        last = doc_ids[:, -1:] + 1
+        doc_ids = torch.cat([doc_ids, last.expand(doc_ids.shape[0], pad)], dim=1)
+    return tokens, labels, positions, doc_ids

@@ -6,20 +6,30 @@ Ulysses attention -> activation recompute (`checkpoint_wrapper`, selective via
 `create_selective_checkpoint_contexts`) -> optional `torch.compile` -> data parallel.
 
 Data parallel and ZeRO:
-- DDP path (the plan is homogeneous, tp = 1, ZeRO 0 or 1, no pipeline): one `DistributedDataParallel`
-  over the dp x sp ranks; ZeRO-1 is `ZeroRedundancyOptimizer` (optimizer state sharded, gradients
-  all-reduced and kept whole — exactly ZeRO-1's memory).
+- DDP path (the plan is homogeneous, tp = 1, ZeRO 0, no pipeline): one `DistributedDataParallel`
+  over the dp x sp ranks, wrapped after the parameters are materialised (`wrap_ddp`).
 - FSDP2 path (everything else): `fully_shard` per layer on that layer's mesh: ZeRO-3 reshards after
-  forward, ZeRO-2 does not, HSDP shards over `dp_shard` and replicates across, ZeRO-0 is HSDP
+  forward, ZeRO-1/2 do not, HSDP shards over `dp_shard` and replicates across, ZeRO-0 is HSDP
   with a shard group of one (pure replication, an all-reduce), `CPUOffloadPolicy` for
-  offload_optimizer. ZeRO-1 here runs as FSDP2 without resharding, which also shards gradients:
-  the same communication volume and at most the plan's ZeRO-1 memory (FSDP2 has no ZeRO-1 mode,
-  and ZeroRedundancyOptimizer cannot broadcast DTensor parameters).
+  offload_optimizer. ZeRO-1 is FSDP2 that reduce-scatters once per step (`grad_sync`): the
+  priced reduce-scatter + all-gather, sharded optimizer state, and a DTensor state that checkpoints
+  and reshards like ZeRO-2/3 (`ZeroRedundancyOptimizer` instead broadcasts every parameter from
+  its owner after the step, cannot hold DTensors and does not reshard on load).
+  How often each unit reduces and re-gathers over micro-batches: `grad_sync.GradSync`.
+
+Build: `parallelize` works on a meta-device model, allocates nothing and issues no collective
+(so a dry run can apply it at any world size); `materialize.materialize(result.chunk, ...)` then
+allocates and initialises the local shards, and `result.wrap_ddp()` wraps DDP plans.
 
 Gradient scale: rank r's loss is the mean over its own (batch, sequence) piece of the LM head's
 layout, P = dp_head * sp_head pieces. A layer whose parameters are replicated over g = dp * sp
 ranks averages gradients over g; when g != P (layer-wise heterogeneity) its gradients are rescaled
 by g / P after backward (`GradScaler`-free: one foreach multiply).
+
+Tied embeddings: when the embedding and LM head layers shard alike the head uses the embedding's
+parameter; otherwise the head holds its own copy (same initial value) and after backward both
+receive g_embedding + g_head (`sync_tied_grads`, whole gradients summed across the two layouts),
+so they take identical optimizer steps; the gradient norm counts the tied weight once.
 """
 from __future__ import annotations
 
@@ -35,8 +45,9 @@ from ..errors import TesseraError
 from ..models.transformer import Transformer
 from ..plan import LayerStrategy, Plan, Recompute, SPKind
 from ..spec.model import LayerKind
-from .layout import ActLayout
-from .expert_parallel import check_moe_layer, parallelize_moe, shard_experts
+from .expert_parallel import check_moe_layer, dense_modules, parallelize_moe, shard_experts
+from .grad_sync import GradSync, ShardedUnit, sum_tied_gradients
+from .materialize import EMBEDDING_WEIGHT, HEAD_WEIGHT, canonical_name
 from .mesh import Axis, LayerLayout, ParallelDims
 from .parallel_model import ParallelLoss, ParallelTransformer, StageContext
 
@@ -59,15 +70,11 @@ def check_plan_supported(plan: Plan, world_size: int | None = None, *, pipeline_
     if plan.pipeline.degree > 1 and not pipeline_available:
         raise TesseraError(f"plan.pipeline.degree={plan.pipeline.degree}: pipeline parallelism is not "
                            "available in this runtime build")
-    seq = plan.workload.seq_len
     for i, s in enumerate(plan.layers):
         where = f"plan.layers[{i}] ({plan.model.layers[i].name})"
         check_moe_layer(plan, i, s, where)
         if s.offload_optimizer and not s.zero:
             raise TesseraError(f"{where}.offload_optimizer needs zero >= 1 (FSDP2 CPU offload shards the state)")
-        act = ActLayout.of(s)
-        if seq % act.seq_parts:
-            raise TesseraError(f"{where}: seq_len {seq} does not split into {act.seq_parts} sequence shards")
         if s.tp > 1 and kinds[i] in (LayerKind.DECODER, LayerKind.MOE_DECODER):
             if cfg.num_heads % s.tp or cfg.num_kv_heads % s.tp:
                 raise TesseraError(f"{where}.tp={s.tp} does not divide the {cfg.num_heads} heads / "
@@ -76,21 +83,15 @@ def check_plan_supported(plan: Plan, world_size: int | None = None, *, pipeline_
             if (cfg.num_heads // s.tp) % s.sp_degree:
                 raise TesseraError(f"{where}.sp_degree={s.sp_degree} does not divide the "
                                    f"{cfg.num_heads // s.tp} heads per tensor-parallel rank")
-    dp_min = min(s.dp for s in plan.layers)
-    if any(s.dp % dp_min for s in plan.layers):
-        raise TesseraError(f"plan.layers: every layer's dp must be a multiple of the smallest dp {dp_min}")
-    if cfg.tie_embeddings and LayerLayout.of(plan.layers[0]) != LayerLayout.of(plan.layers[-1]):
-        raise TesseraError("plan.layers: a model with tied embeddings needs the same dp/sp/tp/zero on "
-                           "its embedding and lm_head layers")
 
 
 def uses_ddp(plan: Plan) -> bool:
-    """The plan is plain data parallelism (optionally ZeRO-1 / Ulysses) on one layout."""
+    """The plan is plain data parallelism (optionally with Ulysses) without ZeRO, on one layout."""
     first = plan.layers[0]
     same = all((s.dp, s.sp_degree, s.tp, s.zero, s.dp_shard) == (first.dp, first.sp_degree, first.tp,
                                                                   first.zero, first.dp_shard)
                for s in plan.layers)
-    return (same and plan.pipeline.degree == 1 and first.tp == 1 and first.zero <= 1
+    return (same and plan.pipeline.degree == 1 and first.tp == 1 and first.zero == 0
             and not first.dp_shard and not any(s.offload_optimizer for s in plan.layers)
             and all(s.ep == 1 for s in plan.layers))  # experts reduce over their own replicas
 
@@ -99,7 +100,12 @@ def uses_ddp(plan: Plan) -> bool:
 
 
 def _tp_block(block: nn.Module, s: LayerStrategy, tp_mesh) -> None:
-    """Megatron tensor parallel (+ sequence parallel) on one decoder block."""
+    """Megatron tensor parallel (+ sequence parallel) on one decoder block.
+
+    The attention and MLP inputs enter as replicated DTensors (`use_local_output=False`): the
+    backward then sums the partial input gradients of wq, wk, wv (w1, w3) as DTensors and
+    reduces them once (one all-reduce, or one reduce-scatter under sequence parallelism), as
+    Megatron does, instead of once per projection."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
                                                    PrepareModuleOutput, RowwiseParallel,
@@ -107,15 +113,16 @@ def _tp_block(block: nn.Module, s: LayerStrategy, tp_mesh) -> None:
 
     sp = s.sp == SPKind.MEGATRON
     out = Shard(1) if sp else Replicate()
+    inp = Shard(1) if sp else Replicate()
     plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=out)}
+    plan["attention"] = PrepareModuleInput(input_layouts=(inp, None, None),
+                                           desired_input_layouts=(Replicate(), None, None),
+                                           use_local_output=False)
     if sp:
         plan["attention_norm"] = SequenceParallel()
         plan["ffn_norm"] = SequenceParallel()
-        plan["attention"] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                               desired_input_layouts=(Replicate(), None, None),
-                                               use_local_output=True)
-    if hasattr(block, "moe"):  # experts: runtime/expert_parallel.py
+    if hasattr(block, "moe"):  # experts and the shared expert: runtime/expert_parallel.py
         if sp:
             plan["moe"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                              use_local_output=True)
@@ -124,9 +131,8 @@ def _tp_block(block: nn.Module, s: LayerStrategy, tp_mesh) -> None:
         plan["feed_forward.w2"] = RowwiseParallel(output_layouts=out)
         if hasattr(block.feed_forward, "w3"):
             plan["feed_forward.w3"] = ColwiseParallel()
-        if sp:
-            plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                                      use_local_output=True)
+        plan["feed_forward"] = PrepareModuleInput(input_layouts=(inp,), desired_input_layouts=(Replicate(),),
+                                                  use_local_output=False)
     parallelize_module(block, tp_mesh, plan)
     if sp and hasattr(block, "moe"):
         # Experts return replicated rows; the residual stream is sequence-sharded.
@@ -135,7 +141,7 @@ def _tp_block(block: nn.Module, s: LayerStrategy, tp_mesh) -> None:
 
 
 def _tp_embedding_and_head(model: ParallelTransformer, first: LayerStrategy | None,
-                           last: LayerStrategy | None, dims: ParallelDims) -> None:
+                           last: LayerStrategy | None, dims: ParallelDims, tied: bool) -> None:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
@@ -146,7 +152,7 @@ def _tp_embedding_and_head(model: ParallelTransformer, first: LayerStrategy | No
     if last is not None and last.tp > 1:
         tp_head(model.norm, model.output, dims.layer_mesh(LayerLayout.of(last))[Axis.TP],
                 sequence_parallel=last.sp == SPKind.MEGATRON)
-        if model.config.tie_embeddings and first is not None:
+        if tied:
             model.output.weight = model.tok_embeddings.weight
 
 
@@ -196,8 +202,8 @@ def _recompute(module: nn.Module, mode: Recompute) -> nn.Module:
 def _fsdp_kwargs(s: LayerStrategy, dims: ParallelDims, mp_policy) -> dict | None:
     """fully_shard arguments of one layer, or None when its parameters live on one rank."""
     layout = LayerLayout.of(s)
-    if layout.dp * layout.sp == 1 and mp_policy is None:
-        return None  # nothing to shard; with mixed precision FSDP2 on one rank still casts
+    if layout.dp * layout.sp == 1 and mp_policy is None and not s.offload_optimizer:
+        return None  # nothing to shard; FSDP2 on one rank still casts (mixed precision) or offloads
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     mesh = dims.layer_mesh(layout)
@@ -218,18 +224,47 @@ def _fsdp_kwargs(s: LayerStrategy, dims: ParallelDims, mp_policy) -> dict | None
 class Parallelized:
     """The result of `parallelize`: the module to train and what the optimizer step needs."""
 
-    module: nn.Module  # a ParallelTransformer, or DDP around one
+    module: nn.Module  # a ParallelTransformer, or DDP around one (after `wrap_ddp`)
     chunk: ParallelTransformer
     loss: ParallelLoss
-    # (parameters, factor): gradients to multiply by factor after backward (heterogeneous plans).
-    grad_rescale: list[tuple[list[nn.Parameter], float]] = field(default_factory=list)
-    ddp_group: object = None  # process group of ZeRO-1 (ZeroRedundancyOptimizer) on the DDP path
-    zero1: bool = False
+    # (modules, factor): gradients of the modules' parameters to multiply by factor after backward
+    # (heterogeneous plans). Modules, not parameters: sharding and materialising replace parameters.
+    grad_rescale: list[tuple[list[nn.Module], float]] = field(default_factory=list)
+    sync: GradSync = field(default_factory=GradSync)  # the FSDP2 units and their ZeRO stages
+    ddp_group: object = None  # the DDP path's process group (dp x sp ranks), None otherwise
+    untied_head: bool = False  # tied embeddings sharded two ways: the head holds a copy
+
+    @property
+    def tied_head_copy(self) -> nn.Parameter | None:
+        """The LM head's copy of a tied embedding (None when the weight is truly shared)."""
+        return _find_param(self.chunk, HEAD_WEIGHT) if self.untied_head else None
+
+    def sync_tied_grads(self) -> None:
+        """Give the embedding and its head copy the tied gradient g_embedding + g_head."""
+        if self.untied_head:
+            sum_tied_gradients([_find_param(self.chunk, EMBEDDING_WEIGHT), _find_param(self.chunk, HEAD_WEIGHT)])
+
+    def wrap_ddp(self) -> None:
+        """Wrap a DDP plan's materialised chunk in `DistributedDataParallel` (no-op otherwise).
+
+        No broadcast at start (`init_sync=False`): every rank initialised the same values."""
+        if self.ddp_group is None or self.module is not self.chunk:
+            return
+        if any(p.is_meta for p in self.chunk.parameters()):
+            raise TesseraError("wrap_ddp needs the materialised model (call materialize first)")
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        with warnings.catch_warnings():  # the rename of broadcast_buffers is newer than torch 2.11
+            warnings.simplefilter("ignore", FutureWarning)
+            # Buffers (RoPE tables) are computed identically on every rank: no per-step broadcast.
+            # Gradients as views into DDP's buckets: no copy beside them once reduced (cost/layer.py).
+            self.module = DDP(self.chunk, process_group=self.ddp_group, broadcast_buffers=False,
+                              init_sync=False, gradient_as_bucket_view=True)
 
     def rescale_grads(self) -> None:
-        for params, factor in self.grad_rescale:
+        for modules, factor in self.grad_rescale:
             by_mesh: dict = {}  # foreach kernels never mix meshes (or DTensors with tensors)
-            for p in params:
+            for p in {id(p): p for m in modules for p in m.parameters()}.values():
                 if p.grad is not None:
                     by_mesh.setdefault(id(getattr(p.grad, "device_mesh", None)), []).append(p.grad)
             for grads in by_mesh.values():
@@ -238,11 +273,13 @@ class Parallelized:
 
 def parallelize(model: Transformer, plan: Plan, dims: ParallelDims, rank: int,
                 layers: range | None = None, *, compile: bool = False,
-                mp_policy=None, root_only: bool = False) -> Parallelized:
+                mp_policy=None) -> Parallelized:
     """Apply the plan to `model` (or to the chunk of plan layers `layers`) on this rank.
 
-    `root_only`: one `fully_shard` for the whole chunk (zero-bubble pipelines need it); the
-    chunk's layers must then share one sharding layout."""
+    Works on a meta-device model: allocates nothing and issues no collective (it creates the
+    plan's process groups, `ParallelDims.build_all`). Then `materialize(result.chunk, ...)` and
+    `result.wrap_ddp()`."""
+    dims.build_all(plan)
     ctx = StageContext.build(plan, dims, rank)
     layers = layers if layers is not None else range(len(plan.layers))
     chunk = ParallelTransformer(model, ctx, layers)
@@ -265,60 +302,55 @@ def parallelize(model: Transformer, plan: Plan, dims: ParallelDims, rank: int,
         if compile:
             block = torch.compile(block)
         chunk.layers[key] = block
-    _tp_embedding_and_head(chunk, first, last, dims)
+    # Tied embeddings whose embedding and head layers shard differently: the head gets its own
+    # copy (same initial value, `materialize`), and the two gradients are summed after backward.
+    tied = model.config.tie_embeddings and first is not None and last is not None
+    untie = tied and LayerLayout.of(first) != LayerLayout.of(last)
+    if untie:
+        chunk.output.weight = nn.Parameter(torch.empty_like(chunk.tok_embeddings.weight))
+    _tp_embedding_and_head(chunk, first, last, dims, tied and not untie)
     if first is not None and first.recompute == Recompute.FULL:
         chunk.tok_embeddings = _recompute(chunk.tok_embeddings, Recompute.FULL)
     if last is not None and last.recompute == Recompute.FULL:
         chunk.norm = _recompute(chunk.norm, Recompute.FULL)
 
-    result = Parallelized(module=chunk, chunk=chunk, loss=ParallelLoss(ctx))
+    result = Parallelized(module=chunk, chunk=chunk, loss=ParallelLoss(ctx), untied_head=untie)
     pieces = result.loss.pieces
     if uses_ddp(plan):
         layout = LayerLayout.of(strategies[0])
         if layout.dp * layout.sp > 1:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            group = dims.layer_mesh(LayerLayout(layout.dp, layout.sp, 1, 1)).get_group(Axis.DP_REPLICATE)
-            with warnings.catch_warnings():  # the rename of broadcast_buffers is newer than torch 2.11
-                warnings.simplefilter("ignore", FutureWarning)
-                # Buffers (RoPE tables) are computed identically on every rank: no per-step broadcast.
-                result.module = DDP(chunk, process_group=group, broadcast_buffers=False)
-            if strategies[0].zero == 1:
-                result.zero1 = True
-                result.ddp_group = dims.layer_mesh(layout).get_group(Axis.DP_SHARD)
+            result.ddp_group = dims.layer_mesh(LayerLayout(layout.dp, layout.sp, 1, 1)).get_group(Axis.DP_REPLICATE)
         return result
 
     # 2. FSDP2 per unit, then the root (which keeps tied weights).
     from torch.distributed.fsdp import fully_shard
 
-    tied = model.config.tie_embeddings
-    if root_only:
-        _fsdp_root_only(chunk, [strategies[i] for i in layers], dims, mp_policy, result)
-        return result
     # The root (the chunk) holds the embedding and, when it shards the same way (always with tied
     # weights), the head: as in a hand-written FSDP2 model; other layers are units of their own.
     root = first if first is not None else (last if last is not None else strategies[layers.start])
     units = [(block, strategies[int(key) + 1]) for key, block in chunk.layers.items()]
     if first is not None:
-        _note_rescale(result, [p for m in (chunk.tok_embeddings, chunk.pos_embeddings) if m is not None
-                               for p in m.parameters()], first, pieces)
+        _note_rescale(result, [m for m in (chunk.tok_embeddings, chunk.pos_embeddings) if m is not None],
+                      first, pieces)
     if last is not None:
-        if tied or _shards_alike(last, root):
-            _note_rescale(result, [*chunk.norm.parameters(), *chunk.output.parameters()], last, pieces)
+        if (tied and not untie) or _shards_alike(last, root):
+            _note_rescale(result, [chunk.norm, chunk.output], last, pieces)
         else:
             units += [(chunk.norm, last), (chunk.output, last)]
     unsharded: set[nn.Parameter] = set()  # parameters of layers that live on one rank (dp * sp = 1)
     for module, s in units:
-        experts, local_experts = shard_experts(module, s, plan, dims, mp_policy, result.grad_rescale)
+        experts = shard_experts(module, s, plan, dims, mp_policy, result)
         kw = _fsdp_kwargs(s, dims, mp_policy)
         if kw is not None:
-            fully_shard(module, **kw, **({"ignored_params": local_experts} if local_experts else {}))
+            fully_shard(module, **kw)
+            result.sync.units.append(ShardedUnit(module, s.zero))
         else:
             unsharded.update(module.parameters())
-        _note_rescale(result, [p for p in module.parameters() if id(p) not in experts], s, pieces)
+        _note_rescale(result, dense_modules(module) if experts else [module], s, pieces)
     kw = _fsdp_kwargs(root, dims, mp_policy)
     if kw is not None:
         fully_shard(chunk, **kw, **({"ignored_params": unsharded} if unsharded else {}))
+        result.sync.units.append(ShardedUnit(chunk, root.zero))
     return result
 
 
@@ -326,22 +358,10 @@ def _shards_alike(a: LayerStrategy, b: LayerStrategy) -> bool:
     return (LayerLayout.of(a), a.zero >= 3, a.offload_optimizer) == (LayerLayout.of(b), b.zero >= 3, b.offload_optimizer)
 
 
-def _fsdp_root_only(chunk, strategies, dims, mp_policy, result: Parallelized) -> None:
-    from torch.distributed.fsdp import fully_shard
-
-    if not all(_shards_alike(s, strategies[0]) for s in strategies):
-        raise TesseraError("plan.layers: a zero-bubble pipeline stage shards with one fully_shard, so its "
-                           "layers need the same dp/sp/tp/zero/offload")
-    kw = _fsdp_kwargs(strategies[0], dims, mp_policy)
-    if kw is not None:
-        fully_shard(chunk, **kw)
-    _note_rescale(result, chunk.parameters(), strategies[0], result.loss.pieces)
-
-
-def _note_rescale(result: Parallelized, params, s: LayerStrategy, pieces: int) -> None:
+def _note_rescale(result: Parallelized, modules: list[nn.Module], s: LayerStrategy, pieces: int) -> None:
     replicas = s.dp * s.sp_degree
     if replicas != pieces:
-        result.grad_rescale.append((list(params), replicas / pieces))
+        result.grad_rescale.append((modules, replicas / pieces))
 
 
 def _ulysses(group) -> nn.Module:
@@ -351,3 +371,11 @@ def _ulysses(group) -> nn.Module:
         raise TesseraError("sp=ulysses needs tessera.runtime.attention.UlyssesAttention, "
                            "which this build does not have") from None
     return UlyssesAttention(group)
+
+
+def _find_param(module: nn.Module, name: str) -> nn.Parameter | None:
+    """The parameter of `module` named `name` in the one-process model (through wrappers)."""
+    for n, p in module.named_parameters():
+        if canonical_name(n) == name:
+            return p
+    return None

@@ -20,12 +20,17 @@ Tied embeddings (GPT-2): when the embedding and the LM head land in different ch
 gets its own copy of the weight (same initial value) and, after each backward, the two copies'
 gradients are summed with an all-reduce between the first- and last-stage ranks of each
 pipeline column. Since d(loss)/dW_tied = g_embedding + g_head, both copies then receive the
-tied gradient and the same optimizer update, so they stay equal. Both copies must be sharded the
-same way (same FSDP/TP placements) for the element-wise sum to be valid.
+tied gradient and the same optimizer update, so they stay equal. Copies sharded alike sum their
+local shards; copies sharded differently (the embedding and head layers' strategies differ)
+sum their whole gradients (`grad_sync.sum_tied_gradients`).
 
-Zero-bubble schedules split the backward into input- and weight-gradient passes; with FSDP2 that
-is exact only when each chunk has a single root `fully_shard` (nested per-block sharding yields
-a wrong loss), which `build_pipeline` enforces.
+Gradient synchronisation. `torch.distributed.pipelining`'s stage keeps FSDP2 from reducing or
+resharding during every micro-batch's backward and reduces once at the end of the step.
+`PlannedStage` instead follows the plan per FSDP2 unit (`grad_sync`: ZeRO-2/3 reduce-scatter every
+micro-batch, ZeRO-3 re-gathers, ZeRO-0/1 reduce once). A zero-bubble schedule splits the backward
+into an input-gradient pass, after which the weight pass still needs the gathered parameters
+(units hold them, no reduction), and a weight-gradient pass that FSDP2's hooks do not see (it
+runs `autograd.grad` from saved intermediates), after which `PlannedStage` reduces by hand.
 """
 from __future__ import annotations
 
@@ -41,6 +46,8 @@ from torch import nn
 from ..errors import TesseraError
 from ..models.transformer import Transformer
 from ..plan import Plan, Schedule
+from .grad_sync import settle_gradients, sum_tied_gradients
+from .mesh import LayerLayout
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +61,6 @@ def chunks_of_rank(plan: Plan, pp_rank: int) -> list[int]:
     if not 0 <= pp_rank < pp:
         raise TesseraError(f"pipeline rank {pp_rank} is outside the plan's pipeline degree {pp}")
     return [c for c in range(len(plan.pipeline.stages)) if plan.pipeline.rank_of_chunk(c) == pp_rank]
-
-
-def root_fsdp_only(plan: Plan) -> bool:
-    """True when the plan's schedule needs one root `fully_shard` per chunk (no per-block FSDP)."""
-    return plan.pipeline.degree > 1 and plan.pipeline.schedule == Schedule.ZERO_BUBBLE
 
 
 def _check_model_matches(model: Transformer, plan: Plan) -> None:
@@ -131,29 +133,71 @@ def _device_of(mesh) -> torch.device:
 def _tied_sync_group(mesh, plan: Plan):
     """The process group {first-stage rank, last-stage rank} of this rank's pipeline column.
 
-    Every rank creates every column's group, in the same order (`new_group` is collective)."""
+    One `DeviceMesh` of shape (columns, 2) creates the pairs (torch creates the groups of a mesh
+    dimension together, with a communicator split where the backend has one); with pp = 2 the
+    pair is the column's pipeline group itself."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if plan.pipeline.degree == 2:
+        return mesh["pp"].get_group()
     names = list(mesh.mesh_dim_names)
     ranks = mesh.mesh.movedim(names.index("pp"), 0).reshape(plan.pipeline.degree, -1)
     first = plan.pipeline.rank_of_chunk(0)
     last = plan.pipeline.rank_of_chunk(len(plan.pipeline.stages) - 1)
-    mine = None
-    me = dist.get_rank()
-    for column in ranks.t().tolist():
-        pair = sorted({column[first], column[last]})
-        group = dist.new_group(pair)
-        if me in pair:
-            mine = group
-    return mine
+    pairs = torch.stack([ranks[first], ranks[last]], dim=1)  # (columns, 2)
+    pair_mesh = DeviceMesh(mesh.device_type, pairs, mesh_dim_names=("column", "tied"))
+    return pair_mesh.get_group("tied") if pair_mesh.get_coordinate() is not None else None
 
 
-def _check_root_only_fsdp(chunk: nn.Module, chunk_index: int) -> None:
+def _planned_stage_class():
+    """`PipelineStage` whose FSDP2 units reduce and reshard per micro-batch as the plan says."""
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining._backward import (stage_backward, stage_backward_input,
+                                                         stage_backward_weight)
 
-    nested = [name for name, m in chunk.named_modules() if name and isinstance(m, FSDPModule)]
-    if nested:
-        raise TesseraError(
-            f"zero-bubble pipelines need one fully_shard per stage, but chunk {chunk_index} also shards "
-            f"'{nested[0]}' (nested sharding gives wrong gradients with the split backward)")
+    class PlannedStage(PipelineStage):
+        def __init__(self, *args, sync=None, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.sync = sync
+            self.fsdp_modules = [m for m in self.submod.modules() if isinstance(m, FSDPModule)]
+
+        def _backward(self, backward_type, bwd_kwargs):
+            if backward_type == "full":
+                return stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                                      bwd_kwargs["input_values"]), None
+            if backward_type == "input":
+                return stage_backward_input(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                                            bwd_kwargs["input_values"], self.submod.parameters())
+            return stage_backward_weight(self.submod.parameters(), bwd_kwargs["param_groups"]), None
+
+        def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+            if not self.sync:  # no plan for the units: pipelining's own handling (DDP, plain, FSDP2)
+                if backward_type != "full":  # but a split pass must see the gathered parameters
+                    for module in self.fsdp_modules:
+                        module.unshard()
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+            if backward_type == "full":  # FSDP2's hooks reduce as the flags say, overlapped with backward
+                self.sync.before_backward(last_backward)
+                return self._backward("full", bwd_kwargs)
+            # The split passes find the weights by the stage's registered parameters: those must be
+            # the gathered ones of the forward graph (ZeRO-3 units resharded after forward).
+            self.sync.unshard()
+            if backward_type == "input":  # the weight pass still needs the gathered parameters
+                self.sync.hold()
+                return self._backward("input", bwd_kwargs)
+            result = self._backward("weight", bwd_kwargs)
+            self.sync.reduce_now(last_backward)
+            return result
+
+        def perform_reduce_grad(self, grad_scale_factor: int):
+            if not self.sync:
+                return super().perform_reduce_grad(grad_scale_factor)
+            self.sync.finish()
+            if grad_scale_factor != 1:
+                self.scale_grads(grad_scale_factor)
+
+    return PlannedStage
 
 
 _SCHEDULES = {
@@ -195,6 +239,7 @@ class PipelineRunner:
     device: torch.device = torch.device("cpu")
     tied_params: list[nn.Parameter] = field(default_factory=list)
     tied_group: object = None
+    tied_same_layout: bool = True  # both copies sharded alike: sum the local shards directly
     _tied_is_copy: list[bool] = field(default_factory=list)
 
     @property
@@ -213,7 +258,8 @@ class PipelineRunner:
         return [p for p, is_copy in zip(self.tied_params, self._tied_is_copy) if is_copy]
 
     def step(self, tokens: torch.Tensor | None, labels: torch.Tensor | None,
-             positions: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+             positions: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
+             sync_tied: bool = True) -> torch.Tensor | None:
         """Forward and backward of one batch, split into the plan's micro-batches.
 
         Every rank of the pipeline calls this; `tokens` are used on the first stage, `labels` on
@@ -233,7 +279,9 @@ class PipelineRunner:
         if _accepts_return_outputs(self.schedule):
             extra["return_outputs"] = False  # the logits are not needed, only the losses
         self.schedule.step(*args, target=target, losses=losses, **extra)
-        self._sync_tied_gradients()
+        settle_gradients([p for part in self.model_parts for p in part.parameters()])
+        if sync_tied:
+            self.sync_tied_gradients()
         if losses is None:
             return None
         return torch.stack([_plain(l).detach().float() for l in losses]).mean()
@@ -251,8 +299,13 @@ class PipelineRunner:
         return float(value)
 
     @torch.no_grad()
-    def _sync_tied_gradients(self) -> None:
+    def sync_tied_gradients(self) -> None:
+        """Give both copies of a tied embedding/head the summed gradient (once per step, after
+        any per-copy rescaling; `step` does it unless told `sync_tied=False`)."""
         if not self.tied_params:
+            return
+        if not self.tied_same_layout:
+            sum_tied_gradients(self.tied_params, self.tied_group)
             return
         grads = [p.grad for p in self.tied_params]
         if any(g is None for g in grads):
@@ -284,10 +337,9 @@ def build_pipeline(model: Transformer, plan: Plan, mesh, loss_fn: Callable[[torc
     """Split `model` by the plan, parallelise each local chunk, and build the plan's schedule.
 
     `mesh` is the full device mesh with a "pp" axis; `parallelize_chunk(chunk, layer_ids)`
-    applies the plan's TP/FSDP to a chunk (`layer_ids` = its plan layer range) and returns it.
+    applies the plan's TP/FSDP to a chunk (`layer_ids` = its plan layer range) and returns it, or
+    the `Parallelized` result whose FSDP2 units then reduce per micro-batch as the plan says.
     `loss_fn(logits, labels)` returns the micro-batch mean loss."""
-    from torch.distributed.pipelining import PipelineStage
-
     if plan.pipeline.degree < 2:
         raise TesseraError("build_pipeline needs a plan with pipeline degree >= 2")
     pp_mesh, pp_rank = _pp_mesh_and_rank(mesh, plan)
@@ -298,13 +350,15 @@ def build_pipeline(model: Transformer, plan: Plan, mesh, loss_fn: Callable[[torc
     device = _device_of(mesh)
     num_chunks = len(plan.pipeline.stages)
     stages = []
+    stage_class = _planned_stage_class()
     for c, chunk in zip(chunk_ids, parts):
+        sync = None
         if parallelize_chunk is not None:
             chunk = parallelize_chunk(chunk, range(*plan.pipeline.stages[c]))
-        if root_fsdp_only(plan):
-            _check_root_only_fsdp(chunk, c)
-        stages.append(PipelineStage(chunk, stage_index=c, num_stages=num_chunks, device=device,
-                                    group=pp_mesh.get_group()))
+            if not isinstance(chunk, nn.Module):  # a `Parallelized`: its units follow the plan
+                chunk, sync = chunk.chunk, chunk.sync
+        stages.append(stage_class(chunk, stage_index=c, num_stages=num_chunks, device=device,
+                                  group=pp_mesh.get_group(), sync=sync))
     parts = [s.submod for s in stages]
     runner = PipelineRunner(model_parts=parts, chunk_ids=chunk_ids, num_chunks=num_chunks,
                             pp_degree=plan.pipeline.degree, num_micro_batches=plan.num_micro_batches,
@@ -312,6 +366,7 @@ def build_pipeline(model: Transformer, plan: Plan, mesh, loss_fn: Callable[[torc
     if tied:
         # First and last chunk are on different ranks (pp >= 2, chunk c on rank c % pp).
         runner.tied_group = _tied_sync_group(mesh, plan)
+        runner.tied_same_layout = LayerLayout.of(plan.layers[0]) == LayerLayout.of(plan.layers[-1])
         for part in parts:
             for name, is_copy in ((EMBEDDING_WEIGHT, False), (HEAD_WEIGHT, True)):
                 param = _find_param(part, name)

@@ -4,10 +4,13 @@
     trainer.train()                                         # resume; step; log; save
 
 Every rank loads its block of the global batch in the plan's data layout: the batch split over
-the smallest dp of any layer (`data_rank`, `data_size`); layers with a wider dp take sub-blocks
-of it without communication. A step runs the plan's micro-batches (gradient accumulation, or
-the pipeline schedule), rescales gradients of layers replicated over fewer or more ranks than the
-loss is split over, clips the global norm, and steps AdamW and the LR schedule.
+the gcd of the layers' dp (`data_rank`, `data_size`); every layer takes its sub-block of it
+without communication. The model is built on the meta device, parallelised, and only this rank's
+shards are allocated and initialised (`build_model`). A step runs the plan's micro-batches
+(gradient accumulation with the plan's gradient synchronisation, or the pipeline schedule),
+rescales gradients of layers replicated over fewer or more ranks than the loss is split over,
+clips the global norm, and steps AdamW and the LR schedule (`compute_gradients` stops before
+clipping: the gradient oracle of the equivalence tests).
 """
 from __future__ import annotations
 
@@ -25,11 +28,13 @@ from ..errors import TesseraError
 from ..models.transformer import build_model
 from ..plan import Plan
 from .expert_parallel import moe_step_stats
-from .materialize import materialize, param_shapes
+from .grad_sync import settle_gradients
+from .materialize import materialize
 from .mesh import ParallelDims
 from .metrics import (MetricsWriter, PendingRecord, StepClock, StepRecord, model_flops_utilisation,
                       peak_memory_bytes)
 from .optim import OptimConfig, build_optimizer, build_scheduler, clip_grad_norm_
+from .parallel_model import data_parallel_size, pad_sequences, sequence_multiple
 from .parallelize import Parallelized, check_plan_supported, parallelize, uses_ddp
 from .precision import autocast, compute_dtype, configure_matmul, fsdp_mixed_precision, peak_dtype
 
@@ -48,7 +53,7 @@ class TrainConfig:
     tensorboard_dir: str | None = None
     log_every: int = 1
     compile: bool = False
-    meta_init: bool = False  # experimental: build on meta, initialise shards only (FSDP2 path, no pp)
+    init_from: str | None = None  # a Hugging Face directory: its weights (and tokenizer, for text data)
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     resume: str | None = None
@@ -61,6 +66,13 @@ class TrainConfig:
             raise TesseraError(f"steps must be >= 0, got {self.steps}")
         if self.data is not None and not Path(self.data).exists():
             raise TesseraError(f"data directory {self.data} does not exist")
+        if self.init_from is not None:
+            from ..models.hf_load import hf_model_config, same_architecture
+
+            hf_cfg = hf_model_config(self.init_from)
+            if self.plan.model.config is not None and not same_architecture(hf_cfg, self.plan.model.config):
+                raise TesseraError(f"the plan is for the model {self.plan.model.name}, not for the checkpoint "
+                                   f"in {self.init_from} (its config.json describes another architecture)")
 
 
 def _pipeline_available() -> bool:
@@ -78,9 +90,6 @@ class Trainer:
         self.build_distributed()
         check_plan_supported(self.plan, self.world_size, pipeline_available=_pipeline_available())
         self.build_model()
-        if (config.checkpoint_dir or config.resume) and self.parallel is not None and self.parallel.zero1:
-            raise TesseraError("checkpointing a ZeRO-1 data-parallel run (ZeroRedundancyOptimizer state) is not "
-                               "supported; use zero=2, whose sharded state reshards on load")
         self.build_optimizer()
         self.placer = None
         if config.moe_placement:
@@ -117,17 +126,11 @@ class Trainer:
             log.info("workload dtype %s runs as fp32 on CPU", self.plan.workload.dtype)
 
     def build_model(self) -> None:
-        """The model, initialised as one process would from the seed, then sharded.
-
-        By default every rank builds the full model. With `meta_init` (experimental, for models
-        that do not fit one rank; not for DDP plans or pipelines) it is built on the meta device,
-        the plan applied, and each rank initialises its own shards (`materialize`)."""
-        self.meta_init = bool(self.config.meta_init)
-        if self.meta_init and (uses_ddp(self.plan) or self.plan.pipeline.degree > 1):
-            raise TesseraError("meta_init needs a sharded plan without pipeline parallelism")
-        cfg = self.plan.model.config
-        self.model = build_model(cfg, seed=self.config.seed, device="meta" if self.meta_init else self.device)
-        self.param_shapes = param_shapes(self.model)
+        """Build on the meta device, apply the plan, then allocate and initialise only this rank's
+        shards (`materialize`): each value is the one `build_model(config, seed)` gives the whole
+        model, whatever the plan or world size. DDP wraps the materialised model."""
+        self.model = build_model(self.plan.model.config, device="meta")
+        self.seq_multiple = sequence_multiple(self.plan)
         mp_policy = fsdp_mixed_precision(self.dtype)
         self.pipeline = None
         self.adaptive = None
@@ -140,7 +143,8 @@ class Trainer:
             return
         self.parallel: Parallelized = parallelize(self.model, self.plan, self.dims, self.rank,
                                                   compile=self.config.compile, mp_policy=mp_policy)
-        self.maybe_materialize(self.parallel.module)
+        self.materialize(self.parallel.chunk)
+        self.parallel.wrap_ddp()
         self.model_parts = [self.parallel.module]
         self.loss_fn = self.parallel.loss
         # FSDP2 casts through its MixedPrecisionPolicy; the DDP path autocasts.
@@ -149,15 +153,15 @@ class Trainer:
     def build_pipeline(self, mp_policy) -> None:
         """Cut the model into the plan's stages; each local chunk is parallelised like a model."""
         from .parallelize import ParallelLoss, StageContext
-        from .pipeline import build_pipeline, root_fsdp_only
+        from .pipeline import build_pipeline
 
         parts: list[Parallelized] = []
 
-        def parallelize_chunk(chunk, layers: range):
+        def parallelize_chunk(chunk, layers: range) -> Parallelized:
             parts.append(parallelize(chunk, self.plan, self.dims, self.rank, layers, compile=self.config.compile,
-                                     mp_policy=mp_policy, root_only=root_fsdp_only(self.plan)))
-            self.maybe_materialize(parts[-1].module)  # before the pipeline stage sees it
-            return parts[-1].module
+                                     mp_policy=mp_policy))
+            self.materialize(parts[-1].chunk)  # before the pipeline stage sees it
+            return parts[-1]
 
         self.loss_fn = ParallelLoss(StageContext.build(self.plan, self.dims, self.rank))
         self.pipeline = build_pipeline(self.model, self.plan, self.dims.mesh, self.loss_fn, parallelize_chunk)
@@ -169,31 +173,36 @@ class Trainer:
         """A replicated model whose steps run on per-step SP groups (`runtime/adaptive.py`)."""
         from .adaptive import AdaptiveSteps
 
-        if self.meta_init:
-            raise TesseraError("--adaptive runs a replicated model; it cannot be built on the meta device")
+        self.materialize(self.model)
         self.parallel = None
         self.adaptive = AdaptiveSteps(self.model, self.plan, self.config.adaptive_time_budget_s)
         self.model_parts = [self.model]
         self.autocast = nullcontext()
 
-    def maybe_materialize(self, part) -> None:
-        if self.meta_init:
-            materialize(part, self.param_shapes, self.plan.model.config, self.config.seed, self.device)
+    def materialize(self, part) -> None:
+        """Allocate and initialise this rank's shards of `part`: from the seed, or, with
+        `init_from`, read from the Hugging Face checkpoint's files (models/hf_load.py)."""
+        if self.config.init_from:
+            from ..models.hf_load import load_hf_shards
+
+            load_hf_shards(part, self.config.init_from, self.plan.model.config, self.device)
+        else:
+            materialize(part, self.plan.model.config, self.config.seed, self.device)
 
     def build_optimizer(self) -> None:
         """AdamW and its LR schedule per model part (pipeline chunks checkpoint one pair each)."""
         cfg = self.config.optim
         if cfg.total_steps != self.config.steps and self.config.steps:
             cfg = OptimConfig(**{**cfg.__dict__, "total_steps": self.config.steps})
-        zero1 = self.parallel is not None and self.parallel.zero1
-        self.optimizers = [build_optimizer(part.parameters(), cfg, self.parallel.ddp_group if zero1 else None)
-                           for part in self.model_parts]
+        self.optimizers = [build_optimizer(part.parameters(), cfg) for part in self.model_parts]
         self.schedulers = [build_scheduler(opt, cfg) for opt in self.optimizers]
         self.params = list({id(p): p for part in self.model_parts for p in part.parameters()}.values())
         # The gradient norm counts a tied weight once: a pipeline's head copy is left out.
         self.tied_copies = set()
         if self.pipeline is not None and not self.pipeline.has_first_stage:
             self.tied_copies = {id(p) for p in self.pipeline.tied_params}
+        elif self.parallel is not None and self.parallel.tied_head_copy is not None:
+            self.tied_copies = {id(self.parallel.tied_head_copy)}
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -208,10 +217,16 @@ class Trainer:
                                    self.data_rank, self.data_size, self.config.seed)
         from .data import build_dataloader
 
+        tokenizer = None
+        if self.config.init_from:  # the model's own tokenizer, not GPT-2's
+            from .hf_tokenizer import HFTokenizer
+
+            tokenizer = HFTokenizer(self.config.init_from)
+            tokenizer.check_fits(self.plan.model.config.vocab_size)
         # An adaptive run hands every rank the whole global batch (the step plan splits it).
         rank, size = (0, 1) if self.adaptive is not None else (self.data_rank, self.data_size)
         loader = build_dataloader(self.config.data, w.seq_len, w.global_batch, rank, size,
-                                  self.config.seed, pack=True)
+                                  self.config.seed, pack=True, tokenizer=tokenizer)
         if loader.vocab_size > self.plan.model.config.vocab_size:
             raise TesseraError(f"the data's tokenizer has {loader.vocab_size} tokens, more than the model's "
                                f"vocabulary of {self.plan.model.config.vocab_size}")
@@ -220,7 +235,7 @@ class Trainer:
     # --- data placement ---------------------------------------------------------------------------
     @property
     def data_size(self) -> int:
-        return min(s.dp for s in self.plan.layers)
+        return data_parallel_size(self.plan)
 
     @property
     def data_rank(self) -> int:
@@ -240,21 +255,37 @@ class Trainer:
         return float(self.run_step(tokens, labels, positions, doc_ids))
 
     def run_step(self, tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None,
-                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                 doc_ids: torch.Tensor | None = None, num_targets: int | None = None) -> torch.Tensor:
         """`train_step` queued on the device without waiting for it: the global batch's mean loss
-        as a 0-dim tensor, which `float()` reads once the step is done."""
-        tokens, labels, positions, doc_ids = (self._to_device(t) for t in (tokens, labels, positions, doc_ids))
-        if self.placer is not None:
-            tokens, labels, positions, doc_ids = self.placer.place(tokens, labels, positions, doc_ids)
-        if self.pipeline is not None:
-            loss = self.forward_backward_pp(tokens, labels, positions, doc_ids)
-        else:
-            loss = self.forward_backward(tokens, labels, positions, doc_ids)
-            self.parallel.rescale_grads()
+        as a 0-dim tensor, which `float()` reads once the step is done. `num_targets`: the labels
+        that are not -100 in the whole global batch, when some are (the loss is then their mean)."""
+        loss = self.compute_gradients(tokens, labels, positions, doc_ids, num_targets)
         self.optimizer_step()
         if self.placer is not None:
-            self.placer.observe(tokens)
+            self.placer.observe()
         return torch.as_tensor(loss)
+
+    def compute_gradients(self, tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None,
+                          doc_ids: torch.Tensor | None = None, num_targets: int | None = None):
+        """Forward and backward of one step without stepping: every parameter's `.grad` holds this
+        rank's shard of d(global batch mean loss)/d(parameter), before clipping (`optimizer_step`
+        clips and steps). Returns the global batch's mean loss (a device tensor, or a float for
+        pipelines)."""
+        self.loss_fn.target_scale = (None if num_targets is None else
+                                     self.loss_fn.pieces * self.plan.num_micro_batches / max(num_targets, 1))
+        tokens, labels, positions, doc_ids = (self._to_device(t) for t in (tokens, labels, positions, doc_ids))
+        if self.placer is not None:  # NetMoE: this step's samples to the data ranks it chooses
+            tokens, labels, positions, doc_ids = self.placer.place(tokens, labels, positions, doc_ids)
+        # A sequence that does not split into the plan's sequence shards is padded (ignored labels).
+        self.loss_fn.real_seq_len = tokens.shape[1]
+        tokens, labels, positions, doc_ids = pad_sequences(self.seq_multiple, tokens, labels, positions, doc_ids)
+        if self.pipeline is not None:
+            return self.forward_backward_pp(tokens, labels, positions, doc_ids)
+        loss = self.forward_backward(tokens, labels, positions, doc_ids)
+        settle_gradients(self.params)
+        self.parallel.rescale_grads()
+        self.parallel.sync_tied_grads()
+        return loss
 
     def _to_device(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """A host batch to the device without a host wait: pinned, then copied asynchronously (a
@@ -264,6 +295,21 @@ class Trainer:
         if self.device.type == "cuda":
             return t.pin_memory().to(self.device, non_blocking=True)
         return t.to(self.device)
+
+    def named_parameters(self):
+        """(name in the one-process model, parameter) of every parameter this rank holds; a
+        pipeline's untied LM head copy is named after the tied embedding it copies."""
+        from .materialize import EMBEDDING_WEIGHT, HEAD_WEIGHT, canonical_name
+
+        tied = self.plan.model.config.tie_embeddings
+        seen: set[int] = set()
+        for part in self.model_parts:
+            for name, p in part.named_parameters():
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                name = canonical_name(name)
+                yield (EMBEDDING_WEIGHT if tied and name == HEAD_WEIGHT else name), p
 
     def adaptive_step(self, batch) -> float:
         """One optimizer step of an adaptive run; the next batch is planned while this one trains."""
@@ -289,8 +335,10 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         chunks = [t.chunk(n) if t is not None else [None] * n for t in (tokens, labels, positions, doc_ids)]
         for i in range(n):
-            sync = i == n - 1
-            no_sync = module.no_sync() if (hasattr(module, "no_sync") and not sync) else nullcontext()
+            last = i == n - 1
+            # DDP all-reduces once, after the last micro-batch; FSDP2 units as their ZeRO stage says.
+            no_sync = module.no_sync() if (hasattr(module, "no_sync") and not last) else nullcontext()
+            self.parallel.sync.before_backward(last)
             with no_sync, self.loss_fn.context():
                 with self.autocast:
                     logits = module(chunks[0][i], chunks[2][i], chunks[3][i])
@@ -303,9 +351,10 @@ class Trainer:
     def forward_backward_pp(self, tokens, labels, positions, doc_ids) -> float:
         # Every rank holds the batch: positions and doc ids reach each stage as keyword arguments.
         with self.loss_fn.context():
-            loss = self.pipeline.step(tokens, labels, positions, doc_ids)
+            loss = self.pipeline.step(tokens, labels, positions, doc_ids, sync_tied=False)
         for part in self.pipeline_parts:
             part.rescale_grads()
+        self.pipeline.sync_tied_gradients()  # after rescaling: the copies' factors may differ
         return self.pipeline.global_loss(loss)
 
     # --- the loop ---------------------------------------------------------------------------------
@@ -326,7 +375,7 @@ class Trainer:
                 loss = self.adaptive_step(batch)
             else:
                 loss = self.run_step(batch.tokens, batch.labels, batch.positions if packed else None,
-                                     batch.doc_ids if packed else None)
+                                     batch.doc_ids if packed else None, getattr(batch, "num_targets", None))
             self.step += 1
             span = clock.stop()
             if pending is not None:  # the previous step's, now that this one is queued
@@ -381,8 +430,9 @@ class Trainer:
     # --- checkpoints ------------------------------------------------------------------------------
     def _checkpoint_manager(self, directory: str):
         from .checkpoint import CheckpointManager
+        from .export import model_files
 
-        return CheckpointManager(directory)
+        return CheckpointManager(directory, model_files=model_files(self.plan.model.config, self.config.init_from))
 
     def extra_state(self) -> dict:
         state = {"step": self.step, "schedulers": [s.state_dict() for s in self.schedulers]}

@@ -9,56 +9,14 @@
 """
 from __future__ import annotations
 
-from bisect import bisect_right
-
-import numpy as np
-
 from ..cost.evaluate import evaluate
 from ..cost.layer import StepContext, StrategyTable, layer_costs
 from ..plan import LayerStrategy, PipelineSpec, Plan, Recompute, Schedule, SPKind
 from ..spec.cluster import ClusterSpec
 from ..spec.model import LayerSpec, ModelSpec
 from ..spec.workload import Workload
-
-
-def has_attention(layer: LayerSpec) -> bool:
-    return layer.num_heads > 0 and layer.attn_flops_coeff > 0
-
-
-def balanced_stages(weights: list[float], chunks: int) -> tuple[tuple[int, int], ...]:
-    """Cut `weights` (per layer, in order) into `chunks` contiguous non-empty ranges minimising the
-    heaviest range: bisection on the bound, each probe a greedy fill on prefix sums (the greedy
-    that packs each range as full as the bound allows is optimal for a fixed bound)."""
-    n = len(weights)
-    if chunks > n:
-        raise ValueError(f"cannot cut {n} layers into {chunks} pipeline chunks")
-    prefix = [0.0] + np.cumsum(np.asarray(weights, dtype=float)).tolist()
-
-    def cut(bound: float) -> list[int] | None:
-        ends, start = [], 0
-        for c in range(chunks - 1):
-            # furthest end with sum <= bound, leaving a layer for each later range
-            end = bisect_right(prefix, prefix[start] + bound * (1 + 1e-12)) - 1
-            end = min(max(end, start + 1), n - (chunks - c - 1))
-            if prefix[end] - prefix[start] > bound * (1 + 1e-12) and end - start > 1:
-                return None
-            ends.append(end)
-            start = end
-        if prefix[n] - prefix[start] > bound * (1 + 1e-12) and n - start > 1:
-            return None
-        return ends + [n]
-
-    lo, hi = float(np.max(weights)), float(prefix[-1])
-    best = cut(hi)
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        got = cut(mid)
-        if got is None:
-            lo = mid
-        else:
-            best, hi = got, mid
-    starts = [0] + best[:-1]
-    return tuple(zip(starts, best))
+from .partition import balanced_stages
+from .space import SearchOptions, has_attention, layout_refusal, virtual_stage_options
 
 
 def manual_plan(model: ModelSpec, cluster: ClusterSpec, workload: Workload, *, dp: int | None = None,
@@ -85,12 +43,17 @@ def manual_plan(model: ModelSpec, cluster: ClusterSpec, workload: Workload, *, d
         raise ValueError("sp=megatron shards over the tensor-parallel group: it needs tp >= 2")
     if sp_kind == SPKind.ULYSSES and sp_degree < 2:
         raise ValueError("sp=ulysses needs sp_degree >= 2")
-    for layer in model.layers:
-        if has_attention(layer):
-            if layer.num_heads % (tp * sp_degree) or layer.num_kv_heads % tp:
-                raise ValueError(f"tp={tp} x sp={sp_degree} must divide the {layer.num_heads} attention heads "
-                                 f"(and tp the {layer.num_kv_heads} KV heads) of {model.name}")
-            break
+    # The search space's rules (space.layout_refusal), once per kind of layer; Ulysses applies to
+    # attention layers (the embedding and head of a hand plan share the blocks' layout).
+    seen = set()
+    for layer in sorted(model.layers, key=lambda x: not has_attention(x)):  # the blocks' rules first
+        attention = has_attention(layer)
+        if (layer.kind, attention) in seen:
+            continue
+        seen.add((layer.kind, attention))
+        why = layout_refusal(layer, tp, sp_degree if attention else 1, cluster.gpus_per_node)
+        if why is not None:
+            raise ValueError(f"{why} ({model.name}, layer {layer.name})")
     experts = max((layer.num_experts for layer in model.layers), default=0)
     if ep > 1 and (not experts or experts % ep or (dp * sp_degree) % ep):
         raise ValueError(f"ep={ep} must divide the number of experts ({experts}) and dp x sp ({dp * sp_degree})")
@@ -111,6 +74,10 @@ def manual_plan(model: ModelSpec, cluster: ClusterSpec, workload: Workload, *, d
         raise ValueError(f"interleaved 1F1B needs the micro-batch count ({m}) to be a multiple of pp ({pp})")
     if pp * virtual_stages > len(model.layers):
         raise ValueError(f"{pp * virtual_stages} pipeline chunks for {len(model.layers)} layers")
+    if virtual_stages > 1 and virtual_stages not in virtual_stage_options(pp, len(model.layers), model.num_blocks,
+                                                                          SearchOptions()):
+        raise ValueError(f"virtual_stages={virtual_stages}: {pp} x {virtual_stages} chunks split neither the "
+                         f"{model.num_blocks} blocks nor the {len(model.layers)} layers evenly")
 
     def strategy(layer: LayerSpec) -> LayerStrategy:
         block = has_attention(layer)
@@ -189,4 +156,4 @@ def baseline_plans(model: ModelSpec, cluster: ClusterSpec, workload: Workload) -
     return out
 
 
-__all__ = ["manual_plan", "baseline_plans", "balanced_stages", "default_stages"]
+__all__ = ["manual_plan", "baseline_plans", "default_stages"]

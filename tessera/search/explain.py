@@ -16,11 +16,12 @@ def structure(plan: Plan) -> str:
             f"blocks {common.describe()}")
 
 
-def explain(best: Plan, scored: list[tuple[float, Plan]], stats: dict, unconstrained: tuple[int, float]) -> list[str]:
+def explain(best: Plan, scored: list[tuple[float, Plan]], stats: dict, unconstrained: tuple[int, float],
+            notes: list[str] = ()) -> list[str]:
     """Lines saying why `best` (scored[0]) won: its figures, what was searched, the runner-up with
     another structure and by how much (or the bound every other choice has), and which constraint
     binds: memory when the fastest strategy of every layer (`unconstrained`: rank, bytes) would not
-    fit, else the largest share of the step."""
+    fit, else the largest share of the step; then `notes` (what the space left out, and why)."""
     p = best.prediction
     lines = [
         f"chosen: {structure(best)}; "
@@ -44,6 +45,12 @@ def explain(best: Plan, scored: list[tuple[float, Plan]], stats: dict, unconstra
         nb = stats["next_bound"]
         lines.append(f"runner-up: no other structure came close; every remaining choice is bounded at "
                      f">= {nb:.3f} s/step (+{(nb / scored[0][0] - 1):.1%})")
+    if "lower_bound" in stats:
+        lb = stats["lower_bound"]
+        within = scored[0][0] / lb - 1 if lb > 0 else float("inf")
+        lines.append("optimality: proved optimal in the search space" if within <= 1e-9 else
+                     f"optimality: within {within:.2%} of the best plan of the search space, proved: no plan "
+                     f"of it is faster than {lb:.4g} s/step")
     peak = p.peak_memory
     rank = int(np.argmax([m.total for m in p.stage_memory]))
     dev = best.cluster.device.memory_bytes
@@ -55,4 +62,4 @@ def explain(best: Plan, scored: list[tuple[float, Plan]], stats: dict, unconstra
         share = max((p.compute_s, "compute"), (p.exposed_comm_s, "communication"), (p.bubble_s, "the pipeline bubble"))
         lines.append(f"binding constraint: none on memory ({peak / GiB:.1f} of {dev / GiB:.1f} GiB); "
                      f"the step is dominated by {share[1]}")
-    return lines
+    return lines + list(notes)

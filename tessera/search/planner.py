@@ -27,40 +27,60 @@ Method (which function does what)
     `_candidates`    builds each distinct layer's candidates once per (n, B) — all decoder blocks of
                      a dense model are one layer spec — costs them vectorised (cost/layer.py) and
                      drops dominated ones (space.prune_dominated, with its proof).
-    `_splits`        all stage boundaries when there are few, else the balanced split; when that
-                     cannot fit (up to `shifted_splits_up_to` chunks), each boundary moved by one.
-    `_chunk_bound`   a valid lower bound per split: rank r cannot finish before micro-batch 0
-                     crossed the chunks before it, it ran m micro-batches, and the last gradient
-                     went back (each term with per-layer minimal times); splits it cannot improve
-                     on are skipped.
-    `_split_bound`   adds, per rank, the LP relaxation of its memory knapsack (space.lp_time_bound):
-                     a valid bound that already prices the memory constraint. (context, split)
-                     pairs are processed best-first by these bounds.
-    dp.solve_rank    the layer-wise dynamic program per rank (memory in bins, buffer caps)
+    `_splits`        all stage boundaries when there are at most `max_splits`, else the split that
+                     balances compute; with one chunk per rank also a "partition" item:
+    `_partition`     (bounds.py) two exact min-max partitions over all splits
+                     (partition.min_max_partition): the one minimising the largest `_rank_bound`
+                     and the one minimising the largest rank's LP value (the bottleneck), so each
+                     stage's layers are chosen with the memory their strategies need, not only their
+                     compute (Galvatron-BMW); both are queued with the splits that move a boundary of
+                     their heaviest ranks, and the search keeps moving boundaries from any split that
+                     improves its context's best plan. Interleaved pipelines keep Megatron's even
+                     split (each boundary moved by one if it cannot fit).
+    `_rank_bound`    a valid lower bound on the step from one pipeline rank: the first micro-batch
+                     must reach it and the last gradient leave it (fastest layer times), and it runs
+                     m micro-batches of its layers and its tail, at least the LP relaxation of its
+                     memory knapsack (space.lp_time_bound).
+    `_split_bound`   the largest `_rank_bound` of a split, and the path bound of `_chunk_bound`;
+                     (context, split) pairs are processed best-first by these bounds and the search
+                     stops when none can beat the best plan by more than `optimality_gap`.
+    dp.solve_rank    the layer-wise dynamic program per rank (exact memory certificate, see dp.py)
                      minimising (m + bubble) (f + b + re-sharding) + step under the rank's memory
                      budget; for pp = 1 this is exactly the step time.
     `evaluate`       scores the assembled plan with the simulator; the fastest feasible wins.
-    explain.explain  why this plan, the runner-up with another structure and by how much, and
-                     which constraint binds.
+    explain.explain  why this plan, the runner-up with another structure and by how much, which
+                     constraint binds, and what the space left out.
 
-Exactness. With pp = 1 the rank program's objective is the step time itself, so the search is
-exact up to the memory resolution (`memory_bins`; the test suite checks it against enumeration).
-With pipelines the ranks are solved one by one: the coupling through the makespan and through the
-largest once-per-step tail is approximated by the (m + bubble) weight, so a plan can be a little
-slower than the enumerated optimum (within 1% on the test instances).
+Exactness. The search is a branch and bound: every queue item carries a lower bound on the step
+of every plan it covers (contexts: the compute estimate; splits: `_split_bound`; partition items:
+the LP of all layers over the ranks' memory together), items are taken best-first, and the search
+stops once none can beat the best plan by more than `optimality_gap` (0.1%). What it takes out of
+the queue leaves a lower bound too (`run`: the ranks' certified program bounds with the path to
+each rank, the partition's min-max value, and, for the solved pipeline splits that limit the
+proof, the schedule simulated at the fastest layer times), so the returned plan carries
+`SearchInfo.step_lower_bound_s`, proved: no plan of the space is predicted faster, and the
+explanation says how close the plan is to it.
+- pp = 1: the rank program's objective is the step itself and dp.py certifies it, so the plan is
+  within `optimality_gap` of the best plan of the space (the test suite checks the enumerated
+  optimum at every memory budget of its instance).
+- pipelines: the ranks are solved one by one, the makespan's coupling of the ranks and the largest
+  tail approximated by the (m + bubble) weight, so a plan can be slower than the enumerated
+  optimum (it matches it on the test instances, whose proved bounds are 1.7% and 14% below it);
+  the proved bound is what the plan is guaranteed against.
 """
 from __future__ import annotations
 
 import heapq
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from math import comb
 
 import numpy as np
 
 from ..cost.compute import achieved_flops
 from ..cost.evaluate import evaluate
+from ..cost.memory import memory_budget, required_memory
 from ..cost.layer import StepContext, cost_key, layer_costs, pipeline_p2p_time, transition_matrix
 from ..cost.schedule import in_flight
 from ..errors import TesseraError
@@ -68,11 +88,13 @@ from ..plan import PipelineSpec, Plan, Schedule, SearchInfo
 from ..spec.cluster import ClusterSpec
 from ..spec.model import ModelSpec
 from ..spec.workload import Workload
-from .baselines import balanced_stages
+from .bounds import Context as _Context
+from .bounds import SplitBounds
 from .dp import Slot, solve_rank
 from .explain import explain, structure
-from .space import (Candidates, SearchOptions, candidate_table, divisors, dominated_on_rank,
-                    lower_hull, lp_time_bound, prune_dominated)
+from .limits import check_search_size
+from .space import (Candidates, SearchOptions, candidate_table, divisors, dominated_on_rank, fastest_costs,
+                    prune_dominated, space_notes, virtual_stage_options)
 
 log = logging.getLogger(__name__)
 GiB = 2**30
@@ -87,42 +109,40 @@ class NoFeasiblePlanError(TesseraError):
         self.device_bytes = device_bytes
 
 
-@dataclass(order=True)
-class _Context:
-    """One outer choice. `bubble`: micro-batch passes the schedule adds to the critical path of
-    equal stages (pp - 1 for GPipe/1F1B, (pp - 1) / v interleaved, about (pp - 1) / 3 for
-    zero-bubble); the rank program weighs per-micro-batch time by m + bubble, as the makespan
-    (m + bubble) (F + B) of balanced stages does, against once-per-step time."""
-
-    estimate: float
-    pp: int = field(compare=False)
-    m: int = field(compare=False)
-    schedule: str = field(compare=False)
-    v: int = field(compare=False)
-    bubble: float = field(compare=False, default=0.0)
-
-
 @dataclass
 class _Scored:
     step: float
     plan: Plan
 
 
-class _Search:
+class _Search(SplitBounds):
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, workload: Workload, options: SearchOptions):
         self.model, self.cluster, self.workload, self.opts = model, cluster, workload, options
         self.world = cluster.num_gpus
         keys: dict[tuple, int] = {}
         self.kind_of = [keys.setdefault(cost_key(layer), len(keys)) for layer in model.layers]
         self.kind_layer = {k: model.layers[i] for i, k in reversed(list(enumerate(self.kind_of)))}
-        self.budget = cluster.device.memory_bytes - cluster.device.reserved_bytes
+        self.budget = memory_budget(cluster)
         self.tables: dict[tuple[int, int], dict[int, Candidates] | None] = {}
         self.layouts: dict[tuple[int, int], tuple[dict, np.ndarray]] = {}
         self.scored: list[_Scored] = []
         self.best_infeasible: tuple[float, str] | None = None
         self.dp_cache: dict[tuple, tuple] = {}
         self.hulls: dict[tuple, list] = {}
+        self.paths: dict[tuple, tuple] = {}
+        self.balanced: dict[tuple, tuple] = {}
+        self.prefixes: dict[int, dict] = {}
+        self.climb: dict[tuple, list] = {}  # partitioned contexts: [their best step, splits queued]
+        self.lp_cache: dict[tuple, float] = {}
+        self.kinds = sorted(set(self.kind_of))
+        onehot = np.eye(len(self.kinds), dtype=np.int64)[[self.kinds.index(k) for k in self.kind_of]]
+        self.kind_prefix = np.vstack([np.zeros(len(self.kinds), dtype=np.int64), np.cumsum(onehot, axis=0)])
         self.stats = dict(contexts=0, skipped=0, splits=0, plans=0, states=0, candidates=0, pruned=0)
+        self.proven = np.inf  # lower bound on the step of everything taken out of the queue (`run`)
+        self.solved: list[tuple[float, _Context, tuple]] = []  # solved pipeline splits and their bounds
+        # evaluate() divides the simulated step by the oversubscription of time-shared cores (CPU
+        # profiles), so every lower bound of the simulated step is divided by it too.
+        self.over = max(1.0, cluster.oversubscription)
 
     # --- the space ------------------------------------------------------------------------------
     def _pp_options(self) -> list[int]:
@@ -137,6 +157,10 @@ class _Search:
             if n % gpn == 0 or gpn % n == 0:
                 out.append(pp)
         return out
+
+    def _notes(self) -> list[str]:
+        sizes = [self.world // pp for pp in self._pp_options()]
+        return space_notes(list(self.kind_layer.values()), sizes, self.cluster.gpus_per_node, self.opts)
 
     def _contexts(self) -> list[_Context]:
         G, seq = self.workload.global_batch, self.workload.seq_len
@@ -155,9 +179,9 @@ class _Search:
                 else:
                     for s in self.opts.schedules:
                         if s == "interleaved_1f1b":
-                            for v in self.opts.virtual_stages:
-                                if v > 1 and m % pp == 0 and pp * v <= len(self.model.layers):
-                                    scheds.append((s, v, (pp - 1) / v))
+                            if m % pp == 0:  # the simulator's (and torch's) interleaved order needs it
+                                scheds += [(s, v, (pp - 1) / v) for v in virtual_stage_options(
+                                    pp, len(self.model.layers), self.model.num_blocks, self.opts)]
                         elif s == "zero_bubble":
                             scheds.append((s, 1, (pp - 1) / 3))
                         else:
@@ -170,7 +194,8 @@ class _Search:
         key = (n, B)
         if key in self.tables:
             return self.tables[key]
-        ctx = StepContext(cluster=self.cluster, workload=self.workload, stage_size=n, micro_batch_seqs=B)
+        ctx = StepContext(cluster=self.cluster, workload=self.workload, stage_size=n, micro_batch_seqs=B,
+                          host_layers=len(self.model.layers) * n / self.world)
         out: dict[int, Candidates] = {}
         layouts: dict[tuple, int] = {}
         for kind, layer in self.kind_layer.items():
@@ -188,7 +213,8 @@ class _Search:
                    zip(table.dp, table.tp, table.sp, table.megatron)]
             for x in lay:
                 layouts.setdefault(x, len(layouts))
-            out[kind] = Candidates(table=table, costs=costs, layout=lay)
+            out[kind] = Candidates(table=table, costs=costs, layout=lay,
+                                   fastest=fastest_costs(costs, self.workload.global_batch // B))
         hidden = max(layer.hidden for layer in self.model.layers)
         names = list(layouts)
         trans = transition_matrix(hidden, names, ctx)
@@ -196,16 +222,17 @@ class _Search:
         self.tables[key] = out
         return out
 
-    def _splits(self, cands: dict[int, Candidates], chunks: int) -> list[tuple[tuple[int, int], ...]]:
+    def _splits(self, cands: dict[int, Candidates], chunks: int) -> tuple[list[tuple], bool]:
+        """(splits, complete): every split when there are at most `max_splits`, else the split that
+        balances each layer's fastest forward + backward (completed by `_partition` and `_shifted`)."""
         L = len(self.model.layers)
         if chunks == 1:
-            return [((0, L),)]
+            return [((0, L),)], True
         if comb(L - 1, chunks - 1) <= self.opts.max_splits:
             from itertools import combinations
 
-            return [tuple(zip((0,) + cut, cut + (L,))) for cut in combinations(range(1, L), chunks - 1)]
-        weights = [float(np.min(cands[k].costs.fwd + cands[k].costs.bwd)) for k in self.kind_of]
-        return [balanced_stages(weights, chunks)]
+            return [tuple(zip((0,) + cut, cut + (L,))) for cut in combinations(range(1, L), chunks - 1)], True
+        return [self._balanced(cands, chunks)], False
 
     def _shifted(self, split) -> list[tuple[tuple[int, int], ...]]:
         """`split` with each boundary moved by one layer (memory is uneven across ranks:
@@ -220,58 +247,10 @@ class _Search:
                     out.append(tuple(zip(cuts[:-1], cuts[1:])))
         return out
 
-    # --- one context ----------------------------------------------------------------------------
-    def _chunk_bound(self, cands, split, c: _Context, p2p: float) -> float:
-        """Valid lower bound on the step for this split (per-layer minimal times)."""
-        f = {k: float(np.min(x.costs.fwd)) for k, x in cands.items()}
-        b = {k: float(np.min(x.costs.bwd - x.costs.wgrad)) for k, x in cands.items()}
-        w = {k: float(np.min(x.costs.wgrad)) for k, x in cands.items()}
-        st = {k: float(np.min(x.costs.step)) for k, x in cands.items()}
-        F = [sum(f[self.kind_of[i]] for i in range(s, e)) for s, e in split]
-        Bk = [sum(b[self.kind_of[i]] for i in range(s, e)) for s, e in split]
-        W = [sum(w[self.kind_of[i]] for i in range(s, e)) for s, e in split]
-        S = [sum(st[self.kind_of[i]] for i in range(s, e)) for s, e in split]
-        pp = c.pp
-        best = 0.0
-        tail = 0.0
-        for r in range(pp):
-            mine = range(r, len(split), pp)
-            work = c.m * sum(F[i] + Bk[i] + W[i] for i in mine)
-            before = sum(F[i] + Bk[i] for i in range(r)) + 2 * r * p2p
-            best = max(best, before + work)
-            tail = max(tail, sum(S[i] for i in mine))
-        return best + tail
-
-    def _rank_layers(self, c: _Context, split, r: int) -> list[tuple[int, int]]:
-        return [split[i] for i in range(r, len(split), c.pp)]
-
-    def _split_bound(self, c: _Context, cands, split, p2p: float) -> float:
-        """max(path bound of `_chunk_bound`, per-rank LP relaxation of the memory knapsack)."""
-        bound = self._chunk_bound(cands, split, c, p2p)
-        for r in range(c.pp):
-            k = in_flight(c.schedule, c.pp, r, c.m, c.v)
-            counts: dict[int, int] = {}
-            for s, e in self._rank_layers(c, split, r):
-                for i in range(s, e):
-                    counts[self.kind_of[i]] = counts.get(self.kind_of[i], 0) + 1
-            kinds = [(cnt, self._hull(c, kd, k, cands)) for kd, cnt in counts.items()]
-            bound = max(bound, lp_time_bound(kinds, self.budget))
-            if bound == np.inf:
-                if not self.scored:
-                    self._note_infeasible_lp(c, cands, kinds)
-                break
-        return bound
-
-    def _hull(self, c: _Context, kind: int, k: float, cands) -> list[tuple[float, float]]:
-        key = (self.world // c.pp, self.workload.global_batch // c.m, c.m, kind, k)
-        if key not in self.hulls:
-            x = cands[kind].costs
-            self.hulls[key] = lower_hull(c.m * (x.fwd + x.bwd) + x.step, x.states + k * x.act)
-        return self.hulls[key]
-
-    def _solve_split(self, c: _Context, split, slack: float = 1.0) -> None:
-        """Solve every rank of (context, split), assemble and score the plan; partial assignments
-        that cannot beat `slack` x the best step so far are pruned."""
+    def _solve_split(self, c: _Context, split, bound: float, slack: float = 1.0) -> float | None:
+        """Solve every rank of (context, split), assemble and score the plan (its step, or None);
+        partial assignments that cannot beat `slack` x the best step so far are pruned. `bound` is
+        the split's lower bound; with the ranks' own it goes into `self.proven` (see `run`)."""
         n, B = self.world // c.pp, self.workload.global_batch // c.m
         cands = self._candidates(n, B)
         layouts, trans_mb = self.layouts[(n, B)]
@@ -279,39 +258,55 @@ class _Search:
         trans = weight * trans_mb
         best_step = self.scored[0].step * slack if self.scored else np.inf
         choice: list[int] = [0] * len(self.model.layers)
-        for r in range(c.pp):
-            k = in_flight(c.schedule, c.pp, r, c.m, c.v)
-            chunks = self._rank_layers(c, split, r)
-            key = (n, B, c.m, weight, tuple(tuple(self.kind_of[s:e]) for s, e in chunks), k)
-            hit = self.dp_cache.get(key)
-            if hit is None or (hit[0] is None and best_step > hit[2]):  # None under a tighter bound
-                slots = self._slots(cands, chunks, layouts, weight, k, trans)
-                # weight * (f + b) + step <= (weight / m) * (busy + tail) <= (weight / m) * step
-                sol = solve_rank(slots, trans, self.budget, self.opts.memory_bins, self.opts.max_buffer_caps,
-                                 upper_bound=best_step * weight / c.m)
-                if sol is not None:
-                    self.stats["states"] += sol.states_explored
-                elif not self.scored:
-                    self._note_infeasible(slots, c, cands)
-                hit = self.dp_cache[key] = (sol, self._keep, best_step)
-            sol, keep, _ = hit
-            if sol is None:
-                return
-            pos = 0
-            for s, e in chunks:
-                for i in range(s, e):
-                    choice[i] = int(keep[self.kind_of[i]][sol.choice[pos]])
-                    pos += 1
+        P, hop = self._paths(c, cands)
+        try:
+            for r in range(c.pp):
+                k = in_flight(c.schedule, c.pp, r, c.m, c.v)
+                chunks = self._rank_layers(c, split, r)
+                # weight (f + b) + tail <= (weight / m) (busy + tail), and the first micro-batch
+                # reaches the rank (and, but for zero-bubble, the last gradient leaves it) outside
+                # its busy time: path + (m / weight) objective <= simulated step <= over x step.
+                path = float(P[chunks[0][0]]) + r * hop
+                upper = (best_step * self.over / (1 + self.opts.optimality_gap) - path) * weight / c.m
+                key = (n, B, c.m, weight, tuple(tuple(self.kind_of[s:e]) for s, e in chunks), k)
+                hit = self.dp_cache.get(key)
+                if hit is None or (hit[0] is None and upper > hit[2]):  # None under a tighter bound
+                    slots = self._slots(cands, chunks, layouts, weight, k, trans)
+                    res = solve_rank(slots, trans, self.budget, self.opts.memory_bins, self.opts.max_memory_bins,
+                                     upper_bound=max(upper, 0.0), gap=self.opts.optimality_gap)
+                    sol = res.solution
+                    if sol is not None:
+                        self.stats["states"] += sol.states_explored
+                    elif not self.scored:
+                        self._note_infeasible(slots, c, cands)
+                    hit = self.dp_cache[key] = (sol, self._keep, upper, res.bound)
+                sol, keep, _, rank_bound = hit
+                bound = max(bound, (path + rank_bound * c.m / weight) / self.over)  # the comment above, backwards
+                if sol is None:
+                    return None
+                pos = 0
+                for s, e in chunks:
+                    for i in range(s, e):
+                        choice[i] = int(keep[self.kind_of[i]][sol.choice[pos]])
+                        pos += 1
+        finally:
+            if c.pp > 1:  # tightened at the end where it limits the proof (`_tighten`)
+                self.solved.append((bound, c, split))
+            else:
+                self.proven = min(self.proven, bound)
         plan = self._assemble(c, B, split, choice, cands)
         if plan is None:
-            return
+            return None
         pred = evaluate(plan)
         self.stats["plans"] += 1
         if not pred.fits:  # cannot happen: the DP enforces the same memory model
             log.warning("search produced a plan that does not fit; skipped")
-            return
-        plan = plan.model_copy(update={"prediction": pred})
-        self.scored.append(_Scored(pred.step_time_s, plan))
+            return None
+        self._record(plan.model_copy(update={"prediction": pred}))
+        return pred.step_time_s
+
+    def _record(self, plan: Plan) -> None:
+        self.scored.append(_Scored(plan.prediction.step_time_s, plan))
         self.scored.sort(key=lambda x: x.step)
         del self.scored[50:]
 
@@ -337,6 +332,10 @@ class _Search:
         return slots
 
     def _assemble(self, c, B, split, choice, cands) -> Plan | None:
+        pipe = PipelineSpec(degree=c.pp, schedule=Schedule(c.schedule), virtual_stages=c.v, stages=split)
+        return self._assemble_plan(pipe, c.m, B, choice, cands)
+
+    def _assemble_plan(self, pipe: PipelineSpec, m: int, B: int, choice, cands) -> Plan | None:
         layers = tuple(cands[self.kind_of[i]].table.get(j) for i, j in enumerate(choice))
         dp_batch = max(s.dp for s in layers)
         mbs = B // dp_batch
@@ -345,16 +344,13 @@ class _Search:
         if any(dp_batch % s.dp for s in layers):  # e.g. dp 4 and 6 in a stage of 12: no common batch split
             return None
         return Plan(name="tessera", model=self.model, cluster=self.cluster, workload=self.workload,
-                    micro_batch_size=mbs, num_micro_batches=c.m,
-                    pipeline=PipelineSpec(degree=c.pp, schedule=Schedule(c.schedule), virtual_stages=c.v,
-                                          stages=split),
-                    layers=layers)
+                    micro_batch_size=mbs, num_micro_batches=m, pipeline=pipe, layers=layers)
 
     def _note_infeasible(self, slots: list[Slot], c: _Context, cands) -> None:
         """Remember the smallest memory any rank assignment of this context could need."""
         i = [int(np.argmin(s.mem + s.buf)) for s in slots]
         need = sum(float(s.mem[j]) for s, j in zip(slots, i)) + max(float(s.buf[j]) for s, j in zip(slots, i))
-        self._record_infeasible(need + self.cluster.device.reserved_bytes, c, cands)
+        self._record_infeasible(required_memory(need, self.cluster), c, cands)
 
     def _record_infeasible(self, need: float, c: _Context, cands) -> None:
         if self.best_infeasible is None or need < self.best_infeasible[0]:
@@ -370,48 +366,83 @@ class _Search:
 
     # --- driver ---------------------------------------------------------------------------------
     def run(self) -> Plan:
-        """Best-first over (context, split) by lower bound; stops when no bound beats the best."""
+        """Best-first over (context, split) by lower bound; stops when no bound beats the best by
+        more than `optimality_gap`.
+
+        `self.proven` collects a lower bound for everything the search has taken out of the queue
+        (each solved split: its bound and its ranks' certified program bounds; each partition
+        search: its min-max value over all splits; each interleaved context of which only some
+        splits were queued: a bound for any split), so min(self.proven, what is still queued) is a
+        lower bound on the step of every plan of the space."""
         t0 = time.perf_counter()
-        heap: list[tuple[float, int, _Context, tuple | None]] = []
+        heap: list[tuple[float, int, _Context, object]] = []
         for i, c in enumerate(self._contexts()):
-            heap.append((c.estimate, i, c, None))
+            heap.append((c.estimate / self.over, i, c, None))
         heapq.heapify(heap)
         seq = len(heap)
         hidden = max(layer.hidden for layer in self.model.layers)
+        gap = self.opts.optimality_gap
         while heap:
             bound, _, c, split = heapq.heappop(heap)
-            if self.scored and bound >= self.scored[0].step:
+            if self.scored and bound * (1 + gap) >= self.scored[0].step:
                 self.stats["skipped"] += 1 + len(heap)
                 self.stats["next_bound"] = bound
                 heapq.heappush(heap, (bound, seq, c, split))  # kept for the runner-up
                 seq += 1
                 break
-            if split is None:
-                for lb, sp in self._expand(c, hidden):
-                    heapq.heappush(heap, (lb, seq, c, sp))
-                    seq += 1
-            else:
-                self._solve_split(c, split)
+            seq = self._process(heap, seq, bound, c, split, hidden)
         if not self.scored:
             raise self._no_plan()
+        lower = self._tighten(min(self.proven, heap[0][0] if heap else np.inf))
         # A runner-up of another structure for the explanation: a few more items, within +25%.
         extra = popped = 0
         while heap and extra < self.opts.runner_ups and popped < 50 and not self._has_runner_up():
             popped += 1
-            _, _, c, split = heapq.heappop(heap)
-            if split is None:
-                heap_items = self._expand(c, hidden)
-                for lb, sp in heap_items:
+            bound, _, c, split = heapq.heappop(heap)
+            extra += isinstance(split, tuple)
+            seq = self._process(heap, seq, bound, c, split, hidden, slack=1.25)
+        best = self.scored[0].plan
+        self.stats["lower_bound"] = min(lower, self.scored[0].step)
+        info = SearchInfo(search_time_s=time.perf_counter() - t0, candidates=self.stats["candidates"],
+                          step_lower_bound_s=float(self.stats["lower_bound"]),
+                          explanation=tuple(explain(best, [(x.step, x.plan) for x in self.scored], self.stats,
+                                                    self._unconstrained(best), self._notes())))
+        return best.model_copy(update={"search": info})
+
+    def _tighten(self, lower: float) -> float:
+        """The proved lower bound: `lower` (everything but solved pipeline splits) and each solved
+        split's bound, the smallest ones raised by `_simulated_bound` (one simulation each, only
+        for the splits that limit the proof)."""
+        solved = sorted(self.solved, key=lambda x: x[0])
+        for i, (bound, c, split) in enumerate(solved):
+            if bound >= lower:
+                break
+            n, B = self.world // c.pp, self.workload.global_batch // c.m
+            ctx = StepContext(cluster=self.cluster, workload=self.workload, stage_size=n, micro_batch_seqs=B)
+            p2p = pipeline_p2p_time(max(x.hidden for x in self.model.layers), ctx)
+            raised = max(bound, self._simulated_bound(self._candidates(n, B), split, c, p2p) / self.over)
+            lower = min(lower, raised)
+            if i >= 20:  # enough simulations: take the rest as they are
+                lower = min(lower, min(b for b, _, _ in solved[i + 1:]) if i + 1 < len(solved) else lower)
+                break
+        return lower
+
+    def _process(self, heap, seq: int, bound: float, c: _Context, item, hidden: int, slack: float = 1.0) -> int:
+        """One queue item: expand a context, run a partition search, or solve a split."""
+        if item is None or item == "partition":
+            for lb, sp in (self._expand(c, hidden) if item is None else self._partition(c)):
+                heapq.heappush(heap, (lb, seq, c, sp))
+                seq += 1
+        else:
+            step = self._solve_split(c, item, bound, slack)
+            key = (c.pp, c.m, c.schedule, c.v)
+            if step is not None and key in self.climb and step < self.climb[key][0]:
+                # A split found around the partition's pays off: look one boundary move further.
+                for lb, sp in self._neighbours(c, item, self.climb[key][1]):
                     heapq.heappush(heap, (lb, seq, c, sp))
                     seq += 1
-            else:
-                self._solve_split(c, split, slack=1.25)
-                extra += 1
-        best = self.scored[0].plan
-        info = SearchInfo(search_time_s=time.perf_counter() - t0, candidates=self.stats["candidates"],
-                          explanation=tuple(explain(best, [(x.step, x.plan) for x in self.scored], self.stats,
-                                                    self._unconstrained(best))))
-        return best.model_copy(update={"search": info})
+                self.climb[key][0] = step
+        return seq
 
     def _unconstrained(self, plan: Plan) -> tuple[int, float]:
         """(rank, bytes): the largest rank's memory if every layer took its fastest strategy of the
@@ -431,13 +462,15 @@ class _Search:
                     j = int(np.argmin(x.fwd + x.bwd + x.step / max(plan.num_micro_batches, 1)))
                     mem += float(x.states[j] + k * x.act[j])
                     buf = max(buf, float(x.buf[j]))
-            total = mem + buf + self.cluster.device.reserved_bytes
+            total = required_memory(mem + buf, self.cluster)
             if total > worst[1]:
                 worst = (r, total)
         return worst
 
-    def _expand(self, c: _Context, hidden: int) -> list[tuple[float, tuple]]:
-        """A context's splits with their lower bounds (infeasible ones dropped)."""
+    def _expand(self, c: _Context, hidden: int) -> list[tuple[float, object]]:
+        """A context's splits with their lower bounds (infeasible ones dropped); where there are
+        too many to list, the balanced one and a "partition" item (`_partition`, run when its
+        bound comes up) for pipelines of one chunk per rank."""
         self.stats["contexts"] += 1
         n, B = self.world // c.pp, self.workload.global_batch // c.m
         cands = self._candidates(n, B)
@@ -445,14 +478,21 @@ class _Search:
             return []
         ctx = StepContext(cluster=self.cluster, workload=self.workload, stage_size=n, micro_batch_seqs=B)
         p2p = pipeline_p2p_time(hidden, ctx) if c.pp > 1 else 0.0
-        splits = self._splits(cands, c.pp * c.v)
-        out = []
+        splits, complete = self._splits(cands, c.pp * c.v)
+        out: list[tuple[float, object]] = []
         for sp in splits:
             self.stats["splits"] += 1
             lb = self._split_bound(c, cands, sp, p2p)
             if lb < np.inf:
                 out.append((lb, sp))
-        if not out and len(splits) == 1 and c.pp * c.v <= self.opts.shifted_splits_up_to:
+        if complete:
+            return out
+        anywhere = max(c.estimate / self.over, self._any_split_bound(c, cands))
+        if c.v == 1:
+            out.append((anywhere, "partition"))
+            return out
+        self.proven = min(self.proven, anywhere)  # the splits not queued
+        if not out and c.pp * c.v <= self.opts.shifted_splits_up_to:
             for sp in self._shifted(splits[0]):  # the balanced cut does not fit: move a boundary
                 self.stats["splits"] += 1
                 lb = self._split_bound(c, cands, sp, p2p)
@@ -463,10 +503,6 @@ class _Search:
     def _has_runner_up(self) -> bool:
         mine = structure(self.scored[0].plan)
         return any(structure(x.plan) != mine for x in self.scored[1:])
-
-    def _note_infeasible_lp(self, c: _Context, cands, kinds) -> None:
-        need = sum(n * pts[0][0] for n, pts in kinds) + self.cluster.device.reserved_bytes
-        self._record_infeasible(need, c, cands)
 
     def _no_plan(self) -> NoFeasiblePlanError:
         dev = self.cluster.device.memory_bytes
@@ -483,5 +519,7 @@ class _Search:
 def search(model: ModelSpec, cluster: ClusterSpec, workload: Workload, options: SearchOptions | None = None) -> Plan:
     """The fastest plan of the search space that fits in memory (see the module docstring).
 
-    Raises NoFeasiblePlanError when no plan fits."""
+    Raises NoFeasiblePlanError when no plan fits, TesseraError when the problem is larger than the
+    search supports (`limits.py`)."""
+    check_search_size(num_gpus=cluster.num_gpus, num_layers=len(model.layers), global_batch=workload.global_batch)
     return _Search(model, cluster, workload, options or SearchOptions()).run()

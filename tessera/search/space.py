@@ -1,16 +1,27 @@
 """The search space: options, candidate layer strategies, and dominance pruning.
 
 Candidates for one layer on a stage of n devices, given B sequences per micro-batch:
-    tp  divides n, <= GPUs per node (and `max_tp`), divides the attention and KV heads;
+    tp  divides n, <= GPUs per node (and `max_tp`), divides the attention and KV heads. Groups are
+        consecutive ranks, so a degree that does not divide the GPUs of a node (6 on 8-GPU nodes)
+        has groups across two nodes (ranks 6-11): in the space, costed as spanning nodes
+        (cost/comm.py group_layout), or left out with `TP_ACROSS_NODES_COSTED` off;
         tp > 1 always with Megatron sequence parallelism (TP without SP has the same time and
         more memory: the norms' activations are replicated instead of sharded).
-    sp  Ulysses degree u (attention layers): divides n / tp, tp * u divides the heads and fits in
-        a node (its four all-to-alls per layer and direction would otherwise cross the network).
+    sp  Ulysses degree u (attention layers): divides n / tp, tp * u divides the heads and fits in a
+        node (its four all-to-alls per layer and direction would otherwise cross the network), and
+        divides the GPUs of a node under the same switch as tp. Beyond the KV heads of a TP rank
+        the runtime repeats KV heads (runtime/attention.py kv_repeats), which cost/layer.py prices;
+        with `KV_REPEAT_COSTED` off, u must divide them.
     dp  = n / (tp * u), must divide B (whole sequences per replica).
     zero 0..3 (dp > 1), with HSDP sharding inside a node (dp_shard = GPUs per node / (tp u))
         when that is a proper divisor of dp; offload of the optimizer state with zero >= 1.
     recompute none / selective / full (attention layers).
     ep  MoE layers: divides the experts and dp * u.
+
+`layout_refusal` states these rules once: the candidate tables and hand-made plans
+(`baselines.manual_plan`) both use it, so a hand plan the space would refuse is refused with the
+rule's reason. Interleaved 1F1B tries every depth v whose pp * v chunks split the blocks (or the
+blocks with the embedding and head) evenly (`virtual_stage_options`).
 
 Dominance (`prune_dominated`): within strategies of the same layout (dp, tp, sp, SP kind), which
 therefore pay identical re-sharding costs to any neighbour, strategy A is dropped when another
@@ -23,7 +34,8 @@ so replacing A by B in any plan, on any rank, never makes it slower or larger.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from math import gcd
+from functools import lru_cache
+from math import gcd, isqrt
 
 import numpy as np
 
@@ -32,9 +44,89 @@ from ..cost.layer import LayerCosts, StrategyTable
 from ..plan import LayerStrategy
 from ..spec.cluster import ClusterSpec
 from ..spec.model import LayerSpec
-from .baselines import has_attention
 
 ALL_SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble", "gpipe")
+
+# Parts of the space that are searched only because the cost model prices them; turn a switch off
+# to leave them out (the explanation says which way each goes).
+# Tensor-parallel groups that straddle two nodes (a TP degree that does not divide the GPUs of a
+# node): cost/comm.py `group_layout` finds the nodes every group of an axis touches.
+TP_ACROSS_NODES_COSTED = True
+# Ulysses degrees beyond the KV heads of a TP rank: the runtime repeats the KV heads
+# (runtime/attention.py `kv_repeats`); cost/layer.py charges the larger all-to-alls and activations.
+KV_REPEAT_COSTED = True
+
+
+def has_attention(layer: LayerSpec) -> bool:
+    return layer.num_heads > 0 and layer.attn_flops_coeff > 0
+
+
+def layout_refusal(layer: LayerSpec, tp: int, ulysses: int, gpus_per_node: int) -> str | None:
+    """Why (tp, Ulysses degree) is outside the search space for `layer`, or None (module docstring)."""
+    attention = has_attention(layer)
+    heads, kv = layer.num_heads, layer.num_kv_heads
+    if attention and (heads % tp or kv % tp):
+        return f"tp={tp} must divide the {heads} attention heads and the {kv} KV heads"
+    if tp > gpus_per_node:
+        return f"tp={tp} is larger than a node ({gpus_per_node} GPUs): tensor parallelism stays inside a node"
+    if gpus_per_node % tp and not TP_ACROSS_NODES_COSTED:
+        return (f"tp={tp} does not divide the {gpus_per_node} GPUs of a node, so some tensor-parallel groups "
+                f"would straddle two nodes (left out of the space: TP_ACROSS_NODES_COSTED)")
+    if ulysses == 1:
+        return None
+    width = tp * ulysses
+    if not attention:
+        return "Ulysses sequence parallelism splits attention layers only"
+    if heads % width:
+        return f"tp x ulysses = {width} must divide the {heads} attention heads"
+    if width > gpus_per_node:
+        return f"tp x ulysses = {width} must fit in a node ({gpus_per_node} GPUs)"
+    if gpus_per_node % width and not TP_ACROSS_NODES_COSTED:
+        return f"tp x ulysses = {width} must divide the {gpus_per_node} GPUs of a node"
+    if (kv // tp) % ulysses and not KV_REPEAT_COSTED:
+        return (f"ulysses={ulysses} must divide the {kv // tp} KV heads of a tensor-parallel rank "
+                f"({kv} KV heads / tp {tp}; repeating them is left out of the space: KV_REPEAT_COSTED)")
+    return None
+
+
+def space_notes(layers: list[LayerSpec], stage_sizes: list[int], gpus_per_node: int,
+                options: "SearchOptions") -> list[str]:
+    """How this search treats the parts of the space behind the switches above, in words (for the
+    plan's explanation); nothing when the model and cluster have none."""
+    attention = [x for x in layers if has_attention(x)]
+    probe = attention[0] if attention else layers[0]
+    notes = []
+    straddle = sorted({d for n in stage_sizes for d in divisors(n)
+                       if 1 < d < gpus_per_node and gpus_per_node % d and d <= (options.max_tp or d)
+                       and not (attention and (probe.num_heads % d or probe.num_kv_heads % d))})
+    if straddle:
+        degrees = ", ".join(map(str, straddle))
+        notes.append(f"space: tp {degrees} searched, costed as groups that straddle {gpus_per_node}-GPU nodes"
+                     if TP_ACROSS_NODES_COSTED else
+                     f"space: tp {degrees} left out: such groups straddle {gpus_per_node}-GPU nodes")
+    if attention and options.allow_ulysses:
+        kv = probe.num_kv_heads
+        beyond = sorted({u for n in stage_sizes for u in divisors(n)
+                         if u > 1 and kv % u and probe.num_heads % u == 0 and u <= gpus_per_node
+                         and (TP_ACROSS_NODES_COSTED or gpus_per_node % u == 0)
+                         and u <= (options.max_sp or u)})
+        if beyond:
+            degrees = ", ".join(map(str, beyond))
+            notes.append(f"space: Ulysses degrees beyond the {kv} KV heads ({degrees}) searched, costed with "
+                         f"the runtime's KV-head repeats" if KV_REPEAT_COSTED else
+                         f"space: Ulysses degrees beyond the {kv} KV heads ({degrees}) left out")
+    return notes
+
+
+def virtual_stage_options(pp: int, num_layers: int, num_blocks: int, options: "SearchOptions") -> list[int]:
+    """Interleave depths v >= 2 tried at pipeline degree pp: `options.virtual_stages` if given, else
+    every v whose pp * v chunks split the blocks evenly (Megatron's rule) or the blocks with the
+    embedding and the LM head counted as one block each (Llama 3 405B: 126 blocks + 2 = 128
+    layers on pp = 16 x v = 8)."""
+    if options.virtual_stages is not None:
+        return [v for v in options.virtual_stages if v > 1 and pp * v <= num_layers]
+    return [v for v in range(2, num_layers // pp + 1)
+            if num_blocks % (pp * v) == 0 or num_layers % (pp * v) == 0]
 
 
 @dataclass(frozen=True)
@@ -50,7 +142,7 @@ class SearchOptions:
     tp: int | None = None  # fixes every layer's tensor-parallel degree
     dp: int | None = None  # fixes the data-parallel degree of the batch (dp_of_batch)
     schedules: tuple[str, ...] = ALL_SCHEDULES
-    virtual_stages: tuple[int, ...] = (2, 4)  # tried for interleaved 1F1B
+    virtual_stages: tuple[int, ...] | None = None  # interleave depths; None: `virtual_stage_options`
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     recompute: tuple[str, ...] = ("none", "selective", "full")
     allow_recompute: bool = True
@@ -61,18 +153,28 @@ class SearchOptions:
     # Exhaustive stage boundaries when there are at most this many splits, else balanced.
     max_splits: int = 64
     shifted_splits_up_to: int = 16
-    # Memory resolution of the dynamic program (bins of the per-rank budget) and how many
-    # distinct buffer caps it enumerates (dp.py).
+    # Memory resolution of the dynamic program (bins of the per-rank budget): where its rounded-down
+    # and rounded-up programs disagree, the bins grow 4x up to `max_memory_bins` (dp.py).
     memory_bins: int = 256
-    max_buffer_caps: int = 2
+    max_memory_bins: int = 1024
+    # Relative tolerance of the branch and bound: a choice is dropped once its lower bound shows it
+    # cannot beat the best plan by more than this factor (0: prove the optimum).
+    optimality_gap: float = 1e-3
     runner_ups: int = 3
 
     def recompute_levels(self) -> tuple[str, ...]:
         return self.recompute if self.allow_recompute else ("none",)
 
 
+@lru_cache(maxsize=4096)
+def _divisors(n: int) -> tuple[int, ...]:
+    small = [d for d in range(1, isqrt(n) + 1) if n % d == 0]
+    return tuple(small + [n // d for d in reversed(small) if d * d != n])
+
+
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n >= 1, ascending (trial division up to sqrt(n): O(sqrt n), cached)."""
+    return list(_divisors(n))
 
 
 def candidate_table(layer: LayerSpec, stage_size: int, micro_batch_seqs: int, cluster: ClusterSpec,
@@ -85,12 +187,10 @@ def candidate_table(layer: LayerSpec, stage_size: int, micro_batch_seqs: int, cl
     for tp in divisors(stage_size):
         if tp > max_tp or (options.tp is not None and tp != options.tp):
             continue
-        if attn and (layer.num_heads % tp or layer.num_kv_heads % tp):
-            continue
         for u in divisors(stage_size // tp):
-            if u > 1 and not (attn and options.allow_ulysses and u <= (options.max_sp or u)
-                              and layer.num_heads % (tp * u) == 0
-                              and tp * u <= cluster.gpus_per_node):
+            if u > 1 and not (options.allow_ulysses and u <= (options.max_sp or u)):
+                continue
+            if layout_refusal(layer, tp, u, cluster.gpus_per_node) is not None:
                 continue
             dp = stage_size // (tp * u)
             if micro_batch_seqs % dp or (options.dp is not None and dp != options.dp):
@@ -139,6 +239,15 @@ class Candidates:
     costs: LayerCosts
     layout: list[tuple[int, int, int, bool]] = field(default_factory=list)
     pruned: int = 0
+    fastest: dict[str, float] = field(default_factory=dict)  # smallest value of each cost (`fastest_costs`)
+
+
+def fastest_costs(costs: LayerCosts, m: int) -> dict[str, float]:
+    """The smallest value of every cost term over the candidates (each alone, for lower bounds)."""
+    return {"fwd": float(np.min(costs.fwd)), "bwd": float(np.min(costs.bwd)),
+            "bonly": float(np.min(costs.bwd - costs.wgrad)), "wgrad": float(np.min(costs.wgrad)),
+            "step": float(np.min(costs.step)), "buf": float(np.min(costs.buf)),
+            "fb": float(np.min(costs.fwd + costs.bwd)), "work": float(np.min(m * (costs.fwd + costs.bwd) + costs.step))}
 
 
 def prune_dominated(table: StrategyTable, costs: LayerCosts) -> np.ndarray:

@@ -7,6 +7,7 @@ overrides the preset's educated guess. No torch import.
 """
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -19,18 +20,48 @@ Span = Literal["intra_node", "inter_node"]
 
 
 class DeviceSpec(Frozen):
+    """One accelerator. The GEMM, attention and kernel-launch fields describe how its kernels
+    behave (cost/compute.py); a device without `sm_count` (a CPU) is priced by FLOPs at the
+    cluster's flat `compute_efficiency` and its measured model profile."""
+
     name: str
-    memory_bytes: float = Field(gt=0)
+    memory_bytes: float = Field(gt=0, allow_inf_nan=False)
     # Dense peak FLOP/s per dtype (no sparsity).
     peak_flops: dict[str, float]
-    memory_bandwidth: float = Field(gt=0, description="HBM bytes/s")
-    # Memory the framework and NCCL hold that the model cannot use (CUDA context, buffers).
-    reserved_bytes: float = Field(default=2.0 * 2**30, ge=0)
+    memory_bandwidth: float = Field(gt=0, allow_inf_nan=False, description="HBM bytes/s")
+    # Memory the framework and NCCL hold that the model cannot use: CUDA context, NCCL channel
+    # buffers, cuBLAS workspaces (a measured profile fills it from the device's free memory).
+    reserved_bytes: float = Field(default=2.0 * 2**30, ge=0, allow_inf_nan=False)
+    # Achievable fraction of `memory_bandwidth` for streaming kernels (copies, element-wise ops).
+    memory_efficiency: float = Field(default=1.0, gt=0, le=1)
+    # GEMM description: streaming multiprocessors and the output tile a GEMM kernel computes per
+    # SM (wave quantisation), 0 = none (flat efficiency).
+    sm_count: int = Field(default=0, ge=0)
+    gemm_tile: tuple[int, int] = (128, 256)
+    # Flash-attention kernel throughput, fraction of the dtype's peak, (forward, backward),
+    # causal, head dim 128; 0 = the cluster's `compute_efficiency`.
+    attention_efficiency: tuple[float, float] = (0.0, 0.0)
+    # Seconds each kernel launch adds on the device (gaps between back-to-back kernels).
+    kernel_launch_s: float = Field(default=0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check_positive(self) -> "DeviceSpec":
+        bad = [k for k, v in self.peak_flops.items() if not (v > 0 and math.isfinite(v))]
+        if bad:
+            raise ValueError(f"peak_flops[{bad[0]}] must be a positive number, got {self.peak_flops[bad[0]]}")
+        if not math.isfinite(self.memory_bandwidth) or not math.isfinite(self.memory_bytes):
+            raise ValueError("memory_bytes and memory_bandwidth must be finite")
+        return self
+
+    @property
+    def streaming_bandwidth(self) -> float:
+        """Bytes/s a memory-bound kernel achieves."""
+        return self.memory_bandwidth * self.memory_efficiency
 
 
 class LinkSpec(Frozen):
-    bandwidth: float = Field(gt=0, description="unidirectional bytes/s per device")
-    latency: float = Field(ge=0, description="seconds per message hop")
+    bandwidth: float = Field(gt=0, allow_inf_nan=False, description="unidirectional bytes/s per device")
+    latency: float = Field(ge=0, allow_inf_nan=False, description="seconds per ring step (message hop)")
 
 
 class CollectiveCurve(Frozen):
@@ -56,13 +87,28 @@ class ClusterSpec(Frozen):
     device: DeviceSpec
     intra_node: LinkSpec
     inter_node: LinkSpec
-    # Achievable fraction of peak FLOP/s for large matmuls (measured profiles replace this).
+    # Achievable fraction of peak FLOP/s for large matmuls (the presets: the best GEMM measured
+    # on the device; a measured profile replaces it). Smaller GEMMs run below it (cost/compute.py).
     compute_efficiency: float = Field(default=0.6, gt=0, le=1)
     # Overlap of compute and communication: overlapped(c, x) = c + (s - 1) min(c, x) + max(0, x - c)
     # (1.0 = perfect overlap; ~1.1 on GPUs, where NCCL takes some SMs; 2.0 = none, as on CPUs).
     overlap_slowdown: float = Field(default=1.1, ge=1)
-    # Host link used to offload optimizer state (PCIe gen5 x16 ~ 50 GB/s unidirectional).
-    host_bandwidth: float = Field(default=50e9, gt=0)
+    # Host link used to offload (PCIe gen5 x16 ~ 50 GB/s unidirectional), per device.
+    host_bandwidth: float = Field(default=50e9, gt=0, allow_inf_nan=False)
+    # The host's DRAM bandwidth one device's share of the host optimizer step gets (the node's
+    # STREAM bandwidth / devices per node).
+    host_memory_bandwidth: float = Field(default=30e9, gt=0, allow_inf_nan=False)
+    # Host memory one device's offloaded states may take (the node's DRAM / devices per node).
+    host_memory_bytes: float = Field(default=256 * 2**30, gt=0, allow_inf_nan=False)
+    # Fixed start-up of every collective (NCCL's `baseLat`, Ring/Simple: 8.4 us; see cost/comm.py).
+    collective_latency: float = Field(default=8.4e-6, ge=0, allow_inf_nan=False)
+    # Bus bandwidth cap of NCCL's tree all-reduce across more than two nodes (`maxTreeBw`).
+    tree_bandwidth: float = Field(default=80e9, gt=0, allow_inf_nan=False)
+    # Memory: the caching allocator's fragmentation, a fraction of the bytes the model allocates
+    # (states, activations, transient buffers), and the share of device memory the planner
+    # leaves free (`--memory-margin`), so that a plan it calls feasible does not fail on the device.
+    fragmentation: float = Field(default=0.10, ge=0, le=1)
+    memory_margin: float = Field(default=0.05, ge=0, lt=1)
     # Ranks per set of cores their compute needs, when a node runs more ranks x threads than it
     # has cores (a CPU profile; 1 on GPUs). Measured rates are those with every rank busy, so a
     # rank waiting in a pipeline bubble lends its cores to the others (see `cost.evaluate`).

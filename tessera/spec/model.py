@@ -99,6 +99,24 @@ class TPDegreeCost(Frozen):
     slowdown: float = Field(ge=0)
 
 
+class Matmul(Frozen):
+    """One matrix multiply of a layer's forward, per token: (tokens x k) @ (k x n).
+
+    `shard` says which dimension tensor parallelism divides: "col" (column-parallel: n / tp),
+    "row" (row-parallel: k / tp) or "none" (replicated, e.g. the MoE router). `expert`: one GEMM of
+    each expert; the tokens it sees are the routed ones (top_k x capacity factor of the tokens,
+    spread over the experts)."""
+
+    n: int = Field(gt=0)
+    k: int = Field(gt=0)
+    shard: Literal["col", "row", "none"] = "col"
+    expert: bool = False
+
+
+AttentionKernel = Literal["flash", "unfused"]
+KernelStyle = Literal["eager", "fused"]
+
+
 class LayerSpec(Frozen):
     """One layer as the cost model sees it.
 
@@ -115,6 +133,41 @@ class LayerSpec(Frozen):
       - `act_bytes_selective`: the part of the above that selective recompute drops (attention
         core and activation-function outputs), recomputed in backward for `selective_flops`.
     Full recompute keeps only the block input (`act_bytes_input`) and replays the forward.
+    These four scale with the activation element size (x 2 for fp32 runs), except for a layer a
+    model profile measured (`compute_measured`): its bytes are the measured ones, in the
+    profile's dtype, fp32 parts included.
+
+    What eager PyTorch holds besides (per token, see `_Execution` for the per-operation counts):
+      - `act_fp32_tp`, `act_fp32_replicated`: saved tensors that are fp32 whatever the activation
+        dtype (norm statistics, SDPA's logsumexp, the LM head's log-probabilities);
+      - `act_bytes_selective_replicated`: the part of `act_bytes_replicated` selective recompute
+        drops (the runtime's policy keeps matmul outputs and the block input only);
+      - `rms_norm_width`: elements per token its RMSNorms normalise. The fused CUDA kernel keeps
+        the input and an fp32 statistic (what the replicated bytes count); a device without it (a
+        CPU runs `rms_norm`'s composite) keeps the fp32 upcast input and normalised product
+        instead of the input: (8 - a) bytes per element more, a the activation element size;
+      - `act_held_tp`: bytes (16-bit, scaled like the above) the training loop holds until the
+        micro-batch's backward ends without autograd saving them (the LM head's logits);
+      - `bwd_transient`, `bwd_transient_fp32`: bytes alive only while the layer's backward runs,
+        beside its saved tensors (16-bit scaled / fp32), divided by TP: a block's incoming
+        gradient and its MLP branches' gradients; the LM head's gradient of the log-probabilities
+        and of the fp32 logits at the start of backward.
+
+    Per-operation compute (cost/compute.py, used on devices with a GEMM description):
+      - `matmuls`: the linear layers' GEMMs (`Matmul`), priced by their shape after TP sharding
+        and micro-batching; `flops_per_token` = sum of 2 n k (experts: x top_k).
+      - attention core: `attn_kernel` "flash" (one fused kernel, causal blocks skipped, priced at
+        the device's flash-attention throughput) or "unfused" (the s x s scores materialised: two
+        batched GEMMs forward, four backward, and `score_bytes_fwd` / `score_bytes_bwd` bytes of
+        softmax / mask / dropout traffic per score element), with `head_dim`.
+      - memory-bound work (norms, activation functions, rotary, residual adds, dropout,
+        cross-entropy): `elementwise_bytes_tp` (divided by TP) and `elementwise_bytes_replicated`
+        (divided only under Megatron SP) bytes read + written per token in the forward; the
+        backward moves twice as much (cost/compute.py). `kernels`: kernel launches per forward.
+    `tied_params`: of `params`, a weight shared with another layer (the LM head tied to the
+    embedding): counted once where both sit on the same pipeline rank (cost/layer.py).
+    `compute_measured`: a model profile measured this layer (`tessera profile model`): its fitted
+    scales and overheads then price it as a whole, instead of the per-operation model.
     """
 
     name: str
@@ -127,6 +180,13 @@ class LayerSpec(Frozen):
     act_bytes_replicated: float = 0.0
     act_bytes_selective: float = 0.0
     act_bytes_input: float = 0.0
+    act_bytes_selective_replicated: float = Field(default=0.0, ge=0)
+    act_fp32_tp: float = Field(default=0.0, ge=0)
+    act_fp32_replicated: float = Field(default=0.0, ge=0)
+    rms_norm_width: int = Field(default=0, ge=0)
+    act_held_tp: float = Field(default=0.0, ge=0)
+    bwd_transient: float = Field(default=0.0, ge=0)
+    bwd_transient_fp32: float = Field(default=0.0, ge=0)
     selective_flops_per_token: float = 0.0
     selective_attn_fraction: float = 0.0
     num_heads: int = 0
@@ -136,12 +196,26 @@ class LayerSpec(Frozen):
     expert_params: int = 0
     num_experts: int = 0
     top_k: int = 0
-    capacity_factor: float = 0.0  # 0: dropless
+    capacity_factor: float = 1.0  # token-slots per routed slot an expert is sized for (1.0 dropless)
+    dropless: bool = True  # False: capacity_factor caps what an expert serves (the rest is dropped)
     # Routing skew: the most loaded expert-parallel rank's tokens over the mean (>= 1; 1 = balanced).
     # Given, or measured from a routing trace (`tessera.cost.moe.routing_skew`).
     routing_skew: float = Field(default=1.0, ge=1.0)
     # Inter-node all-to-all bytes relative to uniform routing (< 1 with NetMoE sample placement).
     a2a_internode_scale: float = Field(default=1.0, ge=0.0)
+    matmuls: tuple[Matmul, ...] = ()
+    head_dim: int = Field(default=0, ge=0)
+    attn_kernel: AttentionKernel = "flash"
+    score_bytes_fwd: float = Field(default=0.0, ge=0)
+    score_bytes_bwd: float = Field(default=0.0, ge=0)
+    # Bytes per attention-score element kept for backward by unfused attention (x heads x seq
+    # per token, divided by TP; dropped by selective recompute).
+    act_score_bytes: float = Field(default=0.0, ge=0)
+    elementwise_bytes_tp: float = Field(default=0.0, ge=0)
+    elementwise_bytes_replicated: float = Field(default=0.0, ge=0)
+    kernels: int = Field(default=0, ge=0)
+    tied_params: int = Field(default=0, ge=0)
+    compute_measured: bool = False
     # Measured/predicted compute time of the linear and attention-score terms on the target
     # device (1.0 = the FLOPs model as is); fitted by `tessera profile model`.
     linear_time_scale: float = Field(default=1.0, gt=0)
@@ -205,8 +279,9 @@ class ModelSpec(Frozen):
 
     @property
     def num_params(self) -> int:
-        # A tied LM head counts no parameters of its own (see `head_layer`).
-        return sum(layer.params for layer in self.layers)
+        """Parameters of the model, a tied weight counted once (the LM head's copy of the
+        embedding is `tied_params`)."""
+        return sum(layer.params - layer.tied_params for layer in self.layers)
 
     @property
     def num_blocks(self) -> int:
@@ -217,10 +292,16 @@ class ModelSpec(Frozen):
         return sum(layer.flops_per_token + layer.attn_flops_coeff * seq_len for layer in self.layers)
 
     @classmethod
-    def from_config(cls, config: TransformerConfig) -> "ModelSpec":
-        layers = [embedding_layer(config)]
-        layers += [block_layer(config, i) for i in range(config.num_layers)]
-        layers.append(head_layer(config))
+    def from_config(cls, config: TransformerConfig, *, attention: AttentionKernel = "flash",
+                    kernels: KernelStyle = "eager", dropout: bool = False) -> "ModelSpec":
+        """The planner's view of `config` as Tessera's runtime executes it by default: flash
+        attention (SDPA), eager PyTorch element-wise ops, no dropout. Other implementations (for
+        example Megatron-LM's fused kernels with materialised attention scores and dropout, to
+        compare with its published runs) change the per-operation costs, not the architecture."""
+        way = _Execution(attention, kernels, dropout)
+        layers = [embedding_layer(config, way)]
+        layers += [block_layer(config, i, way) for i in range(config.num_layers)]
+        layers.append(head_layer(config, way))
         return cls(name=config.name, layers=tuple(layers), config=config)
 
 
@@ -228,27 +309,185 @@ def _norm_params(c: TransformerConfig) -> int:
     return 2 * c.hidden if c.norm == "layernorm" else c.hidden
 
 
-def embedding_layer(c: TransformerConfig) -> LayerSpec:
+class _Execution:
+    """How the layers execute (see `ModelSpec.from_config`), and the per-token byte counts of
+    their memory-bound work that follow from it.
+
+    Units: bytes read + written per token in the forward with 16-bit activations (2 bytes an
+    element); cost/compute.py doubles them for the backward and scales them for fp32 runs.
+    Counted per operation, each reading its inputs and writing its output once:
+      - "fused" (Megatron-LM's fused kernels: apex LayerNorm, fused bias-GeLU / SwiGLU,
+        bias-dropout-add, fused rotary; torch.compile fuses alike): a norm reads and writes h
+        elements (2h x 2 bytes); a residual add reads 2h and writes h (6h bytes; dropout adds a
+        1-byte mask per element); rotary reads and writes q and k; GeLU reads and writes f, SwiGLU
+        reads 2f and writes f.
+      - "eager" (Tessera's runtime in eager PyTorch, `tessera.models.transformer`): norms as above
+        (LayerNorm and RMSNorm have fused CUDA kernels); `apply_rope` runs as separate kernels in
+        fp32: upcast (read 2, write 4 bytes an element), four products (8 bytes each, on half the
+        elements), two sums (12 bytes, half the elements), the concatenation (8) and the downcast
+        (6): 48 bytes per element of q and k; the attention output is copied once for the
+        head-to-hidden reshape (4 bytes an element of q); SwiGLU is SiLU (4 bytes an element of f)
+        then a product (6 bytes on f): 10 bytes; GeLU 4 bytes on f.
+      - cross-entropy per logit (neither runtime fuses it): eager `F.cross_entropy(logits.float())`
+        upcasts (6 bytes), runs log-softmax (12) forward, and its backward (12) and the downcast (6):
+        36 bytes in all; Megatron's vocabulary-parallel loss is a chain of fp32 PyTorch ops (upcast
+        6, max 4, subtract 8, exp 8, sum 4 forward; softmax 8, gradient 8, downcast 6 backward): 52.
+        Stored as a third of the total (the model charges the backward twice the forward).
+      - unfused attention (`score_bytes_*`, per element of the s x s scores): the fused
+        scale-mask-softmax reads and writes the scores (4 bytes), attention dropout reads and
+        writes them and writes a 1-byte mask (5 bytes); backward: dropout (5) then softmax's
+        gradient reading probabilities and gradient, writing one (6).
+    """
+
+    def __init__(self, attention: str, kernels: str, dropout: bool):
+        if attention not in ("flash", "unfused"):
+            raise ValueError(f"attention must be 'flash' or 'unfused', not '{attention}'")
+        if kernels not in ("eager", "fused"):
+            raise ValueError(f"kernels must be 'eager' or 'fused', not '{kernels}'")
+        self.attention, self.fused, self.dropout = attention, kernels == "fused", dropout
+
+    def residual(self, h: int) -> float:
+        return 2.0 * 3 * h + (1.0 * h if self.dropout else 0.0)
+
+    def block_bytes(self, c: TransformerConfig, q_dim: int, kv_dim: int, f: int) -> tuple[float, float]:
+        """(bytes divided by TP, replicated bytes) per token of a block's forward."""
+        h = c.hidden
+        replicated = 2 * (2.0 * 2 * h) + 2 * self.residual(h)
+        rope = c.position == "rope"
+        if self.fused:
+            tp = (2.0 * 2 * (q_dim + kv_dim) if rope else 0.0) + (2.0 * 3 * f if c.mlp == "swiglu" else 2.0 * 2 * f)
+        else:
+            tp = ((48.0 * (q_dim + kv_dim) if rope else 0.0) + 4.0 * q_dim
+                  + (10.0 * f if c.mlp == "swiglu" else 4.0 * f))
+        return tp, replicated
+
+    def block_activations(self, c: TransformerConfig, q_dim: int, kv_dim: int, f: int, heads: int) -> dict:
+        """Bytes per token a block keeps for backward, by `LayerSpec` field (see its docstring).
+
+        "fused" (Megatron-LM, Korthikanti et al. 2022 Table 2 without the attention scores,
+        which `act_score_bytes` counts): 16-bit norm inputs and outputs (8h), q, k, v and the
+        attention output, the MLP's inputs and activation outputs; selective recompute drops the
+        attention output and the activation-function output.
+
+        "eager" (Tessera's runtime, counted per operation from what autograd saves, a the
+        activation element size, r = 4 bytes fp32):
+          norm (x2)   its input x (a h) and statistics (r: RMSNorm's rstd; LayerNorm's mean and
+                      rstd, 2r); the q/k/v (MLP) projections save its output (a h)
+          RoPE        nothing: the rotations multiply constants (cos, sin views of a buffer),
+                      so autograd keeps only them; its outputs are what SDPA saves
+          SDPA        q, k, v (a (q + 2 kv)), its output (a q; the head-merging reshape of the
+                      flash output is a view, the output projection saves it) and the
+                      logsumexp (r per head)
+          residuals   nothing (an add keeps no input); the next norm saves the sum
+          SwiGLU      w1 and w3 outputs, SiLU's output, their product (a 4 f); GeLU: fc1's
+                      output and GeLU's (a 2 f)
+        Selective recompute runs the runtime's policy (tessera.runtime.parallelize: matmul
+        outputs saved, everything else recomputed): it keeps the block input, the q/k/v, w1/w3
+        (fc1) outputs and the two output projections' (a (3 h + q + 2 kv + 2 f), GeLU a f).
+        Backward transient (both): the incoming gradient and the gradients of the MLP's branches
+        produced together (SwiGLU a (h + 2 f), GeLU a (h + f)), measured on CPU for a block.
+        """
+        h = c.hidden
+        swiglu = c.mlp == "swiglu"
+        branches = 2 if swiglu else 1
+        out = dict(bwd_transient=2.0 * (h + branches * f), act_bytes_input=2.0 * h)
+        if self.fused:
+            out.update(act_bytes_replicated=4.0 * 2 * h + (2.0 * h if self.dropout else 0.0),
+                       act_bytes_tp=2.0 * (q_dim + 2 * kv_dim) + 2.0 * q_dim + 2.0 * f * (3 if swiglu else 2),
+                       act_bytes_selective=2.0 * q_dim + 2.0 * f)
+            return out
+        stats = 4.0 if c.norm == "rmsnorm" else 8.0
+        out.update(act_bytes_replicated=2.0 * 4 * h, act_fp32_replicated=2 * stats,
+                   act_bytes_tp=2.0 * (2 * q_dim + 2 * kv_dim) + 2.0 * f * (4 if swiglu else 2),
+                   act_fp32_tp=4.0 * heads if self.attention == "flash" else 0.0,
+                   act_bytes_selective=2.0 * q_dim + 2.0 * f * (2 if swiglu else 1),
+                   act_bytes_selective_replicated=2.0 * h,
+                   rms_norm_width=2 * h if c.norm == "rmsnorm" else 0)
+        return out
+
+    def head_activations(self, c: TransformerConfig) -> dict:
+        """Bytes per token the LM head keeps (see `block_activations` for a and r).
+
+        "eager": the final norm (input and output, a 2h, and its statistics) and, for
+        `F.cross_entropy(logits.float())`, the log-probabilities log_softmax saves (r V, fp32
+        whatever a; the cast's fp32 copy of the logits is freed once log_softmax has read it);
+        the training loop holds the logits themselves (a V) until the backward ends; the backward
+        starts with the gradient of the log-probabilities and then of the fp32 logits alive
+        together (2 r V), the largest transient of the step for a large vocabulary.
+        "fused" (Megatron-LM): the norm's input and output and the fp32 logits of the
+        vocabulary-parallel cross-entropy (4 V)."""
+        h, v = c.hidden, c.vocab_size
+        if self.fused:
+            return dict(act_bytes_tp=4.0 * v, act_bytes_replicated=4.0 * h, act_bytes_input=2.0 * h)
+        return dict(act_bytes_replicated=4.0 * h, act_fp32_replicated=4.0 if c.norm == "rmsnorm" else 8.0,
+                    act_fp32_tp=4.0 * v, act_held_tp=2.0 * v, bwd_transient_fp32=8.0 * v,
+                    act_bytes_input=2.0 * h, rms_norm_width=h if c.norm == "rmsnorm" else 0)
+
+    def score_bytes(self) -> tuple[float, float]:
+        if self.attention == "flash":
+            return 0.0, 0.0
+        return 4.0 + (5.0 if self.dropout else 0.0), 6.0 + (5.0 if self.dropout else 0.0)
+
+    def score_act_bytes(self) -> float:
+        """Bytes per score element saved for backward (Korthikanti et al. 2022: softmax output
+        2, dropout mask 1 and output 2)."""
+        if self.attention == "flash":
+            return 0.0
+        return 2.0 + (3.0 if self.dropout else 0.0)
+
+    def block_kernels(self, c: TransformerConfig) -> int:
+        """Kernel launches of a block's forward (counted from the operations listed above)."""
+        gemms = (4 if self.fused else 5) + (3 if c.mlp == "swiglu" and not self.fused else 2)
+        attention = 1 if self.attention == "flash" else 4
+        elementwise = 6 if self.fused else (6 + (18 if c.position == "rope" else 0) + 1
+                                             + (2 if c.mlp == "swiglu" else 1))
+        return gemms + attention + elementwise
+
+
+def embedding_layer(c: TransformerConfig, way: _Execution | None = None) -> LayerSpec:
+    way = way or _Execution("flash", "eager", False)
     params = c.vocab_size * c.hidden
+    moved = 2.0 * 2 * c.hidden  # the lookup reads and writes h elements
     if c.position == "learned":
         params += c.max_seq_len * c.hidden
+        moved += way.residual(c.hidden)  # adding the position embedding
     # Output of the lookup (the next block's input) is held by the block, so nothing here.
     return LayerSpec(name="embedding", kind=LayerKind.EMBEDDING, hidden=c.hidden, params=params,
-                     flops_per_token=0.0, vocab_size=c.vocab_size)
+                     flops_per_token=0.0, vocab_size=c.vocab_size, elementwise_bytes_replicated=moved,
+                     kernels=2 if c.position == "learned" else 1)
 
 
-def head_layer(c: TransformerConfig) -> LayerSpec:
+def head_layer(c: TransformerConfig, way: _Execution | None = None) -> LayerSpec:
+    way = way or _Execution("flash", "eager", False)
     h, v = c.hidden, c.vocab_size
-    params = _norm_params(c) + (0 if c.tie_embeddings else v * h)
-    # Keeps: norm input (2h) and output (2h) replicated; logits in fp32 for the loss (4v),
-    # sharded by a vocabulary-parallel head.
-    return LayerSpec(name="lm_head", kind=LayerKind.LM_HEAD, hidden=h, params=params,
-                     flops_per_token=2.0 * h * v, act_bytes_tp=4.0 * v,
-                     act_bytes_replicated=4.0 * h, act_bytes_input=2.0 * h, vocab_size=v)
+    tied = v * h if c.tie_embeddings else 0
+    params = _norm_params(c) + v * h
+    # Activations: `_Execution.head_activations` (sharded over the vocabulary by a
+    # vocabulary-parallel head).
+    return LayerSpec(name="lm_head", kind=LayerKind.LM_HEAD, hidden=h, params=params, tied_params=tied,
+                     flops_per_token=2.0 * h * v, vocab_size=v, **way.head_activations(c),
+                     matmuls=(Matmul(n=v, k=h, shard="col"),),
+                     elementwise_bytes_tp=(52.0 if way.fused else 36.0) / 3 * v,
+                     elementwise_bytes_replicated=2.0 * 2 * h, kernels=3 if way.fused else 6)
 
 
-def block_layer(c: TransformerConfig, index: int) -> LayerSpec:
+def _block_matmuls(c: TransformerConfig, q_dim: int, kv_dim: int, way: _Execution, expert: bool) -> tuple:
+    """The GEMMs of a block as the runtime issues them (Megatron fuses q, k, v into one GEMM and
+    SwiGLU's two input projections into another)."""
+    h, f = c.hidden, c.ffn_hidden
+    if way.fused:
+        attn = (Matmul(n=q_dim + 2 * kv_dim, k=h), Matmul(n=h, k=q_dim, shard="row"))
+        up = (Matmul(n=2 * f, k=h, expert=expert),) if c.mlp == "swiglu" else (Matmul(n=f, k=h, expert=expert),)
+    else:
+        attn = (Matmul(n=q_dim, k=h), Matmul(n=kv_dim, k=h), Matmul(n=kv_dim, k=h),
+                Matmul(n=h, k=q_dim, shard="row"))
+        up = tuple(Matmul(n=f, k=h, expert=expert) for _ in range(2 if c.mlp == "swiglu" else 1))
+    return attn, up + (Matmul(n=h, k=f, shard="row", expert=expert),)
+
+
+def block_layer(c: TransformerConfig, index: int, way: _Execution | None = None) -> LayerSpec:
     """A decoder block: norm, attention, norm, MLP (dense or MoE)."""
+    way = way or _Execution("flash", "eager", False)
     h, f = c.hidden, c.ffn_hidden
     q_dim = c.num_heads * c.head_dim
     kv_dim = c.num_kv_heads * c.head_dim
@@ -266,40 +505,48 @@ def block_layer(c: TransformerConfig, index: int) -> LayerSpec:
     attn_coeff = 2.0 * q_dim
     attn_linear_flops = 2.0 * (h * q_dim + 2 * h * kv_dim + q_dim * h)
     mlp_flops = 2.0 * mats_per_expert * h * f
-    # Activations (bytes/token, 16-bit): replicated = two norm inputs + two norm outputs.
-    replicated = 4.0 * 2 * h
-    # TP regions: q, k, v; attention output (input of wo); flash-attention softmax stats ~0.
-    attn_tp = 2.0 * (q_dim + 2 * kv_dim) + 2.0 * q_dim
-    # MLP: swiglu keeps w1 out, w3 out and their product (input of w2); gelu keeps fc1 out and gelu out.
-    mlp_tp = 2.0 * f * (3 if c.mlp == "swiglu" else 2)
-    # Selective recompute drops the attention output and the activation-function output,
-    # recomputing the attention core (flash backward replays it anyway) and an elementwise op.
-    selective = 2.0 * q_dim + 2.0 * f
+    # Activations (bytes/token): `_Execution.block_activations`.
+    acts = way.block_activations(c, q_dim, kv_dim, f, c.num_heads)
+    bytes_tp, bytes_rep = way.block_bytes(c, q_dim, kv_dim, f)
+    score_fwd, score_bwd = way.score_bytes()
+    attn_mm, mlp_mm = _block_matmuls(c, q_dim, kv_dim, way, expert=moe)
+    execution = dict(head_dim=c.head_dim, attn_kernel=way.attention, score_bytes_fwd=score_fwd,
+                     score_bytes_bwd=score_bwd, act_score_bytes=way.score_act_bytes(),
+                     elementwise_bytes_tp=bytes_tp, elementwise_bytes_replicated=bytes_rep,
+                     kernels=way.block_kernels(c))
     if moe:
         # Dropless routing keeps k token-slots per token on average (skew is `routing_skew`).
         k, cap = c.top_k, c.capacity_factor or 1.0
         router_params = h * c.num_experts
         params = attn_params + norms + router_params + c.num_experts * expert_params + shared_params
-        shared_flops = 2.0 * (mats_per_expert * h * c.shared_expert_ffn + h) if c.shared_expert_ffn else 0.0
-        flops = attn_linear_flops + 2.0 * h * c.num_experts + k * mlp_flops + shared_flops
-        # Each token visits k experts (capacity factor pads the buffers), and the shared expert.
-        shared_act = 2.0 * c.shared_expert_ffn * (3 if c.mlp == "swiglu" else 2)
-        mlp_act = k * cap * (mlp_tp + 2.0 * h) + shared_act
-        selective += k * cap * 2.0 * f - 2.0 * f + 2.0 * c.shared_expert_ffn
+        flops = attn_linear_flops + 2.0 * h * c.num_experts + k * mlp_flops + 2.0 * shared_params
+        # Each token visits k experts (capacity factor pads the buffers): the MLP's share of the
+        # dense counts times k cap, plus the expert inputs gathered per expert (h each).
+        dense_mlp = acts["act_bytes_tp"] - way.block_activations(c, q_dim, kv_dim, 0, c.num_heads)["act_bytes_tp"]
+        mlp_sel = 2.0 * f * (2 if (c.mlp == "swiglu" and not way.fused) else 1)
+        acts["act_bytes_tp"] += (k * cap - 1) * dense_mlp + k * cap * 2.0 * h
+        acts["act_bytes_selective"] += (k * cap - 1) * mlp_sel
+        if c.shared_expert_ffn:  # Qwen-MoE's shared expert: a dense MLP of its size on every token
+            sf = c.shared_expert_ffn
+            acts["act_bytes_tp"] += (way.block_activations(c, q_dim, kv_dim, sf, c.num_heads)["act_bytes_tp"]
+                                     - way.block_activations(c, q_dim, kv_dim, 0, c.num_heads)["act_bytes_tp"])
+            acts["act_bytes_selective"] += 2.0 * sf * (2 if (c.mlp == "swiglu" and not way.fused) else 1)
+            mlp_mm = mlp_mm + _block_matmuls(c.model_copy(update={"ffn_hidden": sf}), q_dim, kv_dim, way,
+                                             expert=False)[1] + (Matmul(n=1, k=h, shard="none"),)
+        act_mult = k * cap  # the experts' element-wise work runs on the routed tokens
+        execution["elementwise_bytes_tp"] = bytes_tp + (act_mult - 1) * (way.block_bytes(c, 0, 0, f)[0])
         return LayerSpec(
             name=f"block{index}", kind=LayerKind.MOE_DECODER, hidden=h, params=params,
-            flops_per_token=flops, attn_flops_coeff=attn_coeff, act_bytes_tp=attn_tp + mlp_act,
-            act_bytes_replicated=replicated, act_bytes_selective=selective,
-            act_bytes_input=2.0 * h, selective_flops_per_token=0.0, selective_attn_fraction=1.0,
+            flops_per_token=flops, attn_flops_coeff=attn_coeff, **acts,
+            selective_flops_per_token=0.0, selective_attn_fraction=1.0,
             num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
             expert_params=c.num_experts * expert_params, num_experts=c.num_experts,
-            top_k=k, capacity_factor=c.capacity_factor or 0.0)
+            top_k=k, capacity_factor=cap, dropless=c.capacity_factor is None,
+            matmuls=attn_mm + (Matmul(n=c.num_experts, k=h, shard="none"),) + mlp_mm, **execution)
     mlp_params = expert_params
     return LayerSpec(
         name=f"block{index}", kind=LayerKind.DECODER, hidden=h,
         params=attn_params + mlp_params + norms,
-        flops_per_token=attn_linear_flops + mlp_flops, attn_flops_coeff=attn_coeff,
-        act_bytes_tp=attn_tp + mlp_tp, act_bytes_replicated=replicated,
-        act_bytes_selective=selective, act_bytes_input=2.0 * h,
+        flops_per_token=attn_linear_flops + mlp_flops, attn_flops_coeff=attn_coeff, **acts,
         selective_flops_per_token=0.0, selective_attn_fraction=1.0,
-        num_heads=c.num_heads, num_kv_heads=c.num_kv_heads)
+        num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, matmuls=attn_mm + mlp_mm, **execution)

@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 from tessera.models.transformer import build_model
 from tessera.plan import LayerStrategy, PipelineSpec, Plan, Recompute, SPKind
+from tessera.runtime.materialize import full_value_slice
 from tessera.runtime.optim import OptimConfig, build_optimizer, build_scheduler, clip_grad_norm_
 from tessera.runtime.trainer import TrainConfig, Trainer
 from tessera.spec.model import ModelSpec, TransformerConfig
@@ -50,11 +51,11 @@ def _pipeline(world: int, stage_size: int, stages, schedule: str) -> PipelineSpe
     return PipelineSpec(degree=pp, schedule=schedule, virtual_stages=len(stages) // pp, stages=tuple(stages))
 
 
-def global_batches(config: TransformerConfig, steps: int = STEPS, seed: int = 1):
+def global_batches(config: TransformerConfig, steps: int = STEPS, seed: int = 1, seq: int = SEQ):
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
-        seqs = torch.randint(0, config.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=gen)
+        seqs = torch.randint(0, config.vocab_size, (GLOBAL_BATCH, seq + 1), generator=gen)
         out.append((seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()))
     return out
 
@@ -82,22 +83,79 @@ def one_process_losses(config: TransformerConfig, optim: OptimConfig, batches) -
 
 def reference_losses(config: TransformerConfig, batches) -> list[float]:
     """Losses of a one-process run on the same global batches (same init, optimizer, clipping)."""
-    if config.name not in _REFERENCE:
-        _REFERENCE[config.name] = one_process_losses(config, OPTIM, batches)
-    return _REFERENCE[config.name]
+    key = (config.name, batches[0][0].shape[1])
+    if key not in _REFERENCE:
+        _REFERENCE[key] = one_process_losses(config, OPTIM, batches)
+    return _REFERENCE[key]
 
 
-def run_plan(plan: Plan, batches) -> list[float]:
+_REFERENCE_MODEL: dict = {}
+
+
+def reference_model_and_gradients(config: TransformerConfig, batch):
+    """One process: the freshly initialised model and its gradients of the mean loss on `batch`."""
+    key = (config.name, batch[0].shape[1])
+    if key not in _REFERENCE_MODEL:
+        model = build_model(config, seed=0)
+        tokens, labels, *extra = batch
+        loss = torch.nn.functional.cross_entropy(model(tokens, *extra).flatten(0, 1).float(), labels.flatten())
+        loss.backward()
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        _REFERENCE_MODEL[key] = params, grads
+    return _REFERENCE_MODEL[key]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if hasattr(t, "to_local") else t).detach().cpu()
+
+
+def check_initial_weights(name: str, trainer: Trainer, config: TransformerConfig, batch) -> None:
+    """Every local shard equals the matching slice of a one-process `build_model(config, 0)`, bit for bit."""
+    params, _ = reference_model_and_gradients(config, batch)
+    for n, p in trainer.named_parameters():
+        if not torch.equal(_local(p), full_value_slice(params[n], p)):
+            raise AssertionError(f"{name}: initial {n} differs from the one-process build")
+
+
+def check_gradients(name: str, trainer: Trainer, config: TransformerConfig, batch, rtol: float) -> None:
+    """Every parameter's local gradient shard equals the one-process gradient's slice:
+    max |g - g_ref| <= rtol * max |g_ref| over the whole parameter (fp32 reduction-order noise).
+    Gradients that are exactly zero in theory (GPT-2's key bias: softmax ignores a shift) are
+    rounding noise; their scale is floored at 1e-3 of the largest gradient of the model."""
+    _, grads = reference_model_and_gradients(config, batch)
+    floor = 1e-3 * max(float(g.abs().max()) for g in grads.values())
+    count = 0
+    for n, p in trainer.named_parameters():
+        if p.grad is None:
+            raise AssertionError(f"{name}: {n} has no gradient")
+        want = full_value_slice(grads[n], p.grad)
+        err = float((_local(p.grad) - want).abs().max()) if want.numel() else 0.0
+        scale = max(float(grads[n].abs().max()), floor)
+        if err > rtol * scale:
+            raise AssertionError(f"{name}: gradient of {n} off by {err:.3e} (max |grad| {scale:.3e})")
+        count += 1
+    if count == 0:
+        raise AssertionError(f"{name}: this rank holds no parameter")
+
+
+def run_plan(name: str, plan: Plan, config: TransformerConfig, batches, grad_rtol: float) -> list[float]:
+    """Initial weights, the first step's gradients, then the losses of every step."""
     trainer = Trainer(TrainConfig(plan=plan, steps=STEPS, optim=OPTIM, seed=0))
-    losses = [trainer.train_step(trainer.local_rows(t), trainer.local_rows(l)) for t, l in batches]
+    check_initial_weights(name, trainer, config, batches[0])
+    tokens, labels = batches[0]
+    losses = [trainer.compute_gradients(trainer.local_rows(tokens), trainer.local_rows(labels))]
+    check_gradients(name, trainer, config, batches[0], grad_rtol)
+    trainer.optimizer_step()
+    losses += [trainer.train_step(trainer.local_rows(t), trainer.local_rows(l)) for t, l in batches[1:]]
     trainer.close()
     return losses
 
 
-def check(name: str, plan: Plan, config: TransformerConfig, rtol: float = 1e-5) -> None:
-    batches = global_batches(config)
+def check(name: str, plan: Plan, config: TransformerConfig, rtol: float = 1e-5, grad_rtol: float = 1e-5) -> None:
+    batches = global_batches(config, seq=plan.workload.seq_len)
     want = reference_losses(config, batches)
-    got = run_plan(plan, batches)
+    got = run_plan(name, plan, config, batches, grad_rtol)
     for step, (g, w) in enumerate(zip(got, want)):
         if abs(g - w) > rtol * abs(w):
             raise AssertionError(f"{name}: step {step} loss {g:.8f} != one-process {w:.8f}")

@@ -1,12 +1,15 @@
-"""Loss after 3 AdamW steps under each plan == one process on the same global batch (fp32, 1e-5).
+"""Each plan against one process on the same global batch (fp32): the initial weights bit for bit,
+every parameter's gradient after the first step (1e-5 relative), then the losses of 3 AdamW steps
+(1e-5); and the collectives of a step against the cost model's contract (comm_counts.py).
 
-Run under torchrun with 2 or 4 ranks; rank 0 prints `CHECK <name> ok` per plan.
+Run under torchrun with 2 or 4 ranks; rank 0 prints `CHECK <name> ok` per check.
 """
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import comm_counts  # noqa: E402
 from runtime_common import GPT2, LLAMA, MOE, S, check, check_trained, make_plan  # noqa: E402
 
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -29,6 +32,14 @@ def plans_2():
         ("pp2_1f1b", make_plan(LLAMA, 2, S(), num_micro_batches=2, stages=((0, 3), (3, 6))), LLAMA),
         ("pp2_zero_bubble_gpt2_tied", make_plan(GPT2, 2, S(), num_micro_batches=2, schedule="zero_bubble",
                                                 stages=((0, 3), (3, 6))), GPT2),
+        # Tied embeddings whose embedding and head layers shard differently (the head holds a copy).
+        ("gpt2_tied_zero3_embedding_tp2_sp_head", make_plan(GPT2, 2, [S(dp=2, zero=3)] * (n - 1)
+                                                             + [S(tp=2, sp="megatron")], num_micro_batches=2), GPT2),
+        ("tp2_zero1_offload", make_plan(LLAMA, 2, S(tp=2, zero=1, offload=True)), LLAMA),
+        # 15 tokens do not split into 2 sequence shards: padded to 16, the padding ignored.
+        ("odd_sequence_ulysses2_then_tp2_sp", make_plan(LLAMA, 2, [S(dp=2)] + [S(sp="ulysses", sp_degree=2)] * 2
+                                                        + [S(tp=2, sp="megatron")] * (n - 3), seq_len=15,
+                                                        num_micro_batches=2), LLAMA),
     ]
 
 
@@ -65,6 +76,19 @@ def plans_4():
         ("pp2_interleaved_gpt2_tied_dp2", make_plan(GPT2, 4, S(dp=2, zero=3), num_micro_batches=2,
                                                     schedule="interleaved_1f1b",
                                                     stages=((0, 3), (3, 6))), GPT2),
+        # Every ZeRO stage inside one zero-bubble pipeline (per-block FSDP2 units, split backward).
+        ("pp2_dp2_zero_bubble_zero0123", make_plan(LLAMA, 4, [S(dp=2, zero=3), S(dp=2, zero=2), S(dp=2, zero=1),
+                                                              S(dp=2), S(dp=2, zero=3), S(dp=2, zero=2)],
+                                                   num_micro_batches=4, schedule="zero_bubble",
+                                                   stages=((0, 3), (3, 6))), LLAMA),
+        # A tied embedding on tp ranks of stage 0, its head copy ZeRO-sharded on stage 1.
+        ("pp2_gpt2_tied_tp2_embedding_dp2_head", make_plan(GPT2, 4, [S(tp=2)] + [S(dp=2, zero=3)] * 5,
+                                                          num_micro_batches=2, stages=((0, 3), (3, 6))), GPT2),
+        # CPU offload with every ZeRO stage the search emits it with.
+        ("offload_zero1_zero2_zero3", make_plan(LLAMA, 4, [S(dp=4, zero=1, offload=True), S(dp=4, zero=2, offload=True),
+                                                           S(dp=4, zero=2, offload=True), S(dp=4, zero=3, offload=True),
+                                                           S(dp=4, zero=3, offload=True), S(dp=4, zero=1, offload=True)],
+                                                num_micro_batches=2), LLAMA),
     ]
 
 
@@ -75,6 +99,13 @@ TOLERANCE = {GPT2.name: 1e-4}
 
 for name, plan, config in (plans_2() if WORLD == 2 else plans_4()):
     check(name, plan, config, rtol=TOLERANCE.get(config.name, 1e-5))
+
+if WORLD == 2:
+    comm_counts.check_gradient_sync_counts()
+    comm_counts.check_tp_block_counts()
+else:
+    comm_counts.check_hsdp_sync_counts()
+    comm_counts.check_pipeline_sync_counts()
 
 # Checkpoint under one plan at 4 ranks, resume under another at 2: the losses continue exactly.
 CKPT_DIR = sys.argv[1]

@@ -423,7 +423,9 @@ def profile_hardware(options: HardwareOptions | None = None, progress: Progress 
     cluster = ClusterSpec(name=name, num_nodes=env.num_nodes, gpus_per_node=env.local_world, device=device,
                           intra_node=intra, inter_node=inter, compute_efficiency=efficiency,
                           overlap_slowdown=slowdown, host_bandwidth=host_bw, collectives=tuple(curves),
-                          oversubscription=oversubscription(env, cuda))
+                          oversubscription=oversubscription(env, cuda),
+                          # The fitted link latency is all the fixed cost; no caching allocator on CPU.
+                          collective_latency=8.4e-6 if cuda else 0.0, fragmentation=0.10 if cuda else 0.0)
     return cluster
 
 

@@ -103,7 +103,13 @@ class AllocatorWindow:
 
 
 def cpu_allocator_peak(prof, marker: str) -> float:
-    """The largest live total the CPU allocator reported to `prof` during the `marker` range."""
+    """The largest live total the CPU allocator reported to `prof` during the `marker` range,
+    counted from the profiler's start.
+
+    The CPU allocator's reported total only moves while memory profiling is on: blocks allocated
+    under an earlier profiler and freed after it stopped are never taken off. So the total is
+    taken relative to its value just before the first allocation of this profiler (without that,
+    a second plan measured in the same process counted the first plan's model states again)."""
     from torch._C._profiler import _EventType
 
     window, allocations = None, []
@@ -111,16 +117,18 @@ def cpu_allocator_peak(prof, marker: str) -> float:
     while stack:
         node = stack.pop()
         if node.tag == _EventType.Allocation:
-            allocations.append((node.start_time_ns, node.extra_fields.total_allocated))
+            fields = node.extra_fields
+            allocations.append((node.start_time_ns, fields.total_allocated, fields.alloc_size))
         elif window is None and node.name == marker:
             window = (node.start_time_ns, node.end_time_ns)
         stack.extend(node.children)
     if window is None:
         raise RuntimeError(f"the profiler recorded no '{marker}' range")
     allocations.sort()
-    before = [total for t, total in allocations if t < window[0]]
-    during = [total for t, total in allocations if window[0] <= t <= window[1]]
-    return float(max(during + before[-1:], default=0.0))
+    base = allocations[0][1] - allocations[0][2] if allocations else 0.0
+    before = [total for t, total, _ in allocations if t < window[0]]
+    during = [total for t, total, _ in allocations if window[0] <= t <= window[1]]
+    return float(max(during + before[-1:], default=base) - base)
 
 
 class _Run:
