@@ -112,11 +112,13 @@ class Trainer:
         else:
             self.device = torch.device("cpu")
             backend = "gloo"
+        self.owns_process_group = False
         if not dist.is_initialized():
             if "RANK" in os.environ:
                 dist.init_process_group(backend)
             else:  # one process without torchrun: an in-memory store, no port to collide on
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+                self.owns_process_group = True  # `close` ends it: nothing else in the process uses it
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dims = ParallelDims.from_plan(self.plan, self.world_size, self.device.type)
         # bf16 compute only on accelerators: CPUs here have no fast bf16 matmul (runtime/precision.py).
@@ -473,6 +475,8 @@ class Trainer:
             self.adaptive.close()
         if self.metrics is not None:
             self.metrics.close()
+        if self.owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _plain(t):
