@@ -225,6 +225,46 @@ def check_train_report() -> None:
         print("CHECK train_reports_routing ok", flush=True)
 
 
+def check_collectives_as_priced() -> None:
+    """One step of an ep4 plan, its collectives counted on every rank (runtime/comm_count.py), against
+    what the cost model lists and prices for each MoE layer (cost/moe.py `ep_collectives`): the
+    same all-to-alls and all-reduces, the same sizes; the token all-to-alls' bytes over all ranks are
+    the listed mean x ranks (the dispatch of each rank and the combine's gradient exactly: every
+    rank sends all its k slots per token; the others depend on the routing, their sum does not)."""
+    import torch
+
+    from tessera.cost.moe import ep_collectives
+    from tessera.runtime.comm_count import count_collectives
+
+    plan = make_plan(MIXTRAL, 4, blocks(MIXTRAL, S(dp=4), S(dp=4, ep=4, zero=2)))
+    trainer = Trainer(TrainConfig(plan=plan, steps=1, optim=OPTIM, seed=0))
+    tokens, labels = global_batches(MIXTRAL)[0]
+    with count_collectives() as records:
+        trainer.train_step(trainer.local_rows(tokens), trainer.local_rows(labels))
+    trainer.close()
+    layers = MIXTRAL.num_layers
+    listed = ep_collectives(plan.model.layers[1], plan.layers[1], 2 * SEQ, 4, aux_loss=True)
+    a2a = [r for r in records if r.kind == "all_to_all"]
+    counts = [r for r in a2a if r.bytes == 8 * MIXTRAL.num_experts]
+    token = [r for r in a2a if r.bytes != 8 * MIXTRAL.num_experts]
+    want_a2a = [c for c in listed if c.op == "all_to_all"]
+    assert len(a2a) == layers * len(want_a2a) and all(r.group_size == 4 for r in a2a), \
+        [(r.bytes, r.group_size) for r in a2a]
+    assert len(counts) == layers and len(token) == layers * 4
+    mean = [c.nbytes for c in want_a2a if c.what != "counts"]
+    # This rank's dispatch (the first token all-to-all of each layer) sends exactly its slots.
+    assert all(token[4 * i].bytes == mean[0] for i in range(layers)), (token[0].bytes, mean[0])
+    total = torch.tensor([float(sum(r.bytes for r in token))])
+    dist.all_reduce(total)
+    world = dist.get_world_size()
+    assert float(total) == layers * world * sum(mean), (float(total), layers * world * sum(mean))
+    stats = [r for r in records if r.kind == "all_reduce" and r.bytes == 8 * MIXTRAL.num_experts]
+    want_ar = [c for c in listed if c.op == "all_reduce"]
+    assert len(stats) == layers * len(want_ar) and all(r.group_size == want_ar[0].group for r in stats)
+    if dist.get_rank() == 0:
+        print("CHECK ep_collectives_as_priced ok", flush=True)
+
+
 def check_checkpoint_across_ep(directory: str) -> None:
     """Save under ep4 after two steps, resume under ep2 (experts on other ranks): the third step's
     loss is the one of an uninterrupted one-process run."""
@@ -267,6 +307,8 @@ if __name__ == "__main__":
             check(name, config, plan, placement=True)
     if not only or "train_reports_routing" in only:
         check_train_report()
+    if not only or "ep_collectives_as_priced" in only:
+        check_collectives_as_priced()
     if os.environ.get("MOE_CHECKPOINT_DIR") and (not only or "checkpoint_ep4_resume_ep2" in only):
         check_checkpoint_across_ep(os.environ["MOE_CHECKPOINT_DIR"])
     dist.destroy_process_group()
