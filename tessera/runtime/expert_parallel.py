@@ -43,6 +43,7 @@ from math import gcd
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from ..errors import TesseraError
@@ -238,21 +239,88 @@ def parallelize_moe(moe: MoE, s: LayerStrategy, plan: Plan, dims: ParallelDims, 
 
 
 def _tp_experts(moe: MoE, tp_mesh, dense_tp_mesh) -> None:
-    """Each expert (and the shared expert) column-parallel in, row-parallel out, like a dense MLP."""
+    """The experts sliced over the tp ranks (`TensorParallelExperts`); the shared expert column-
+    parallel in, row-parallel out, like a dense MLP (DTensor)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    def mlp_plan(prefix: str, mlp: nn.Module) -> dict:
-        plan = {f"{prefix}w1": ColwiseParallel(), f"{prefix}w2": RowwiseParallel()}
+    def mlp_plan(mlp: nn.Module) -> dict:
+        plan = {"w1": ColwiseParallel(), "w2": RowwiseParallel()}
         if hasattr(mlp, "w3"):
-            plan[f"{prefix}w3"] = ColwiseParallel()
+            plan["w3"] = ColwiseParallel()
         return plan
 
-    experts = {}
-    for e in moe.experts.indices:
-        experts.update(mlp_plan(f"{e}.", moe.experts[e]))
-    parallelize_module(moe.experts, tp_mesh, experts)
+    if any(m.bias is not None for e in moe.experts for m in e.modules() if isinstance(m, nn.Linear)):
+        for e in moe.experts.indices:  # biased experts (no preset has them): DTensor per expert
+            parallelize_module(moe.experts[e], tp_mesh, mlp_plan(moe.experts[e]))
+    else:
+        moe.experts = TensorParallelExperts({e: moe.experts[e] for e in moe.experts.indices}, tp_mesh)
     if hasattr(moe, "shared_expert"):
-        parallelize_module(moe.shared_expert, dense_tp_mesh, mlp_plan("", moe.shared_expert))
+        parallelize_module(moe.shared_expert, dense_tp_mesh, mlp_plan(moe.shared_expert))
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward; backward sums the tp ranks' partial input gradients (one all-reduce)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Sum of the tp ranks' partial outputs (one all-reduce); identity backward."""
+
+    @staticmethod
+    def forward(ctx, y, group):
+        y = y.contiguous().clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    return w.to_local() if hasattr(w, "to_local") else w
+
+
+class TensorParallelExperts(Experts):
+    """Experts sliced over the tp ranks as Megatron slices an MLP: w1 and w3 by rows, w2 by columns
+    (DTensor parameters on the tp mesh, so FSDP2 and checkpoints see whole experts). Every tp rank
+    routes the same tokens; each runs its slices of all its experts, and the tp ranks exchange once
+    each way for all of them: the partial outputs summed by one all-reduce in the forward, the
+    partial input gradients by one in the backward."""
+
+    def __init__(self, experts: dict[int, nn.Module], tp_mesh):
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        super().__init__(experts)
+        self.group = tp_mesh.get_group()
+        for expert in self:
+            for name, dim in (("w1", 0), ("w3", 0), ("w2", 1)):
+                lin = getattr(expert, name, None)
+                if lin is not None:
+                    lin.weight = nn.Parameter(distribute_tensor(lin.weight, tp_mesh, [Shard(dim)], src_data_rank=None),
+                                              requires_grad=lin.weight.requires_grad)
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        x = _CopyToTP.apply(x, self.group)
+        outs = []
+        for expert, part in zip(self, x.split(counts)):
+            if expert.swiglu:
+                h = F.silu(F.linear(part, _local(expert.w1.weight))) * F.linear(part, _local(expert.w3.weight))
+            else:
+                h = F.gelu(F.linear(part, _local(expert.w1.weight)), approximate="tanh")
+            outs.append(F.linear(h, _local(expert.w2.weight)))
+        y = torch.cat(outs) if outs else x[:0]
+        return _ReduceFromTP.apply(y, self.group)
 
 
 def shard_experts(module: nn.Module, s: LayerStrategy, plan: Plan, dims: ParallelDims, mp_policy, result) -> bool:
