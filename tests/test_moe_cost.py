@@ -158,3 +158,22 @@ def test_searched_mixtral_plan_builds_at_64_ranks():
     proc = subprocess.run([sys.executable, str(root / "tests" / "dist" / "moe_fake_build.py")], cwd=root, env=env,
                           capture_output=True, text=True, timeout=600)
     assert "CHECK mixtral_64_searched_plan_builds ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_expert_layout_matches_the_cost_model():
+    """The runtime's expert placement (runtime/expert_parallel.py) and the cost model's expert
+    shard degree agree, and the ep group's stride is tp, as the all-to-all is priced."""
+    from tessera.cost.memory import expert_shard
+    from tessera.runtime.expert_parallel import ExpertLayout
+
+    for dp, sp, tp, ep, zero, dp_shard in ((8, 1, 1, 8, 1, 0), (8, 1, 2, 4, 3, 4), (4, 2, 1, 2, 2, 0), (16, 1, 1, 4, 0, 0)):
+        s = LayerStrategy(dp=dp, sp="ulysses" if sp > 1 else "none", sp_degree=sp, tp=tp, ep=ep, zero=zero,
+                          dp_shard=dp_shard)
+        layout = ExpertLayout.of(s)
+        assert layout.expert_shard == int(expert_shard(s.shard_degree, dp, sp, ep))
+        shape = layout.mesh_shape(pp=1)
+        assert shape[1] * shape[2] == dp * sp // ep and shape[3:] == (ep, tp)
+        # Stage rank r = q * tp + t: the ep peers of rank 0 are 0, tp, 2 tp, ... and hold all experts.
+        peers = [q * tp for q in range(ep)]
+        experts = sorted(e for r in peers for e in layout.local_experts(8 * ep, layout.ep_rank(r)))
+        assert experts == list(range(8 * ep))

@@ -277,7 +277,7 @@ def _moe_table(moe: dict):
     """Token-slots per expert of each MoE block and the all-to-all volume, per step (last logged)."""
     from rich.table import Table
 
-    table = Table(title=f"routing per step: all-to-all {moe['a2a_bytes'] / 2**20:,.2f} MiB between ranks, "
+    table = Table(title=f"routing per step: all-to-all {moe['a2a_bytes'] / 2**20:,.2f} MiB, "
                         f"router losses {moe['aux_loss']:.4f}")
     table.add_column("block", justify="right")
     table.add_column("token-slots per expert", justify="left")
