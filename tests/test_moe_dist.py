@@ -11,7 +11,7 @@ pytestmark = pytest.mark.dist
 SCRIPT = Path(__file__).parent / "dist" / "moe_equivalence.py"
 
 EXPECTED = {"aux_loss_visible", "ep2_dp2_zero2_mixtral", "ep4_zero1_qwen", "ep2_tp2_sp_qwen", "ep2_pp2_1f1b_mixtral",
-            "ep2_pp2_gpipe_tp2_qwen", "ep2_dp2_capacity_microbatch2_full_recompute",
+            "ep2_pp2_gpipe_tp2_qwen", "ep2_pp2_zero_bubble_mixtral", "ep2_dp2_capacity_microbatch2_full_recompute",
             "ep2_ulysses2_capacity_selective", "ep2_dp2_netmoe_placement", "train_reports_routing",
             "ep_collectives_as_priced", "checkpoint_ep4_resume_ep2"}
 

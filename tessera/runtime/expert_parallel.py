@@ -48,7 +48,7 @@ from torch import nn
 
 from ..errors import TesseraError
 from ..models.moe import Experts, MoE, MoEContext, moe_layers
-from ..plan import LayerStrategy, Plan, Schedule
+from ..plan import LayerStrategy, Plan
 from ..spec.model import LayerKind
 from .mesh import Axis, LayerLayout, ParallelDims, layer_coords
 
@@ -104,9 +104,6 @@ def check_moe_layer(plan: Plan, i: int, s: LayerStrategy, where: str) -> None:
         raise TesseraError(f"{where}.ep={s.ep}: expert parallelism applies to MoE layers only")
     if layer.num_experts % s.ep:
         raise TesseraError(f"{where}.ep={s.ep} does not divide the layer's {layer.num_experts} experts")
-    if plan.pipeline.degree > 1 and plan.pipeline.schedule == Schedule.ZERO_BUBBLE:
-        raise TesseraError(f"{where}.ep={s.ep}: zero-bubble pipelines shard each stage with one fully_shard, "
-                           "which cannot hold experts on their own mesh; use 1f1b, gpipe or interleaved_1f1b")
 
 
 # --- the all-to-all with uneven splits -----------------------------------------------------------

@@ -181,6 +181,10 @@ def plans():
                                                     num_micro_batches=2, stages=((0, 2), (2, 4)))),
         ("ep2_pp2_gpipe_tp2_qwen", QWEN, make_plan(QWEN, w, blocks(QWEN, S(tp=2), S(dp=2, ep=2)),
                                                    num_micro_batches=2, stages=((0, 2), (2, 4)), schedule="gpipe")),
+        ("ep2_pp2_zero_bubble_mixtral", MIXTRAL, make_plan(MIXTRAL, w, blocks(MIXTRAL, S(dp=2, zero=2),
+                                                                              S(dp=2, ep=2, zero=2)),
+                                                          num_micro_batches=2, stages=((0, 2), (2, 4)),
+                                                          schedule="zero_bubble")),
     ]
 
 
