@@ -166,7 +166,8 @@ def test_expert_layout_matches_the_cost_model():
     from tessera.cost.memory import expert_shard
     from tessera.runtime.expert_parallel import ExpertLayout
 
-    for dp, sp, tp, ep, zero, dp_shard in ((8, 1, 1, 8, 1, 0), (8, 1, 2, 4, 3, 4), (4, 2, 1, 2, 2, 0), (16, 1, 1, 4, 0, 0)):
+    cases = ((8, 1, 1, 8, 1, 0), (8, 1, 2, 4, 3, 4), (4, 2, 1, 2, 2, 0), (16, 1, 1, 4, 0, 0))
+    for dp, sp, tp, ep, zero, dp_shard in cases:
         s = LayerStrategy(dp=dp, sp="ulysses" if sp > 1 else "none", sp_degree=sp, tp=tp, ep=ep, zero=zero,
                           dp_shard=dp_shard)
         layout = ExpertLayout.of(s)
