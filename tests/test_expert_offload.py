@@ -66,3 +66,15 @@ def test_decision_brings_busy_experts_and_keeps_idle_ones_on_the_host():
                                micro_batch_tokens=4096)
     assert plan.step_s == pytest.approx(plan.offload_all_s) and all(w == GPU for w in plan.layers[0].where)
     assert expert_loads(100, layer, skew=2.0).sum() == pytest.approx(200)
+
+
+def test_plan_cli_prints_the_offload_decision(capsys):
+    from tessera.cli import main
+
+    args = ["plan", "--model", "mixtral-8x7b", "--gpus", "8", "--gpu", "a100-40gb", "--global-batch", "8",
+            "--seq-len", "512", "--expert-offload"]
+    assert main(args + ["1"]) == 0
+    assert "experts brought to the GPU; bringing every expert" in capsys.readouterr().out
+    assert main(args + ["0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "host TFLOP/s must be > 0" in err and len(err.splitlines()) == 1
