@@ -102,7 +102,9 @@ def grad_norm(params, pp_group=None) -> torch.Tensor:
     """Global L2 norm of the gradients: sqrt(sum over groups of the group's squared norm).
 
     A DTensor group's squared norm sums the local shards over every mesh axis it is sharded on;
-    replicated axes hold copies and are not summed. `pp_group` adds the other pipeline stages.
+    replicated axes hold copies and are not summed. Expert parameters (DTensors on the meshes
+    runtime/expert_parallel.py shards them over) also sum over the expert-parallel group, whose
+    ranks hold the other experts. `pp_group` adds the other pipeline stages.
     """
     from torch.distributed.tensor import Shard
 
@@ -123,12 +125,22 @@ def grad_norm(params, pp_group=None) -> torch.Tensor:
             for axis, placement in enumerate(first.placements):
                 if isinstance(placement, Shard) and mesh.size(axis) > 1:
                     dist.all_reduce(sq, group=mesh.get_group(axis))
+            ep_group = _expert_group(mesh)
+            if ep_group is not None:
+                dist.all_reduce(sq, group=ep_group)
         total = sq if total is None else total + sq.to(total.device)
     if total is None:
         total = torch.zeros(())
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)
     return total.sqrt()
+
+
+def _expert_group(mesh):
+    """The ranks holding the other experts, for a mesh that expert parameters live on (None else)."""
+    from .expert_parallel import ep_group_of
+
+    return ep_group_of(mesh)
 
 
 def clip_grad_norm_(params, max_norm: float, pp_group=None, skip_in_norm: set[int] = frozenset()) -> torch.Tensor:
