@@ -63,7 +63,7 @@ class RankMeasurement:
     device: StateBytes
     host: StateBytes  # CPU offload
     collectives: list[CollectiveRecord]
-    counted_step: int  # 1 or 2
+    counted_step: int  # 1 or 2 (0: built only)
     build_s: float = 0.0
     step_s: float = 0.0
     peak_rss_bytes: float = 0.0
@@ -169,14 +169,17 @@ def _register_fake_backend_hooks(trainer) -> None:
         module.register_comm_hook(module.process_group, allreduce_hook)
 
 
-def measure_rank(plan: Plan, rank: int, materialize: bool = False) -> RankMeasurement:
-    """Build and step `rank` of the plan in a fake world (see the module docstring)."""
+def measure_rank(plan: Plan, rank: int, materialize: bool = False, step: bool = True) -> RankMeasurement:
+    """Build and step `rank` of the plan in a fake world (see the module docstring).
+
+    `step=False` only builds: parameters are measured, no gradient, optimizer state or
+    collective (a quick check that the plan applies)."""
     from .build import rank_trainer, step_batch
     from .world import fake_rank, meta_execution
 
     device = "cpu" if materialize else "meta"
     pp_rank = rank // plan.stage_size
-    with fake_rank(plan.world_size, rank):
+    with fake_rank(plan, rank):
         world = meta_execution(plan) if not materialize else contextlib.nullcontext()
         with world:
             start = time.perf_counter()
@@ -185,11 +188,13 @@ def measure_rank(plan: Plan, rank: int, materialize: bool = False) -> RankMeasur
             built = time.perf_counter()
             tokens, labels = step_batch(trainer, device)
             probe = StateProbe(trainer.model_parts, trainer.optimizers, plan.workload.dtype)
-            counted = 2 if trainer.pipeline is not None else 1
+            counted = (2 if trainer.pipeline is not None else 1) if step else 0
             if counted == 2:
                 trainer.train_step(tokens, labels)
             with CollectiveCounter() as counter:
-                trainer.train_step(tokens, labels)
+                if step:
+                    trainer.train_step(tokens, labels)
+            probe.sample()
             probe.close()
             stepped = time.perf_counter()
     return RankMeasurement(

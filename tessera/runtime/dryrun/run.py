@@ -86,11 +86,11 @@ def should_materialize(plan: Plan) -> bool:
     return plan.model.num_params * 4 * 2 <= MATERIALIZE_LIMIT_BYTES
 
 
-def _child(plan: Plan, rank: int, materialize: bool, conn) -> None:
+def _child(plan: Plan, rank: int, materialize: bool, step: bool, conn) -> None:
     try:
         from .measure import measure_rank
 
-        conn.send(("ok", measure_rank(plan, rank, materialize)))
+        conn.send(("ok", measure_rank(plan, rank, materialize, step)))
     except TesseraError as e:
         conn.send(("refused", str(e)))
     except BaseException as e:  # noqa: BLE001 (reported to the parent with its traceback)
@@ -99,11 +99,11 @@ def _child(plan: Plan, rank: int, materialize: bool, conn) -> None:
         conn.close()
 
 
-def measure_in_child(plan: Plan, rank: int, materialize: bool) -> RankMeasurement:
+def measure_in_child(plan: Plan, rank: int, materialize: bool, step: bool = True) -> RankMeasurement:
     """`measure_rank` in a forked process (a fresh fake world per rank)."""
     ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(plan, rank, materialize, child))
+    proc = ctx.Process(target=_child, args=(plan, rank, materialize, step, child))
     proc.start()
     child.close()
     try:
@@ -131,11 +131,12 @@ def compare_rank(plan: Plan, m: RankMeasurement, memory=None) -> RankComparison:
 
 
 def dry_run(plan: Plan, ranks: list[int] | None = None, materialize: bool | None = None,
-            in_process: bool = False) -> DryRun:
+            in_process: bool = False, step: bool = True) -> DryRun:
     """Measure `ranks` (default: first and last) of the plan at its world size, against the prediction.
 
     `materialize`: real tensors (True), fake ones (False), or by model size (None).
-    `in_process`: measure in this process (one rank only: its fake process group and caches stay)."""
+    `in_process`: measure in this process (one rank only: its fake process group and caches stay).
+    `step=False`: build only (parameters measured, no step)."""
     from ..parallelize import check_plan_supported
 
     check_plan_supported(plan, plan.world_size, pipeline_available=True)  # refused before any process starts
@@ -147,9 +148,9 @@ def dry_run(plan: Plan, ranks: list[int] | None = None, materialize: bool | None
         if in_process:
             from .measure import measure_rank
 
-            m = measure_rank(plan, rank, materialize)
+            m = measure_rank(plan, rank, materialize, step)
         else:
-            m = measure_in_child(plan, rank, materialize)
+            m = measure_in_child(plan, rank, materialize, step)
         log.info("rank %d: %s, built in %.1f s, stepped in %.1f s, peak RSS %.2f GiB", rank, m.mode,
                  m.build_s, m.step_s, m.peak_rss_bytes / 2**30)
         result.ranks.append(RankResult(compare_rank(plan, m, memory), m))

@@ -1,21 +1,21 @@
-"""One rank of a world that does not exist: the fake process group, and execution on meta tensors.
+"""One rank of a world that does not exist: the fake process group, and execution on fake tensors.
 
-`fake_rank(world_size, rank)` initialises PyTorch's fake process-group backend as rank `rank` of
-`world_size` (its collectives are no-ops that still go through the dispatcher, so they can be
-counted) and tears it down afterwards, so that one process can play several ranks in turn.
+`fake_rank(plan, rank)` initialises PyTorch's fake process-group backend as rank `rank` of the
+plan's world (its collectives are no-ops that still go through the dispatcher, so they can be
+counted) and tears it down afterwards. A pipeline stage asks its neighbours for the shapes it
+will receive (dynamic metadata inference, torch >= 2.13); they exist on no process, so inside
+`fake_rank` the answer is computed from the plan's activation layout instead.
 
 `meta_execution(plan)` runs the runtime's own code (FSDP2, DTensor, DDP, pipelining, AdamW) on
-tensors that have shapes and dtypes but no data, at the plan's real sizes and in no memory:
-
-- every tensor created inside is put on the meta device (`MetaWorld`, a dispatch mode);
-- a scalar read from a meta tensor (`float(loss)`, the gradient norm, a pipeline vote) is 0;
+fake tensors (`FakeTensorMode`: a shape, a dtype and a device, no data) at the plan's real sizes
+and in no memory:
+- a scalar read (`float(loss)`, the gradient norm, a pipeline vote) gives 1.0 for a floating
+  tensor (AdamW's step count divides by 1 - beta^step) and 0 for an integer one;
 - row selection by value (MoE routing) assumes uniform routing: each of E experts gets
   tokens * top_k / E rows;
-- FSDP2's refusal to run on meta parameters is lifted (`FSDPParamGroup._validate_no_meta_params`);
-- autocast (the DDP path's bf16) has no meta kernel: the ops autocast lowers (matrix products and
-  attention) get their floating inputs cast by hand;
-- a pipeline stage asks its neighbours for the shapes of what it will receive (dynamic metadata
-  inference, torch >= 2.13): the answer is computed from the plan's activation layout instead.
+- device meshes and process groups are built from real rank tensors (outside the mode);
+- the checks that read parameter values are lifted: FSDP2's refusal of meta parameters, DDP's
+  cross-rank shape check and initial broadcast.
 Values are meaningless; what is exact is what the runtime allocates and which collectives it
 issues, with which group and bytes.
 """
@@ -31,22 +31,26 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ...errors import TesseraError
 from ...plan import Plan
 
-META = torch.device("meta")
 
 @contextlib.contextmanager
-def fake_rank(world_size: int, rank: int) -> Iterator[None]:
-    """Be rank `rank` of a `world_size`-rank fake process group inside the block."""
+def fake_rank(plan: Plan, rank: int) -> Iterator[None]:
+    """Be rank `rank` of the plan's world, on the fake process group, inside the block."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    world_size = plan.world_size
     if dist.is_initialized():
         raise TesseraError("a process group is already initialised: the dry run needs its own fake one")
     if not 0 <= rank < world_size:
         raise TesseraError(f"rank {rank} is outside the plan's world of {world_size} ranks")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        yield
+        with _pipeline_metadata(plan, _DTYPES[plan.workload.dtype]):
+            yield
     finally:
         dist.destroy_process_group()
+
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 class MetaWorld(FakeTensorMode):
@@ -189,9 +193,8 @@ def _pipeline_metadata(plan: Plan, dtype: torch.dtype) -> Iterator[None]:
 
 @contextlib.contextmanager
 def meta_execution(plan: Plan) -> Iterator[MetaWorld]:
-    """Run the runtime on meta tensors (see the module docstring) inside the block."""
+    """Run the runtime on fake tensors (see the module docstring) inside the block."""
     cfg = plan.model.config
     _routing["experts"] = max(cfg.num_experts, 1) if cfg is not None else 1
-    act_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.workload.dtype, torch.float32)
-    with _no_data_checks(), _real_device_meshes(), _pipeline_metadata(plan, act_dtype), MetaWorld() as mode:
+    with _no_data_checks(), _real_device_meshes(), MetaWorld() as mode:
         yield mode
