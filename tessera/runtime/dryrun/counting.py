@@ -107,6 +107,7 @@ class CollectiveCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.records: list[CollectiveRecord] = []
+        self.paused = False  # while True, collectives pass uncounted
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -123,7 +124,7 @@ class CollectiveCounter(TorchDispatchMode):
             record = _c10d(name, args)
         elif namespace in ("_c10d_functional", "_c10d_functional_autograd"):
             record = _functional(name, args)
-        if record is not None:
+        if record is not None and not self.paused:
             self.records.append(record)
         return func(*args, **kwargs)
 

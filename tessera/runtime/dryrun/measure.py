@@ -7,10 +7,12 @@ global-norm clipping, AdamW) and counts the collectives of the last one. With `m
 the tensors are real (a model that fits this machine); otherwise they are fake
 (`world.meta_execution`: exact shapes and dtypes, no data, any size).
 
-Which step is counted: pipelines run one step first (the schedule infers its stages' shapes on
-its first step, with extra forwards) and count the second; other plans count their first step,
-since DDP rebuilds its gradient buckets at the start of the second, which reads data that fake
-tensors do not have (the first step's buckets are the initial ones).
+Which step is counted: the first. A pipeline schedule's first step begins with a one-off
+initialisation (a vote between stages and a forward and backward that infer the stages' shapes):
+neither collectives nor states are recorded during it (`_initialize_pp_stages`, torch >= 2.13;
+with an older torch the second step is counted). DDP rebuilds its gradient buckets at the start
+of the second step, which reads data that fake tensors do not have: what is counted for a DDP
+plan are its initial buckets.
 
 Model states, sampled before and after every forward of every model part, before the optimizer
 step and after it (`StateProbe`), each category at its largest (bytes on the device; what CPU offload
@@ -112,6 +114,8 @@ class StateProbe:
             self.handles.append(opt.register_step_pre_hook(lambda *_: self.sample()))
             self.handles.append(opt.register_step_post_hook(lambda *_: self.sample()))
 
+    paused = False
+
     def close(self) -> None:
         for h in self.handles:
             h.remove()
@@ -119,6 +123,8 @@ class StateProbe:
     def sample(self) -> None:
         from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
+        if self.paused:
+            return
         device, host = StateBytes(), StateBytes()
         fsdp = [item for part in self.parts for item in _fsdp_params(part)]
         handled, offloaded = set(), set()
@@ -169,6 +175,27 @@ def _register_fake_backend_hooks(trainer) -> None:
         module.register_comm_hook(module.process_group, allreduce_hook)
 
 
+def _skip_pipeline_setup(trainer, counter: CollectiveCounter, probe: StateProbe) -> bool:
+    """Record nothing during a pipeline schedule's one-off initialisation; False when this torch's
+    schedule has no separate initialisation to wrap (then the second step is counted)."""
+    if trainer.pipeline is None:
+        return True
+    schedule = trainer.pipeline.schedule
+    setup = getattr(schedule, "_initialize_pp_stages", None)
+    if setup is None:
+        return False
+
+    def quietly(*args, **kwargs):
+        counter.paused = probe.paused = True
+        try:
+            return setup(*args, **kwargs)
+        finally:
+            counter.paused = probe.paused = False
+
+    schedule._initialize_pp_stages = quietly
+    return True
+
+
 def measure_rank(plan: Plan, rank: int, materialize: bool = False, step: bool = True) -> RankMeasurement:
     """Build and step `rank` of the plan in a fake world (see the module docstring).
 
@@ -188,11 +215,13 @@ def measure_rank(plan: Plan, rank: int, materialize: bool = False, step: bool = 
             built = time.perf_counter()
             tokens, labels = step_batch(trainer, device)
             probe = StateProbe(trainer.model_parts, trainer.optimizers, plan.workload.dtype)
-            counted = (2 if trainer.pipeline is not None else 1) if step else 0
-            if counted == 2:
-                trainer.train_step(tokens, labels)
-            with CollectiveCounter() as counter:
-                if step:
+            counter = CollectiveCounter()
+            counted = 0
+            if step:
+                counted = 1 if _skip_pipeline_setup(trainer, counter, probe) else 2
+                if counted == 2:
+                    trainer.train_step(tokens, labels)
+                with counter:
                     trainer.train_step(tokens, labels)
             probe.sample()
             probe.close()
