@@ -42,8 +42,9 @@ can match exactly; `why` starts with "bookkeeping"):
     loss parallel         LM head with tp > 1: per micro-batch, all-reduces over tp of the
                           per-token maximum (ab bytes per token) and of the sum of exponentials
                           and the target logit (4 bytes per token each);
-    sequence-parallel norms  per micro-batch, an all-reduce over tp of each norm parameter's
-                          gradient (h*ab bytes), which Megatron SP leaves partial per rank;
+    sequence-parallel norms  an all-reduce over tp of each norm parameter's gradient, which
+                          Megatron SP leaves partial per rank: per micro-batch (h*ab bytes), or
+                          with a pipeline, whose stages accumulate gradients, once (h*4 bytes);
     tied embeddings       with a pipeline, one all-reduce (first and last stage) of the tied
                           weight's gradient shard (4 bytes per element).
 Collectives over one rank move nothing and are left out. No torch.
@@ -209,7 +210,11 @@ def _bookkeeping(r: _Rank, layers: list[int], add) -> None:
     for i in layers:
         layer, s = plan.model.layers[i], plan.layers[i]
         shard = () if ddp_path or s.shard_degree == 1 else (r.shard_group(s),)
-        candidates = [shard]
+        # Under TP the embedding table is vocabulary-sharded; only GPT-2's learned positions
+        # (and every block's and the head's norms) are sharded by ZeRO alone.
+        learned = plan.model.config is not None and plan.model.config.position == "learned"
+        plain = s.tp == 1 or layer.kind != LayerKind.EMBEDDING or learned
+        candidates = [shard] if plain else []
         if s.tp > 1:
             candidates.append(shard + (r.tp_group(s),))
         for key in candidates:
@@ -229,8 +234,12 @@ def _bookkeeping(r: _Rank, layers: list[int], add) -> None:
                 "bookkeeping: loss parallel, sum of exponentials and target logit")
         if s.tp > 1 and s.sp == SPKind.MEGATRON and layer.kind != LayerKind.EMBEDDING:
             norms = _norm_params(plan, layer)
-            add("all_reduce", s.tp, layer.hidden * r.ab, r.m * norms, layer.name,
-                "bookkeeping: sequence-parallel norm gradients")
+            if pp > 1:  # gradients accumulate across micro-batches: reduced once, in fp32
+                add("all_reduce", s.tp, layer.hidden * 4, norms, layer.name,
+                    "bookkeeping: sequence-parallel norm gradients, once per step")
+            else:
+                add("all_reduce", s.tp, layer.hidden * r.ab, r.m * norms, layer.name,
+                    "bookkeeping: sequence-parallel norm gradients")
     cfg = plan.model.config
     if pp > 1 and cfg is not None and cfg.tie_embeddings:
         first, last = 0, len(plan.pipeline.stages) - 1
