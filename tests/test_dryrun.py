@@ -69,7 +69,7 @@ def test_fake_tensors_measure_what_real_ones_do():
     for plan in plans:
         real = dry_run(plan, [7], materialize=True).ranks[0].measurement
         fake = dry_run(plan, [7], materialize=False).ranks[0].measurement
-        assert (real.mode, fake.mode) == ("materialized", "meta")
+        assert (real.mode, fake.mode) == ("materialized", "fake")
         assert Counter(real.collectives) == Counter(fake.collectives), plan.layers[1].describe()
         assert (real.device, real.host) == (fake.device, fake.host)
 
@@ -94,7 +94,7 @@ def test_big_plans_without_materialising():
     plan = manual_plan(get_model("llama2-7b"), make_cluster("h100-80gb", 64), Workload(global_batch=64, seq_len=512),
                        zero=3)
     r = dry_run(plan, [63]).ranks[0]
-    assert r.measurement.mode == "meta" and r.measurement.peak_rss_bytes < 2 * 2**30
+    assert r.measurement.mode == "fake" and r.measurement.peak_rss_bytes < 2 * 2**30
     assert abs(r.comparison.state_error) < 0.01
     block = plan.model.layers[1].params
     assert Counter(r.measurement.collectives)[CollectiveRecord("all_gather", 64, 2 * block)] == 2 * 32
@@ -156,7 +156,7 @@ def test_cli(tmp_path):
                                     capture_output=True, text=True)
     ok = run("--ranks", "last", "--fake")
     assert ok.returncode == 0, ok.stderr
-    assert "rank 7 (pipeline stage 0) of 8: meta tensors" in ok.stdout and "model states per device" in ok.stdout
+    assert "rank 7 (pipeline stage 0) of 8: fake tensors" in ok.stdout and "model states per device" in ok.stdout
     bad = run("--ranks", "8")
     assert bad.returncode == 2
     assert bad.stderr.strip() == "tessera dryrun: error: --ranks: rank 8 is outside the plan's world of 8 ranks"

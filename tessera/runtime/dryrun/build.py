@@ -1,6 +1,6 @@
 """Build one rank of a plan with the trainer's own code, without its process group or data.
 
-`rank_trainer(plan, rank, device)` returns a `Trainer` whose model, pipeline and optimizers were
+`rank_trainer(plan, rank)` returns a `Trainer` whose model, pipeline and optimizers were
 built by `Trainer.build_model` / `Trainer.build_optimizer` (so `ParallelDims`, `parallelize`
 and `build_pipeline` apply the plan exactly as in training) and whose `train_step` is the
 training step. What `Trainer.__init__` does besides (initialising gloo or NCCL from the
@@ -8,8 +8,8 @@ environment, choosing fp32 on a CPU) is replaced: the caller has initialised the
 group, and the working dtype is the plan's, as on an accelerator (bf16 through FSDP2's
 MixedPrecisionPolicy, or autocast on the DDP path).
 
-`device` is "cpu" to build real tensors (a small model; the trainer builds it whole and shards
-it), or "meta" for `world.meta_execution` (any size).
+Inside `world.fake_execution` every tensor the trainer creates is fake (any model size);
+outside, real (a small model: the trainer builds it whole, then shards it).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from ..parallelize import check_plan_supported
 from ..trainer import TrainConfig, Trainer
 
 
-def rank_trainer(plan: Plan, rank: int, device: str = "meta") -> Trainer:
+def rank_trainer(plan: Plan, rank: int) -> Trainer:
     """A Trainer for `rank` of the plan's world, built inside an initialised (fake) process group."""
     import torch.distributed as dist
 
@@ -44,13 +44,13 @@ def rank_trainer(plan: Plan, rank: int, device: str = "meta") -> Trainer:
     return trainer
 
 
-def step_batch(trainer: Trainer, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens and labels of one step for this rank's data block (random ids; meta in a meta world)."""
+def step_batch(trainer: Trainer, fake: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and labels of one step for this rank's data block (random ids, or fake ones)."""
     plan = trainer.plan
     rows = plan.workload.global_batch // trainer.data_size
     shape = (rows, plan.workload.seq_len)
-    if device == "meta":
-        tokens = torch.empty(shape, dtype=torch.long, device="meta")
+    if fake:
+        tokens = torch.empty(shape, dtype=torch.long)
         return tokens, tokens
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, plan.model.config.vocab_size, shape, generator=gen)

@@ -3,9 +3,9 @@
 `measure_rank(plan, rank, materialize)` builds the rank with the trainer's own code
 (`build.rank_trainer`) inside a fake process group of the plan's world size, then runs training
 steps (`Trainer.train_step`: the micro-batch loop or the pipeline schedule, gradient rescale,
-global-norm clipping, AdamW) and counts the collectives of the last one. With `materialize`
+global-norm clipping, AdamW) and counts the collectives of one of them (below). With `materialize`
 the tensors are real (a model that fits this machine); otherwise they are fake
-(`world.meta_execution`: exact shapes and dtypes, no data, any size).
+(`world.fake_execution`: exact shapes and dtypes, no data, any size).
 
 Which step is counted: the first. A pipeline schedule's first step begins with a one-off
 initialisation (a vote between stages and a forward and backward that infer the stages' shapes):
@@ -61,7 +61,7 @@ class StateBytes:
 class RankMeasurement:
     rank: int
     pp_rank: int
-    mode: str  # "materialized" or "meta"
+    mode: str  # "materialized" or "fake"
     device: StateBytes
     host: StateBytes  # CPU offload
     collectives: list[CollectiveRecord]
@@ -202,18 +202,17 @@ def measure_rank(plan: Plan, rank: int, materialize: bool = False, step: bool = 
     `step=False` only builds: parameters are measured, no gradient, optimizer state or
     collective (a quick check that the plan applies)."""
     from .build import rank_trainer, step_batch
-    from .world import fake_rank, meta_execution
+    from .world import fake_rank, fake_execution
 
-    device = "cpu" if materialize else "meta"
     pp_rank = rank // plan.stage_size
     with fake_rank(plan, rank):
-        world = meta_execution(plan) if not materialize else contextlib.nullcontext()
+        world = fake_execution(plan) if not materialize else contextlib.nullcontext()
         with world:
             start = time.perf_counter()
-            trainer = rank_trainer(plan, rank, device)
+            trainer = rank_trainer(plan, rank)
             _register_fake_backend_hooks(trainer)
             built = time.perf_counter()
-            tokens, labels = step_batch(trainer, device)
+            tokens, labels = step_batch(trainer, fake=not materialize)
             probe = StateProbe(trainer.model_parts, trainer.optimizers, plan.workload.dtype)
             counter = CollectiveCounter()
             counted = 0
@@ -227,7 +226,7 @@ def measure_rank(plan: Plan, rank: int, materialize: bool = False, step: bool = 
             probe.close()
             stepped = time.perf_counter()
     return RankMeasurement(
-        rank=rank, pp_rank=pp_rank, mode="materialized" if materialize else "meta",
+        rank=rank, pp_rank=pp_rank, mode="materialized" if materialize else "fake",
         device=probe.device, host=probe.host, collectives=counter.records, counted_step=counted,
         build_s=built - start, step_s=stepped - built,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0)

@@ -6,7 +6,7 @@ counted) and tears it down afterwards. A pipeline stage asks its neighbours for 
 will receive (dynamic metadata inference, torch >= 2.13); they exist on no process, so inside
 `fake_rank` the answer is computed from the plan's activation layout instead.
 
-`meta_execution(plan)` runs the runtime's own code (FSDP2, DTensor, DDP, pipelining, AdamW) on
+`fake_execution(plan)` runs the runtime's own code (FSDP2, DTensor, DDP, pipelining, AdamW) on
 fake tensors (`FakeTensorMode`: a shape, a dtype and a device, no data) at the plan's real sizes
 and in no memory:
 - a scalar read (`float(loss)`, the gradient norm, a pipeline vote) gives 1.0 for a floating
@@ -53,7 +53,7 @@ def fake_rank(plan: Plan, rank: int) -> Iterator[None]:
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-class MetaWorld(FakeTensorMode):
+class FakeWorld(FakeTensorMode):
     """Fake tensors (shapes, dtypes and a device, no data) for everything created inside;
     a scalar read gives 1.0 (floating) or 0 (integer), MoE routing is uniform."""
 
@@ -149,7 +149,7 @@ def allreduce_hook(group, bucket):
 
 
 def activation_meta(plan: Plan, layer: int, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor (fake inside `meta_execution`) shaped like the activation one rank holds after plan layer `layer`, per
+    """A tensor (fake inside `fake_execution`) shaped like the activation one rank holds after plan layer `layer`, per
     micro-batch (what a pipeline chunk ending at that layer sends to the next)."""
     from ..layout import ActLayout
 
@@ -192,9 +192,9 @@ def _pipeline_metadata(plan: Plan, dtype: torch.dtype) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def meta_execution(plan: Plan) -> Iterator[MetaWorld]:
+def fake_execution(plan: Plan) -> Iterator[FakeWorld]:
     """Run the runtime on fake tensors (see the module docstring) inside the block."""
     cfg = plan.model.config
     _routing["experts"] = max(cfg.num_experts, 1) if cfg is not None else 1
-    with _no_data_checks(), _real_device_meshes(), MetaWorld() as mode:
+    with _no_data_checks(), _real_device_meshes(), FakeWorld() as mode:
         yield mode
