@@ -56,10 +56,6 @@ from dataclasses import dataclass
 from ..plan import LayerStrategy, Plan, Recompute, SPKind
 from ..spec.model import LayerKind, LayerSpec
 
-PER_MICRO_BATCH = "per micro-batch"
-PER_STEP = "per step"
-
-
 @dataclass(frozen=True)
 class Collective:
     kind: str  # all_reduce, all_gather, reduce_scatter, all_to_all, send, recv
