@@ -9,8 +9,9 @@ the tensors are real (a model that fits this machine); otherwise they are fake
 
 Which step is counted: the first. A pipeline schedule's first step begins with a one-off
 initialisation (a vote between stages and a forward and backward that infer the stages' shapes):
-neither collectives nor states are recorded during it (`_initialize_pp_stages`, torch >= 2.13;
-with an older torch the second step is counted). DDP rebuilds its gradient buckets at the start
+its collectives are not counted (`_initialize_pp_stages`, torch >= 2.13; with an older torch the
+second step is counted), but the model states it holds are (its forward unshards every chunk's
+parameters at once: a peak the first training step meets). DDP rebuilds its gradient buckets at the start
 of the second step, which reads data that fake tensors do not have: what is counted for a DDP
 plan are its initial buckets.
 
@@ -114,8 +115,6 @@ class StateProbe:
             self.handles.append(opt.register_step_pre_hook(lambda *_: self.sample()))
             self.handles.append(opt.register_step_post_hook(lambda *_: self.sample()))
 
-    paused = False
-
     def close(self) -> None:
         for h in self.handles:
             h.remove()
@@ -123,8 +122,7 @@ class StateProbe:
     def sample(self) -> None:
         from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
-        if self.paused:
-            return
+
         device, host = StateBytes(), StateBytes()
         fsdp = [item for part in self.parts for item in _fsdp_params(part)]
         handled, offloaded = set(), set()
@@ -175,9 +173,9 @@ def _register_fake_backend_hooks(trainer) -> None:
         module.register_comm_hook(module.process_group, allreduce_hook)
 
 
-def _skip_pipeline_setup(trainer, counter: CollectiveCounter, probe: StateProbe) -> bool:
-    """Record nothing during a pipeline schedule's one-off initialisation; False when this torch's
-    schedule has no separate initialisation to wrap (then the second step is counted)."""
+def _skip_pipeline_setup(trainer, counter: CollectiveCounter) -> bool:
+    """Count no collective during a pipeline schedule's one-off initialisation; False when this
+    torch's schedule has no separate initialisation to wrap (then the second step is counted)."""
     if trainer.pipeline is None:
         return True
     schedule = trainer.pipeline.schedule
@@ -186,11 +184,11 @@ def _skip_pipeline_setup(trainer, counter: CollectiveCounter, probe: StateProbe)
         return False
 
     def quietly(*args, **kwargs):
-        counter.paused = probe.paused = True
+        counter.paused = True
         try:
             return setup(*args, **kwargs)
         finally:
-            counter.paused = probe.paused = False
+            counter.paused = False
 
     schedule._initialize_pp_stages = quietly
     return True
@@ -217,7 +215,7 @@ def measure_rank(plan: Plan, rank: int, materialize: bool = False, step: bool = 
             counter = CollectiveCounter()
             counted = 0
             if step:
-                counted = 1 if _skip_pipeline_setup(trainer, counter, probe) else 2
+                counted = 1 if _skip_pipeline_setup(trainer, counter) else 2
                 if counted == 2:
                     trainer.train_step(tokens, labels)
                 with counter:
