@@ -1,0 +1,57 @@
+"""Build one rank of a plan with the trainer's own code, without its process group or data.
+
+`rank_trainer(plan, rank)` returns a `Trainer` whose model, pipeline and optimizers were
+built by `Trainer.build_model` / `Trainer.build_optimizer` (so `ParallelDims`, `parallelize`
+and `build_pipeline` apply the plan exactly as in training) and whose `train_step` is the
+training step. What `Trainer.__init__` does besides (initialising gloo or NCCL from the
+environment, choosing fp32 on a CPU) is replaced: the caller has initialised the fake process
+group, and the working dtype is the plan's, as on an accelerator (bf16 through FSDP2's
+MixedPrecisionPolicy, or autocast on the DDP path).
+
+Inside `world.fake_execution` every tensor the trainer creates is fake (any model size);
+outside, real (a small model: the trainer builds it whole, then shards it).
+"""
+from __future__ import annotations
+
+import torch
+
+from ...errors import TesseraError
+from ...plan import Plan
+from ..mesh import ParallelDims
+from ..optim import OptimConfig
+from ..parallelize import check_plan_supported
+from ..trainer import TrainConfig, Trainer
+
+
+def rank_trainer(plan: Plan, rank: int) -> Trainer:
+    """A Trainer for `rank` of the plan's world, built inside an initialised (fake) process group."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() != plan.world_size or dist.get_rank() != rank:
+        raise TesseraError(f"rank_trainer needs a process group of {plan.world_size} ranks in which it is rank {rank}")
+    check_plan_supported(plan, plan.world_size, pipeline_available=True)
+    trainer = Trainer.__new__(Trainer)  # Trainer.__init__ minus build_distributed and the data/metrics setup
+    trainer.config = TrainConfig(plan=plan, steps=2, optim=OptimConfig(warmup_steps=1, total_steps=2))
+    trainer.plan, trainer.on_step, trainer.step = plan, None, 0
+    trainer.rank, trainer.world_size = rank, plan.world_size
+    # Meshes are built for the accelerator's device type only in name: the fake backend serves both.
+    trainer.device = torch.device("cpu")
+    trainer.dims = ParallelDims.from_plan(plan, plan.world_size, trainer.device.type)
+    trainer.dtype = plan.workload.dtype
+    trainer.build_model()
+    trainer.build_optimizer()
+    trainer.loader = trainer.data_iter = trainer.metrics = None
+    return trainer
+
+
+def step_batch(trainer: Trainer, fake: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and labels of one step for this rank's data block (random ids, or fake ones)."""
+    plan = trainer.plan
+    rows = plan.workload.global_batch // trainer.data_size
+    shape = (rows, plan.workload.seq_len)
+    if fake:
+        tokens = torch.empty(shape, dtype=torch.long)
+        return tokens, tokens
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, plan.model.config.vocab_size, shape, generator=gen)
+    return tokens, torch.roll(tokens, -1, dims=1)
