@@ -88,6 +88,24 @@ class Trainer:
         self.on_step = on_step
         self.step = 0
         self.build_distributed()
+        self.build()
+
+    @classmethod
+    def on_process_group(cls, config: TrainConfig, device: torch.device, dtype: str) -> "Trainer":
+        """A trainer on a process group that already exists and that it does not own (the dry
+        run's fake one at the plan's world size), computing in `dtype` on `device` whatever this
+        machine has: the same build as training, without starting a process group."""
+        self = cls.__new__(cls)
+        self.config, self.plan, self.on_step, self.step = config, config.plan, None, 0
+        self.device, self.dtype, self.owns_process_group = device, dtype, False
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.dims = ParallelDims.from_plan(self.plan, self.world_size, self.device.type)
+        self.build()
+        return self
+
+    def build(self) -> None:
+        """Everything after the process group: model, optimizer, sample placement, data, metrics."""
+        config = self.config
         check_plan_supported(self.plan, self.world_size, pipeline_available=_pipeline_available())
         self.build_model()
         self.build_optimizer()

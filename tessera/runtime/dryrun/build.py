@@ -30,17 +30,9 @@ def rank_trainer(plan: Plan, rank: int) -> Trainer:
     if not dist.is_initialized() or dist.get_world_size() != plan.world_size or dist.get_rank() != rank:
         raise TesseraError(f"rank_trainer needs a process group of {plan.world_size} ranks in which it is rank {rank}")
     check_plan_supported(plan, plan.world_size, pipeline_available=True)
-    trainer = Trainer.__new__(Trainer)  # Trainer.__init__ minus build_distributed and the data/metrics setup
-    trainer.config = TrainConfig(plan=plan, steps=2, optim=OptimConfig(warmup_steps=1, total_steps=2))
-    trainer.plan, trainer.on_step, trainer.step = plan, None, 0
-    trainer.rank, trainer.world_size = rank, plan.world_size
     # Meshes are built for the accelerator's device type only in name: the fake backend serves both.
-    trainer.device = torch.device("cpu")
-    trainer.dims = ParallelDims.from_plan(plan, plan.world_size, trainer.device.type)
-    trainer.dtype = plan.workload.dtype
-    trainer.build_model()
-    trainer.build_optimizer()
-    trainer.loader = trainer.data_iter = trainer.metrics = None
+    config = TrainConfig(plan=plan, steps=2, optim=OptimConfig(warmup_steps=1, total_steps=2))
+    trainer = Trainer.on_process_group(config, torch.device("cpu"), plan.workload.dtype)
     return trainer
 
 
