@@ -164,6 +164,14 @@ def check_batch_divides(workload, cluster, opts: dict) -> None:
                            f"micro-batch size {mbs} = {dp * mbs}")
 
 
+def search_options(cluster):
+    """The search space for `cluster`: a CPU has no host memory apart from its own, so nothing is
+    offloaded there (it would save no memory and add copies)."""
+    from ..search.space import SearchOptions
+
+    return SearchOptions(allow_offload=not cluster.device.name.lower().startswith("cpu"))
+
+
 def evaluated(plan):
     """The plan with its prediction (hand-made plans and baselines may come without one)."""
     if plan.prediction is not None:
@@ -196,7 +204,7 @@ def make_plan(args, model, cluster, workload, console):
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
         progress.add_task(f"searching plans for {model.name} on {cluster.num_gpus} GPUs", total=None)
-        plan = evaluated(search(model, cluster, workload, None))
+        plan = evaluated(search(model, cluster, workload, search_options(cluster)))
     return plan, time.perf_counter() - start
 
 

@@ -61,8 +61,10 @@ def make_local_plan(model_name: str, nproc: int, workload, cluster=None, model=N
     built-in CPU figures)."""
     from ..search import search
     from ..spec.presets.clusters import local_cpu_cluster
+    from .plan import search_options
 
-    return search(model or _model_spec(model_name), cluster or local_cpu_cluster(nproc), workload)
+    cluster = cluster or local_cpu_cluster(nproc)
+    return search(model or _model_spec(model_name), cluster, workload, options=search_options(cluster))
 
 
 def make_replicated_plan(model_name: str, nproc: int, workload, cluster=None, model=None):
