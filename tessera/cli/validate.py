@@ -38,10 +38,14 @@ def run(args: argparse.Namespace) -> int:
         raise TesseraError(f"--steps must be at least 1, got {args.steps}")
     plans = [Plan.load(p) for p in args.plan]
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    from ..runtime.machine import check_plan_fits_machine, this_machine
+
+    machine, local_world = this_machine(), int(os.environ.get("LOCAL_WORLD_SIZE", world))
     for path, plan in zip(args.plan, plans):
         if plan.world_size != world:
             raise TesseraError(f"plan {path} was made for {plan.world_size} ranks, but {world} are running; "
                                f"launch with torchrun --nproc-per-node {plan.world_size}")
+        check_plan_fits_machine(plan, machine, local_world, f"plan {path}")  # its predictions are of that machine
     gauge = None
     if args.model_profile:
         from ..profile.apply import load_model_profile

@@ -4,6 +4,8 @@
 - `check_plan_fits_machine(plan, machine, local_world)`: a plan made for another device, dtype
   or node size is refused in one line saying what it was made for and how to plan for this
   machine (its predicted step time and memory would be about another machine).
+- `check_model_fits_host(...)`: a model that cannot train (or be profiled) in this host's memory
+  is refused in one line before anything is built.
 - `cluster_for_this_machine(...)`: the `ClusterSpec` a plan for this machine is searched on. A GPU
   of a preset kind (`spec.presets.clusters.DEVICES`) gets its preset; a CPU gets a quick measured
   profile (`tessera.profile.measure.quick`: hardware and the model, at the run's rank count, cached per
@@ -92,6 +94,39 @@ def check_plan_fits_machine(plan, machine: Machine, local_world: int, source: st
                            f"{local_world} run on this node: its groups would span other nodes than planned")
 
 
+GiB = 2**30
+
+
+def available_memory() -> float:
+    """Bytes of host memory available now (MemAvailable on Linux, else the physical memory)."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def check_model_fits_host(model, ranks: int, what: str = "train", element_bytes: int = 4,
+                          available: float | None = None) -> None:
+    """Refuse in one line what cannot fit this host's memory, before it is built: training needs at
+    least 16 bytes per parameter in fp32 (weights, gradients, AdamW's two moments) spread over all
+    `ranks`; profiling builds the whole model on every rank (`element_bytes` per parameter)."""
+    available = available_memory() if available is None else available
+    if what == "profile":
+        need, how = model.num_params * element_bytes * ranks, (f"builds the whole model on each of {ranks} "
+                                                                f"rank{'s' * (ranks > 1)}")
+    else:
+        need, how = 16.0 * model.num_params, "needs 16 bytes per parameter (fp32 weights, gradients, AdamW state)"
+    if need > available:
+        raise TesseraError(f"{model.name} ({model.num_params / 1e9:.2f}B parameters) cannot {what} on this machine: "
+                           f"it {how}, about {need / GiB:.1f} GiB, and {available / GiB:.1f} GiB of memory is free; "
+                           f"{what} it on the GPUs it is meant for, or pick a smaller model")
+
+
 @dataclass
 class PlanningTarget:
     """What a plan for this machine is searched on, and a line saying where the figures come from."""
@@ -123,6 +158,7 @@ def cluster_for_this_machine(choice: str, machine: Machine, world: int, local_wo
         return PlanningTarget(local_cpu_cluster(world), None, "rough built-in CPU figures (not measured)")
     from ..profile.measure import quick
 
+    check_model_fits_host(model, world)
     measure = measure or quick.quick_profile
     found = measure(model, world, under_torchrun, again=choice == "measure")
     return PlanningTarget(found.cluster, found.model_profile, found.note)
