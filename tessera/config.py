@@ -403,12 +403,9 @@ def _flag_value(value: Any) -> str:
     return str(value)
 
 
-# Fields that exclude each other, and why.
+# Fields that exclude each other, and why. (A plan file and the model, batch and sequence length
+# it fixes are checked against the plan once it is read: `check_plan_agrees`.)
 CONFLICTS: tuple[tuple[str, str, str], ...] = (
-    ("plan.file", "model.name", "a plan already names its model"),
-    ("plan.file", "data.global_batch", "a plan already fixes the global batch"),
-    ("plan.file", "data.seq_len", "a plan already fixes the sequence length"),
-    ("plan.file", "plan.cluster", "a plan was made for its own cluster"),
     ("plan.file", "plan.model_profile", "a plan was made with its own profile"),
     ("model.init_from", "model.name", "the checkpoint's config.json is the model"),
     ("data.synthetic", "data.path", "synthetic data reads no files"),
@@ -439,6 +436,23 @@ def resolve_config(args: argparse.Namespace) -> tuple[RunConfig, Sources]:
             raise TesseraError(f"{sources.describe(first, config.get(first))} conflicts with "
                                f"{sources.describe(second, config.get(second))}: {why}; give one of them")
     return config, sources
+
+
+def check_plan_agrees(config: RunConfig, sources: Sources, plan) -> None:
+    """A plan file fixes the model, the global batch, the sequence length and the cluster: a field
+    given for them must say the same (one line naming both)."""
+    where = sources.describe("plan.file", config.plan.file)
+    if sources.given("plan.cluster") and config.plan.cluster != "auto":
+        raise TesseraError(f"{sources.describe('plan.cluster', config.plan.cluster)} conflicts with {where}: "
+                           "a plan was made for its own cluster; give one of them")
+    w = plan.workload
+    for key, planned, what in (("model.name", plan.model.name, "model"), ("data.global_batch", w.global_batch,
+                               "global batch"), ("data.seq_len", w.seq_len, "sequence length")):
+        value = config.get(key)
+        if sources.given(key) and value is not None and value != planned and not (
+                key == "model.name" and config.model.init_from):
+            raise TesseraError(f"{sources.describe(key, value)} conflicts with {where}, whose {what} is "
+                               f"{planned}; give one of them")
 
 
 def _set(config: RunConfig, sources: Sources, key: str) -> bool:

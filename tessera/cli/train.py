@@ -33,9 +33,10 @@ Every flag overrides the config field named in its help; `--config` files are TO
 sections [model] [data] [plan] [train] [optim] [eval] [checkpoint] [log] [run] (examples/demo.toml).
 
 Each run keeps its records in runs/<name>/<run-id>/ (--out): config.toml (the resolved config:
-`tessera train --config` of it reruns the run), plan.json, metrics.jsonl (one line per step with
-the run id) and checkpoints/ (the latest 3: --checkpoint-keep). --resume of the run directory
-continues it: same directory, same metrics file, no step twice.
+`tessera train --config` of it reruns the run, planned again for the machine it runs on),
+plan.json (the plan it ran), metrics.jsonl (one line per step with the run id) and checkpoints/
+(the latest 3: --checkpoint-keep). --resume of the run directory continues it with its config:
+same directory, same metrics file, no step twice (flags still override, e.g. --steps, --nproc).
 
 examples:
   tessera train --model tiny-llama --nproc 2 --eval-every 25
@@ -100,8 +101,8 @@ def run(args) -> int:
     from ..config import resolve_config
 
     _resume_with_its_config(args)
-    config, _ = resolve_config(args)
-    job = prepare(config)
+    config, sources = resolve_config(args)
+    job = prepare(config, sources)
     if job.world > 1 and not _under_torchrun():
         return _launch(job)
     return _train_here(job)
@@ -118,9 +119,14 @@ def _resume_with_its_config(args) -> None:
             args.config = str(run_dir / CONFIG_FILE)
 
 
-def prepare(config) -> Job:
+# The plan the launcher made, for the ranks it starts (they execute it, they do not plan again).
+LAUNCHED_PLAN = "TESSERA_RUN_PLAN"
+
+
+def prepare(config, sources=None) -> Job:
     """Plan (or load the plan), check it against this machine and the inputs, and name the run's
     directory; every rank of a torchrun job gets rank 0's run id and plan."""
+    from ..config import check_plan_agrees
     from ..plan import Plan
     from ..runtime.machine import check_plan_fits_machine, this_machine
     from ..runtime.runs import agree_across_ranks, resolve_run
@@ -129,12 +135,13 @@ def prepare(config) -> Job:
     world = int(os.environ["WORLD_SIZE"]) if under else (config.plan.nproc or 1)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if under else world
     machine = this_machine()
-    if config.model.init_from:
-        from ..models.hf_load import hf_model_config
-
-        hf_model_config(config.model.init_from)  # the directory, config.json and its features, in one line
-    if config.plan.file:
+    _check_inputs(config)  # before planning, which may measure this machine
+    if os.environ.get(LAUNCHED_PLAN):
+        plan, note = Plan.load(os.environ[LAUNCHED_PLAN]), "the launcher's plan"
+    elif config.plan.file:
         plan, note = Plan.load(config.plan.file), f"plan {config.plan.file}"
+        if sources is not None:
+            check_plan_agrees(config, sources, plan)
     else:
         plan, note = _plan_for_machine(config, machine, world, local_world, under)
     if config.plan.adaptive:
@@ -151,8 +158,10 @@ def prepare(config) -> Job:
         config, plan = RunConfig.model_validate(resolved, strict=False), Plan.from_json(plan_json)
         config, paths = resolve_run(config, plan.model.name)
     w = plan.workload
-    config = config.replace(**{"data.global_batch": w.global_batch, "data.seq_len": w.seq_len,
-                               "plan.file": str(paths.plan), "plan.nproc": world})
+    resolved = {"data.global_batch": w.global_batch, "data.seq_len": w.seq_len, "plan.nproc": world}
+    if config.plan.file:  # a given plan is the run's copy of it; a searched one is searched again
+        resolved.update({"plan.file": str(paths.plan), "model.name": plan.model.name})
+    config = config.replace(**resolved)
     return Job(config=config, plan=plan, paths=paths, world=world, note=note)
 
 
@@ -177,19 +186,31 @@ def _plan_for_machine(config, machine, world: int, local_world: int, under: bool
     return make(name, world, workload, cluster=target.cluster, model=model), target.note
 
 
+def _check_inputs(config) -> None:
+    """What the run reads, before anything is planned or started: the data, the checkpoint to
+    resume, and a Hugging Face directory (its shards, tokenizer and the data it tokenizes)."""
+    data, init_from = config.data.path, config.model.init_from
+    if data is not None and not (Path(data).is_dir() or (init_from and Path(data).is_file())):
+        raise TesseraError(f"data directory {data} does not exist")
+    resume = config.checkpoint.resume
+    if resume is not None and not Path(resume).exists():
+        raise TesseraError(f"checkpoint directory {resume} does not exist")
+    if init_from is not None:
+        _check_init_from(config)
+
+
 def _validate(plan, world: int, config) -> None:
     from ..runtime.parallelize import check_plan_supported
     from ..runtime.trainer import _pipeline_available
 
     check_plan_supported(plan, world, pipeline_available=_pipeline_available())
-    data, init_from = config.data.path, config.model.init_from
-    if data is not None and not (Path(data).is_dir() or (init_from and Path(data).is_file())):
-        raise TesseraError(f"data directory {data} does not exist")
-    if init_from is not None:
-        _check_init_from(plan, config)
-    resume = config.checkpoint.resume
-    if resume is not None and not Path(resume).exists():
-        raise TesseraError(f"checkpoint directory {resume} does not exist")
+    if config.model.init_from is not None:
+        from ..models.hf_load import hf_model_config, same_architecture
+
+        cfg = hf_model_config(config.model.init_from)
+        if plan.model.config is not None and not same_architecture(cfg, plan.model.config):
+            raise TesseraError(f"the plan is for the model {plan.model.name}, not for the checkpoint in "
+                               f"{config.model.init_from} (its config.json describes another architecture)")
     for package, asked in (("tensorboard", config.log.tensorboard), ("wandb", config.log.wandb)):
         if asked and not _installed(package) and int(os.environ.get("RANK", "0")) == 0 and not _under_torchrun():
             print(f"log.{package} is on, but {package} is not installed: logging to metrics.jsonl only", flush=True)
@@ -201,16 +222,13 @@ def _installed(package: str) -> bool:
     return find_spec(package) is not None
 
 
-def _check_init_from(plan, config) -> None:
-    """Before any process starts: the plan is for this checkpoint, its shards are all there, its
+def _check_init_from(config) -> None:
+    """Before any process starts: the directory and its config.json, its shards are all there, its
     tokenizer fits the embedding, and the data tokenizes (the ranks then read the token cache)."""
-    from ..models.hf_load import hf_model_config, same_architecture, stored_tensors
+    from ..models.hf_load import hf_model_config, stored_tensors
 
     init_from = config.model.init_from
     cfg = hf_model_config(init_from)
-    if plan.model.config is not None and not same_architecture(cfg, plan.model.config):
-        raise TesseraError(f"the plan is for the model {plan.model.name}, not for the checkpoint in "
-                           f"{init_from} (its config.json describes another architecture)")
     stored_tensors(init_from)
     if not config.data.synthetic:
         from ..runtime.finetune_data import finetune_stream
@@ -248,6 +266,7 @@ def _launch(job: Job) -> int:
            "-m", "tessera", "train", "--config", str(job.paths.config)]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    env[LAUNCHED_PLAN] = str(job.paths.plan)
     print(_headline(job) + f"\nlaunching torchrun with {job.world} processes", flush=True)
     return subprocess.call(cmd, env=env)
 
@@ -321,6 +340,5 @@ def _summary(records, job: Job) -> None:
                   f"{plan.workload.tokens_per_step / step_time:,.0f}",
                   f"{100 * last.mfu:.2f}%" if last.mfu is not None else "-",
                   " ".join(f"{m / 2**20:,.0f}" for m in last.peak_memory_bytes))
-    console = Console()
-    console.print(table)
-    console.print(f"records: {job.paths.dir} (config.toml, plan.json, metrics.jsonl, checkpoints/)")
+    Console().print(table)
+    print(f"records: {job.paths.dir} (config.toml, plan.json, metrics.jsonl, checkpoints/)", flush=True)
