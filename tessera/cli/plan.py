@@ -36,7 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                 "parameters, else 512 x 4096 (capped at the model's maximum).")
     what = p.add_argument_group("what to train")
     what.add_argument("--model", default=DEFAULT_MODEL,
-                      help="preset name (e.g. llama3-70b) or a Hugging Face config.json (file or directory)")
+                      help=f"preset name (e.g. llama3-70b) or a Hugging Face config.json (file or directory) "
+                           f"(default: {DEFAULT_MODEL})")
     what.add_argument("--model-profile", metavar="JSON", help="measured model profile (tessera profile model)")
     what.add_argument("--global-batch", type=int, metavar="N", default=None,
                       help="sequences per step (default: 8 for models under 100M parameters, else 512)")
@@ -65,10 +66,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     manual.add_argument("--sp-degree", type=int, metavar="N", help="Ulysses degree")
     manual.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage")
     manual.add_argument("--dp-shard", type=int, metavar="N", help="hybrid sharding group size (HSDP)")
-    manual.add_argument("--recompute", choices=("none", "selective", "full"))
+    manual.add_argument("--recompute", choices=("none", "selective", "full"), help="activation recompute")
     manual.add_argument("--offload", action="store_true", default=None, help="offload optimizer state")
     manual.add_argument("--ep", type=int, metavar="N", help="expert-parallel degree")
-    manual.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"))
+    manual.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"),
+                        help="pipeline schedule")
     manual.add_argument("--virtual-stages", type=int, metavar="N", help="model chunks per pipeline rank")
     manual.add_argument("--micro-batch-size", type=int, metavar="N", help="sequences per micro-batch")
     out = p.add_argument_group("output")

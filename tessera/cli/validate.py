@@ -20,10 +20,11 @@ from ..profile.fit import STATISTICS
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", nargs="+", required=True, help="plan JSON file(s), run one after another")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per plan")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (lazy initialisation)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per plan (default 20)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first, for lazy initialisation (default 1)")
     parser.add_argument("--statistic", choices=tuple(STATISTICS), default="median",
-                        help="summary of the timed steps: the model profile's (see tessera.profile.fit.STATISTICS)")
+                        help="summary of the timed steps (default: median, as the model profile's; see "
+                             "tessera.profile.fit.STATISTICS)")
     parser.add_argument("--plot", default=None, help="write a bar chart of predicted vs measured here (PNG)")
     parser.add_argument("--json", default=None, help="write the results here as JSON")
     parser.add_argument("--model-profile", default=None,

@@ -96,7 +96,7 @@ def quick_profile(model, world: int, under_torchrun: bool, again: bool = False) 
     rank0 = int(os.environ.get("RANK", "0")) == 0
     if rank0:
         print(f"measuring this machine once at {world} rank{'s' * (world > 1)} to plan for it (hardware, then "
-              f"{model.name}'s layers; a minute or two; cached in {cluster_path.parent})", flush=True)
+              f"{model.name}'s layers; one to three minutes; cached in {cluster_path.parent})", flush=True)
     start = time.perf_counter()
     if under_torchrun:
         measure_here(model.config, cluster_path if todo_cluster else None, model_path)
