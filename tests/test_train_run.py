@@ -1,10 +1,10 @@
 """`tessera train --config` end to end, as a user drives it with its output redirected to a file.
 
-One process trains 3 steps (a checkpoint and an evaluation at step 2), then the run is resumed at
-2 ranks (one torchrun launch) from its directory and continues to step 5: each logged step is a
-line in the output file, the save, the resume and the evaluations have their lines, the metrics
-file holds each step once with the run id, the resumed run repeats the first run's step 3 exactly,
-and the run directory holds the resolved config, which loads back to the same config."""
+One process trains 3 steps (a checkpoint and an evaluation at step 2), then the run is resumed from
+its directory at 2 ranks under a 2-stage pipeline plan (one torchrun launch) and continues to step
+5: each logged step is a line in the output file, the save, the resume and the evaluations have
+their lines, the metrics file holds each step once with the run id, the resumed run repeats the
+first run's step 3 and its evaluation, and the run directory holds the resolved config."""
 import json
 import math
 import os
@@ -39,13 +39,8 @@ def _train(args: list[str], log: Path, cwd: Path) -> str:
     return text
 
 
-@pytest.mark.dist
-def test_train_config_runs_resumes_and_keeps_its_records(tmp_path):
-    from tessera.config import load_config
-
-    docs = _documents(tmp_path / "docs")
-    config = tmp_path / "run.toml"
-    config.write_text(f"""
+def _config(path: Path, docs: Path, runs: Path, plan: str, every: int) -> Path:
+    path.write_text(f"""
 [model]
 name = "tiny-llama"
 [data]
@@ -53,7 +48,7 @@ path = "{docs}"
 global_batch = 4
 seq_len = 64
 [plan]
-cluster = "builtin"
+{plan}
 [train]
 steps = 3
 [optim]
@@ -61,48 +56,70 @@ lr = 1e-3
 warmup_steps = 1
 decay = "linear"
 [eval]
-every = 2
+every = {every}
 batches = 1
 fraction = 0.25
 [checkpoint]
 every = 2
 final = false
 [run]
-out = "{tmp_path}/runs/{{name}}/{{id}}"
+out = "{runs}/{{name}}/{{id}}"
 id = "e2e"
 """)
+    return path
+
+
+@pytest.mark.dist
+def test_train_config_runs_resumes_and_keeps_its_records(tmp_path, capsys):
+    from tessera.cli import main
+    from tessera.config import load_config
+    from tessera.spec.presets.clusters import local_cpu_cluster
+
+    docs = _documents(tmp_path / "docs")
+    runs = tmp_path / "runs"
+    config = _config(tmp_path / "run.toml", docs, runs, 'cluster = "builtin"', every=2)
     first = _train(["--config", str(config)], tmp_path / "first.log", tmp_path)
-    run = tmp_path / "runs" / "tiny-llama" / "e2e"
+    run = runs / "tiny-llama" / "e2e"
     assert [line.split(" |")[0] for line in first.splitlines() if line.startswith("step ")] == \
         ["step 1/3", "step 2/3", "step 3/3"]
     assert f"saved checkpoint of step 2 to {run / 'checkpoints' / 'step-2'}" in first
     assert "eval at step 2: loss " in first and "eval at step 3: loss " in first and "perplexity" in first
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2"]
-    before = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-              if "loss" in r}
+    before = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
-    # Resume the run from its directory at 2 ranks: its own config, two fields overridden.
-    second = _train(["--resume", str(run), "--steps", "5", "--nproc", "2"], tmp_path / "second.log", tmp_path)
+    # Resume the run at 2 ranks under another plan, a 2-stage pipeline, evaluating every step.
+    cpu2 = tmp_path / "cpu2.json"
+    cpu2.write_text(local_cpu_cluster(2).model_dump_json())
+    pp2 = tmp_path / "pp2.json"
+    assert main(["plan", "--model", "tiny-llama", "--cluster", str(cpu2), "--pp", "2", "--schedule", "1f1b",
+                 "--global-batch", "4", "--seq-len", "64", "--micro-batch-size", "1", "-o", str(pp2)]) == 0
+    capsys.readouterr()
+    config2 = _config(tmp_path / "run2.toml", docs, runs, f'file = "{pp2}"', every=1)
+    second = _train(["--config", str(config2), "--resume", str(run), "--steps", "5", "--nproc", "2"],
+                    tmp_path / "second.log", tmp_path)
     assert "launching torchrun with 2 processes" in second
     assert f"resumed from {run / 'checkpoints'} at step 2; dropped 2 metrics lines past it" in second
     assert [line.split(" |")[0] for line in second.splitlines() if line.startswith("step ")] == \
         ["step 3/5", "step 4/5", "step 5/5"]
-    assert "eval at step 4: loss " in second and "eval at step 5: loss " in second
+    assert all(f"eval at step {s}: loss " in second for s in (3, 4, 5))
     assert f"saved checkpoint of step 4 to {run / 'checkpoints' / 'step-4'}" in second
 
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert {r["run_id"] for r in lines} == {"e2e"}
-    steps = [r["step"] for r in lines if "loss" in r]
-    assert steps == [1, 2, 3, 4, 5]  # the first run's step 3 (and its evaluation) dropped, trained again
-    assert [r["step"] for r in lines if "eval_loss" in r] == [2, 4, 5]
-    evals = [r for r in lines if "eval_loss" in r]
-    assert all(r["eval_perplexity"] == pytest.approx(math.exp(r["eval_loss"]), rel=1e-12) for r in evals)
-    again = {r["step"]: r for r in lines if "loss" in r}
-    # The same data, weights and optimizer state: step 3's loss at 2 ranks is what 1 rank had
-    # (its learning rate is not: the schedule now decays over 5 steps).
-    assert again[3]["loss"] == pytest.approx(before[3]["loss"], rel=1e-5)
+    assert [r["step"] for r in lines if "loss" in r] == [1, 2, 3, 4, 5]  # the first run's step 3 dropped
+    assert [r["step"] for r in lines if "eval_loss" in r] == [2, 3, 4, 5]
+    assert all(r["eval_perplexity"] == pytest.approx(math.exp(r["eval_loss"]), rel=1e-12)
+               for r in lines if "eval_loss" in r)
+    # The same data, weights and optimizer state under another plan and world size: step 3 and the
+    # evaluation after it, through the pipeline's forward-only schedule, are what one rank had.
+    old = {("eval" if "eval_loss" in r else "step", r["step"]): r for r in before}
+    new = {("eval" if "eval_loss" in r else "step", r["step"]): r for r in lines}
+    assert new["step", 3]["loss"] == pytest.approx(old["step", 3]["loss"], rel=1e-5)
+    assert new["eval", 3]["eval_loss"] == pytest.approx(old["eval", 3]["eval_loss"], rel=1e-5)
+    assert new["eval", 3]["eval_tokens"] == old["eval", 3]["eval_tokens"]
 
     resolved = load_config(run / "config.toml")
     assert (resolved.train.steps, resolved.plan.nproc, resolved.run.id) == (5, 2, "e2e")
     assert (resolved.data.global_batch, resolved.data.seq_len, resolved.optim.decay) == (4, 64, "linear")
-    assert json.loads((run / "plan.json").read_text())["cluster"]["gpus_per_node"] == 2
+    assert resolved.plan.file == str(run / "plan.json")
+    assert json.loads((run / "plan.json").read_text())["pipeline"]["degree"] == 2

@@ -311,6 +311,8 @@ def _train_here(job: Job) -> int:
     try:
         if progress:
             layers = job.plan.layers[1].describe() if len(job.plan.layers) > 1 else job.plan.layers[0].describe()
+            if job.plan.pipeline.degree > 1:
+                layers = f"pp{job.plan.pipeline.degree} {job.plan.pipeline.schedule.value}, {layers}"
             headline = "" if os.environ.get(LAUNCHED_PLAN) else _headline(job)  # the launcher said it
             progress.start(f"{headline}\n" * bool(headline) + f"training {job.plan.model.name} on "
                            f"{trainer.world_size} rank{'s' * (trainer.world_size > 1)} ({layers} ...)", trainer.step)
