@@ -21,7 +21,9 @@ from ..profile.fit import STATISTICS
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", nargs="+", required=True, help="plan JSON file(s), run one after another")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per plan (default 20)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first, for lazy initialisation (default 1)")
+    parser.add_argument("--untimed-steps", dest="warmup", type=int, default=1, metavar="N",
+                        help="untimed steps first, for lazy initialisation (default 1)")
+    parser.add_argument("--warmup", dest="warmup", type=int, help=argparse.SUPPRESS)  # the earlier name
     parser.add_argument("--statistic", choices=tuple(STATISTICS), default="median",
                         help="summary of the timed steps (default: median, as the model profile's; see "
                              "tessera.profile.fit.STATISTICS)")
