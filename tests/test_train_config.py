@@ -274,8 +274,10 @@ def test_the_held_out_split_is_the_end_of_the_stream_and_never_trained_on():
         TokenLoader(stream, 64, 8, holdout=0.1, split="eval")
 
 
-def test_evaluation_is_the_mean_loss_over_held_out_targets(tmp_path):
-    """`Trainer.evaluate` on one process equals the model's cross-entropy over the same batches."""
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_evaluation_is_the_mean_loss_over_held_out_targets(tmp_path, adaptive):
+    """`Trainer.evaluate` on one process equals the model's cross-entropy over the same batches
+    (two micro-batches of a plan, or the adaptive path's rows)."""
     import torch
     import torch.nn.functional as F
 
@@ -284,8 +286,9 @@ def test_evaluation_is_the_mean_loss_over_held_out_targets(tmp_path):
 
     from tessera.runtime.trainer import SyntheticLoader, TrainConfig, Trainer
 
-    plan = make_plan(LLAMA, 1, S(dp=1), num_micro_batches=2)
-    trainer = Trainer(TrainConfig(plan=plan, steps=1, synthetic_data=True, eval_every=1, eval_batches=2))
+    plan = make_plan(LLAMA, 1, S(dp=1), num_micro_batches=1 if adaptive else 2)
+    trainer = Trainer(TrainConfig(plan=plan, steps=1, synthetic_data=True, eval_every=1, eval_batches=2,
+                                  adaptive=adaptive))
     try:
         loss, tokens = trainer.evaluate()
         w = plan.workload
