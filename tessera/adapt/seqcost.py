@@ -389,8 +389,9 @@ def strategy_set(model: ModelSpec, cluster: ClusterSpec, layout: Layout, default
 
 
 def layout_of_plan(plan) -> Layout:
-    """The adaptive run's layout of a static plan: its TP, and ZeRO sharded over its `dp_shard`
-    ranks (all data-parallel ranks when not hybrid; replicated without ZeRO)."""
+    """The adaptive run's layout of a static plan: its TP (without Megatron sequence parallelism),
+    and ZeRO sharded over its `dp_shard` ranks (all data-parallel ranks when not hybrid; replicated
+    without ZeRO)."""
     if plan.pipeline.degree != 1:
         raise TesseraError(f"adaptive sequence parallelism needs a plan without pipeline parallelism "
                            f"(pipeline.degree is {plan.pipeline.degree})")
@@ -408,7 +409,10 @@ def layout_of_plan(plan) -> Layout:
     shard = 1 if first.zero == 0 else (first.dp_shard or units)
     if units % shard:
         shard = units
-    return Layout(num_ranks=n, tp=first.tp, shard=shard, megatron=first.sp.value == "megatron",
+    # Megatron sequence parallelism is not carried over: its activation re-sharding at the
+    # embedding and head assumes every rank holds a sequence of one length; Ulysses shards the
+    # sequence here, and TP runs plain (and is priced plain).
+    return Layout(num_ranks=n, tp=first.tp, shard=shard, megatron=False,
                   dtype=plan.workload.dtype, optimizer=plan.workload.optimizer)
 
 

@@ -53,8 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--compile", action="store_true", help="torch.compile each block")
     run.add_argument("--adaptive", action="store_true",
-                     help="per-step sequence-parallel groups for each batch's documents (needs a replicated "
-                          "data-parallel plan; the default plan is one)")
+                     help="per-step sequence-parallel groups for each batch's documents, each length group "
+                          "with its own ZeRO working mode and recompute (on the plan's ZeRO/HSDP/TP layout; "
+                          "pipeline degree 1)")
+    run.add_argument("--long-documents", choices=["error", "skip", "truncate"], default="error",
+                     help="--adaptive: what to do with a document longer than any plan holds (default error)")
     out = p.add_argument_group("outputs")
     out.add_argument("--out", default=None, help="run directory for plan.json and metrics.jsonl (default runs/<model>)")
     out.add_argument("--checkpoint-dir", default=None)
@@ -123,6 +126,8 @@ def _child_argv(args, plan_path: Path, metrics: Path) -> list[str]:
         argv += ["--checkpoint-every", str(args.checkpoint_every)]
     argv += [flag for flag, on in (("--compile", args.compile), ("--synthetic-data", args.synthetic_data),
                                    ("--adaptive", args.adaptive)) if on]
+    if args.long_documents != "error":
+        argv += ["--long-documents", args.long_documents]
     return argv
 
 
@@ -199,7 +204,7 @@ def _train_here(args, plan, out: Path) -> int:
         metrics_path=str(out / "metrics.jsonl"), tensorboard_dir=str(out / "tensorboard"),
         log_every=args.log_every, compile=args.compile, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume, adaptive=args.adaptive,
-        init_from=args.init_from)
+        long_documents=args.long_documents, init_from=args.init_from)
     progress = _Progress(args.steps) if int(os.environ.get("RANK", 0)) == 0 else None
     trainer = Trainer(config, on_step=progress.update if progress else None)
     try:

@@ -58,6 +58,8 @@ class TrainConfig:
     resume: str | None = None
     adaptive: bool = False  # per-step sequence-parallel groups for the batch's documents
     adaptive_time_budget_s: float = 0.1
+    adaptive_switching: bool = True  # length groups may switch ZeRO working mode and recompute
+    long_documents: str = "error"  # adaptive: a document no plan holds is an "error", "skip" or "truncate"
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -165,14 +167,26 @@ class Trainer:
         self.autocast = nullcontext()
 
     def build_adaptive(self) -> None:
-        """A replicated model whose steps run on per-step SP groups (`runtime/adaptive.py`)."""
-        from .adaptive import AdaptiveSteps
+        """Per-step sequence-parallel groups (`runtime/adaptive.py`): the plan's layout with its
+        Ulysses degree folded into data parallelism (`varlen.storage_plan`), parallelised on the
+        meta device and materialised like a static plan."""
+        from .adaptive import AdaptiveSteps, check_adaptive_plan
+        from .varlen import storage_plan
 
-        self.materialize(self.model)
-        self.parallel = None
-        self.adaptive = AdaptiveSteps(self.model, self.plan, self.config.adaptive_time_budget_s)
-        self.model_parts = [self.model]
-        self.autocast = nullcontext()
+        check_adaptive_plan(self.plan)
+        if self.config.compile:
+            raise TesseraError("--compile does not run with --adaptive: the shapes change every micro-batch")
+        layout = storage_plan(self.plan)
+        dims = ParallelDims.from_plan(layout, self.world_size, self.device.type)
+        self.parallel = parallelize(self.model, layout, dims, self.rank, mp_policy=fsdp_mixed_precision(self.dtype))
+        self.materialize(self.parallel.chunk)
+        self.parallel.wrap_ddp()
+        self.model_parts = [self.parallel.module]
+        self.loss_fn = self.parallel.loss
+        self.autocast = autocast(self.device.type, self.dtype) if uses_ddp(layout) else nullcontext()
+        self.adaptive = AdaptiveSteps(self.parallel, self.plan, self.config.adaptive_time_budget_s,
+                                      self.config.adaptive_switching, self.config.long_documents)
+        self.adaptive.runner.autocast = self.autocast
 
     def materialize(self, part) -> None:
         """Allocate and initialise this rank's shards of `part`: from the seed, or, with
