@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -469,17 +470,20 @@ def _build(b: Items, idx: np.ndarray, target: float):
     return out
 
 
-def _search(b: Items, idx: np.ndarray) -> MicroBatchSolution | None:
-    """Bisection on the target time: first on the (fast) device count, then on real packings."""
+def _search(b: Items, idx: np.ndarray, deadline: float = math.inf) -> MicroBatchSolution | None:
+    """Bisection on the target time: first on the (fast) device count, then on real packings.
+    Past the `deadline` (wall clock), the best packing found so far (None before the first)."""
     lo = floor = b.lower_bound(idx)
     hi = lo
     for _ in range(60):
         if _pack(b, idx, hi, build=False) <= b.N:
             break
+        if time.perf_counter() > deadline:
+            return None
         lo, hi = hi, hi * 1.5
     else:
         return None
-    while hi - lo > _COUNT_TOLERANCE * hi:
+    while hi - lo > _COUNT_TOLERANCE * hi and time.perf_counter() < deadline:
         mid = 0.5 * (lo + hi)
         if _pack(b, idx, mid, build=False) <= b.N:
             hi = mid
@@ -495,11 +499,13 @@ def _search(b: Items, idx: np.ndarray) -> MicroBatchSolution | None:
             best = _build(b, idx, hi)
             if best is not None:
                 break
+            if time.perf_counter() > deadline:
+                return None
             step = min(step * 1.5, 1.5)
         else:
             return None
     for _ in range(_BUILD_STEPS):
-        if hi - lo <= _BUILD_TOLERANCE * hi:
+        if hi - lo <= _BUILD_TOLERANCE * hi or time.perf_counter() > deadline:
             break
         mid = 0.5 * (lo + hi)
         sol = _build(b, idx, mid)
@@ -511,35 +517,41 @@ def _search(b: Items, idx: np.ndarray) -> MicroBatchSolution | None:
     return b.micro_batch([b.group(c, m) for c, m in best[0]])
 
 
-def solve_micro_batch_heuristic(b: Items, idx: np.ndarray) -> tuple[MicroBatchSolution | None, Items]:
+def solve_micro_batch_heuristic(b: Items, idx: np.ndarray,
+                                deadline: float = math.inf) -> tuple[MicroBatchSolution | None, Items]:
     """The heuristic on one micro-batch's items (bundled); returns the solution and the bundled items."""
     bundled = b.bundled(idx, b.lower_bound(idx) * _BUNDLE)
-    return _search(bundled, np.arange(bundled.n)), bundled
+    return _search(bundled, np.arange(bundled.n), deadline), bundled
 
 
 def _solve_split(b: Items, idx: np.ndarray, deadline: float = math.inf) -> tuple[StepSolution | None, list[Items]]:
-    """The items `idx` cut into the fewest micro-batches memory allows, of equal device-seconds,
-    each solved alone; then up to `_EXTRA_MICRO_BATCHES` more (smaller micro-batches pack more
-    freely, each carries its ZeRO traffic): the fastest whole step."""
-    import time
-
+    """The items `idx` cut into micro-batches of equal device-seconds, each solved alone: as few as
+    the memory of each recompute allows, and one more (smaller micro-batches pack more freely,
+    each carries its ZeRO traffic); the fastest whole step. (When none of those splits packs, more
+    micro-batches, up to `_EXTRA_MICRO_BATCHES` tries.)"""
     weight = np.where(b.fit, b.degrees[None, :] * b.C, np.inf).min(axis=1)  # least device-seconds
-    unit_cap = float(b.cap[b.degrees == 1].max())  # a degree-1 group's memory, the most lenient class
-    first = max(1, math.ceil(b.lens[idx].sum() / (b.N * unit_cap) - 1e-9))
+    unit_caps = b.cap[b.degrees == 1]  # a degree-1 group's memory under each recompute
+    unit_cap = float(unit_caps.max())
+    tokens = float(b.lens[idx].sum())
+    fewest = sorted({max(1, math.ceil(tokens / (b.N * c) - 1e-9)) for c in unit_caps})
+    # the fewest micro-batches each recompute's memory allows, and one more
+    counts = sorted({p for f in fewest for p in (f, f + 1)})
     best = None
     tried = 0
-    for parts in range(first, first + 8 + _EXTRA_MICRO_BATCHES):
+    for parts in counts + list(range(counts[-1] + 1, counts[-1] + 8)):
         split = _split_micro_batches(b, idx, parts, weight, b.N * unit_cap)
         if split is None:
             continue
-        solved = [solve_micro_batch_heuristic(b, part) for part in split]
+        solved = [solve_micro_batch_heuristic(b, part, deadline) for part in split]
         if any(m is None for m, _ in solved):
+            if time.perf_counter() > deadline:
+                break
             continue
         sol = _step_of(b, solved)
         tried += 1
         if best is None or sol[0].time_s < best[0].time_s:
             best = sol
-        if parts == idx.size or tried > _EXTRA_MICRO_BATCHES or time.perf_counter() > deadline:
+        if parts >= idx.size or tried > _EXTRA_MICRO_BATCHES or parts >= counts[-1] or time.perf_counter() > deadline:
             break
     return best if best is not None else (None, [])
 
