@@ -309,6 +309,7 @@ class SPGroupAssignment(Frozen):
     ranks: tuple[int, ...]
     sequences: tuple[int, ...]
     recompute: Recompute | None = None
+    predicted_time_s: float = 0.0
 
     @property
     def degree(self) -> int:
@@ -354,3 +355,13 @@ class StepPlan(Frozen):
     @property
     def micro_batches(self) -> tuple[MicroBatchPlan, ...]:
         return tuple(m for p in self.phases for m in p.micro_batches)
+
+    def unit_times(self) -> list[float]:
+        """Predicted busy seconds of every unit of `tp` ranks over the step (its groups' times)."""
+        units = max((r for m in self.micro_batches for g in m.groups for r in g.ranks), default=-1) // self.tp + 1
+        busy = [0.0] * units
+        for m in self.micro_batches:
+            for g in m.groups:
+                for u in {r // self.tp for r in g.ranks}:
+                    busy[u] += g.predicted_time_s
+        return busy

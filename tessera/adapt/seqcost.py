@@ -442,3 +442,26 @@ def cost_model_from_budget(model: ModelSpec, cluster: ClusterSpec, recompute: st
 def with_capacity(cost: SeqCostModel, cap_tokens) -> SeqCostModel:
     """The same model with other group capacities (tests: a memory budget given by hand)."""
     return replace(cost, cap_tokens=np.asarray(cap_tokens, dtype=np.float64))
+
+
+def plan_sequence_cost(plan) -> tuple[float, float]:
+    """(lin, attn): seconds per token and per token**2 that a document adds to one data-parallel
+    replica's forward + backward under a static plan's own strategies (`layer_costs` of every
+    layer at three (length, sequences) points, summed; the fixed part per micro-batch dropped): what
+    the data loader balances ranks by (`runtime/balanced_data.py`)."""
+    from ..cost.evaluate import plan_context
+
+    base = plan_context(plan)
+    rows = []
+    for seq_len, per_replica in _FIT_POINTS:
+        seqs = per_replica * plan.dp_of_batch
+        wl = plan.workload.model_copy(update={"seq_len": seq_len, "global_batch": seqs, "seq_lens": ()})
+        ctx = replace(base, workload=wl, micro_batch_seqs=seqs)
+        total = 0.0
+        for layer, s in zip(plan.model.layers, plan.layers):
+            c = layer_costs(layer, StrategyTable.build([s]), ctx)
+            total += float(c.fwd[0] + c.bwd[0])
+        rows.append((per_replica * seq_len, per_replica * seq_len * seq_len, total))
+    a = np.array([[1.0, t, q] for t, q, _ in rows])
+    _, lin, attn = np.linalg.solve(a, np.array([r[2] for r in rows]))
+    return max(float(lin), 0.0), max(float(attn), 0.0)

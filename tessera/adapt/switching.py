@@ -299,7 +299,8 @@ def layout(mb: MicroBatchSolution, num_units: int, tp: int = 1) -> MicroBatchPla
     out, offset = [], 0
     for g in groups:
         ranks = tuple(range(offset * tp, (offset + g.degree) * tp))
-        out.append(SPGroupAssignment(ranks=ranks, sequences=tuple(g.sequences), recompute=g.recompute or None))
+        out.append(SPGroupAssignment(ranks=ranks, sequences=tuple(g.sequences), recompute=g.recompute or None,
+                                     predicted_time_s=float(g.time_s)))
         offset += g.degree
     for u in range(offset, num_units):
         out.append(SPGroupAssignment(ranks=tuple(range(u * tp, (u + 1) * tp)), sequences=()))

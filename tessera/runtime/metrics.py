@@ -38,6 +38,10 @@ class StepRecord:
     predicted_step_time_s: float | None = None
     # Adaptive runs: the sequence-parallel group sizes of each micro-batch of the step plan.
     sp_groups: list[list[int]] | None = None
+    # Predicted compute of the busiest and of the mean data-parallel rank (balanced loaders) or
+    # sequence-parallel unit (adaptive runs) in the step, seconds.
+    rank_time_max_s: float | None = None
+    rank_time_mean_s: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -74,6 +78,7 @@ class PendingRecord:
     peaks: list[torch.Tensor]
     work: object  # the peak-memory all-gather in flight
     step_plan: object = None  # an adaptive run's step plan
+    rank_times_s: list[float] | None = None  # predicted compute per rank (balanced loader)
 
 
 class StepSpan:

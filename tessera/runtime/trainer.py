@@ -60,6 +60,7 @@ class TrainConfig:
     adaptive_time_budget_s: float = 0.1
     adaptive_switching: bool = True  # length groups may switch ZeRO working mode and recompute
     long_documents: str = "error"  # adaptive: a document no plan holds is an "error", "skip" or "truncate"
+    balance_data: bool = True  # packed rows to data-parallel ranks by predicted time (runtime/balanced_data.py)
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -232,13 +233,21 @@ class Trainer:
 
             tokenizer = HFTokenizer(self.config.init_from)
             tokenizer.check_fits(self.plan.model.config.vocab_size)
-        # An adaptive run hands every rank the whole global batch (the step plan splits it).
-        rank, size = (0, 1) if self.adaptive is not None else (self.data_rank, self.data_size)
+        # An adaptive run hands every rank the whole global batch (the step plan splits it); a
+        # balanced one reads it whole too and keeps the rows the balancer gives this rank.
+        balance = self.adaptive is None and self.config.balance_data and self.data_size > 1
+        rank, size = (0, 1) if self.adaptive is not None or balance else (self.data_rank, self.data_size)
         loader = build_dataloader(self.config.data, w.seq_len, w.global_batch, rank, size,
                                   self.config.seed, pack=True, tokenizer=tokenizer)
         if loader.vocab_size > self.plan.model.config.vocab_size:
             raise TesseraError(f"the data's tokenizer has {loader.vocab_size} tokens, more than the model's "
                                f"vocabulary of {self.plan.model.config.vocab_size}")
+        if balance:
+            from ..adapt.seqcost import plan_sequence_cost
+            from .balanced_data import BalancedLoader
+
+            lin, attn = plan_sequence_cost(self.plan)
+            loader = BalancedLoader(loader, self.data_rank, self.data_size, self.plan.num_micro_batches, lin, attn)
         return loader
 
     # --- data placement ---------------------------------------------------------------------------
@@ -375,6 +384,7 @@ class Trainer:
         while self.step < self.config.steps:
             batch = next(self.data_iter)
             packed = getattr(batch, "packed", False)
+            self._rank_times_s = getattr(batch, "rank_times_s", None)
             clock.start()
             if self.adaptive is not None:
                 loss = self.adaptive_step(batch)
@@ -406,7 +416,7 @@ class Trainer:
         step_plan = self.adaptive.last_plan if self.adaptive is not None else None
         return PendingRecord(step=self.step, loss=loss, grad_norm=self.grad_norm,
                              lr=self.schedulers[0].get_last_lr()[0], span=span, peaks=peaks, work=work,
-                             step_plan=step_plan)
+                             step_plan=step_plan, rank_times_s=getattr(self, "_rank_times_s", None))
 
     def log_step(self, pending: PendingRecord) -> StepRecord:
         """Read and report one step (waits for that step only)."""
@@ -423,6 +433,9 @@ class Trainer:
         if pending.step_plan is not None:
             record.predicted_step_time_s = pending.step_plan.predicted_time_s
             record.sp_groups = [[g.degree for g in mb.groups] for mb in pending.step_plan.micro_batches]
+        times = pending.step_plan.unit_times() if pending.step_plan is not None else pending.rank_times_s
+        if times:
+            record.rank_time_max_s, record.rank_time_mean_s = max(times), sum(times) / len(times)
         if self.rank == 0:
             log.info("step %d loss %.4f %.0f tok/s", record.step, record.loss, record.tokens_per_s)
             if self.metrics is not None:

@@ -162,6 +162,40 @@ def run_layout(name: str, plan, want_grads, want_losses) -> None:
     trainer.close()
 
 
+def check_balanced_loader(tmp: str) -> None:
+    """A static ZeRO-3 plan on real packed data with the balanced loader: each rank's rows are the
+    balancer's (not the contiguous block), and the gradients equal one process on the global batch."""
+    import numpy as np
+
+    from tessera.runtime.data import build_dataloader
+    from tessera.runtime.tokenizer import EOT_ID
+
+    config = CONFIG.model_copy(update={"name": "tiny-balanced", "vocab_size": EOT_ID + 1, "hidden": 32,
+                                       "num_layers": 1, "ffn_hidden": 48})
+    if dist.get_rank() == 0:
+        rng = np.random.default_rng(0)
+        parts = []
+        for k in range(300):
+            n = int(rng.integers(40, 64)) if (k // 12) % 3 == 0 else int(rng.integers(2, 8))
+            parts += [EOT_ID] + rng.integers(0, 1000, n).tolist()
+        np.save(os.path.join(tmp, "docs.npy"), np.array(parts, dtype=np.int64))
+    dist.barrier()
+    plan = make_plan(config, 4, S(dp=4, zero=3), num_micro_batches=2, global_batch=16, seq_len=64)
+    trainer = Trainer(TrainConfig(plan=plan, steps=1, optim=OPTIM, seed=SEED, data=tmp))
+    batch = next(trainer.build_data())
+    whole = build_dataloader(tmp, 64, 16, 0, 1, seed=SEED).batch_at(0)
+    contiguous = whole.tokens[dist.get_rank() * 4:(dist.get_rank() + 1) * 4]
+    moved = torch.tensor([not torch.equal(batch.tokens, contiguous)])
+    dist.all_reduce(moved)
+    check("balanced_loader_moves_rows", bool(moved.item()) and max(batch.rank_times_s) > 0)
+    trainer.compute_gradients(batch.tokens, batch.labels, batch.positions, batch.doc_ids, batch.num_targets)
+    model = build_model(config, seed=SEED)
+    logits = model(whole.tokens, whole.positions, whole.doc_ids)
+    F.cross_entropy(logits.flatten(0, 1), whole.labels.flatten()).backward()
+    compare_gradients("balanced_loader", trainer, {n: p.grad for n, p in model.named_parameters()})
+    trainer.close()
+
+
 def no_dense_mask(doc_ids):
     raise AssertionError(f"a dense {tuple(doc_ids.shape)} document mask was built")
 
@@ -186,6 +220,7 @@ def main() -> None:
     ]
     for name, plan in layouts:
         run_layout(name, plan, want_grads, want_losses)
+    check_balanced_loader(sys.argv[1])
     dist.destroy_process_group()
 
 
