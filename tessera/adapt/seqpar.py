@@ -48,9 +48,9 @@ from .seqcost import SeqCostModel
 
 _SMALL = 0.125  # while counting, items under this share of a group's time fill gaps fluidly
 _BUNDLE = 1 / 64  # items under this share of the lower bound are bundled
-_COUNT_TOLERANCE = 0.005  # bisection on the device count, relative
+_COUNT_TOLERANCE = 0.01  # bisection on the device count, relative
 _BUILD_TOLERANCE = 0.002  # then on real packings
-_BUILD_STEPS = 6
+_BUILD_STEPS = 4
 _BUILD_WINDOW = 0.85  # packings search down to this share of the counted target
 _STATIC_EXTRA_MICRO_BATCHES = 1
 _EXTRA_MICRO_BATCHES = 3  # beyond the fewest memory allows, tried while they get faster
@@ -124,6 +124,8 @@ class Items:
         self.cap_list = self.cap.tolist()
         self.alpha_list = self.alpha.tolist()
         self.degree_list = self.degrees.tolist()
+        # per class, the classes of at least its degree (the groups an item of that class may join)
+        self.joinable = [[cc for cc in range(len(self.cap)) if self.degree_list[cc] >= d] for d in self.degree_list]
 
     @classmethod
     def of_sequences(cls, seq_lens, cost: SeqCostModel | list[SeqCostModel], strategy: int = 0) -> "Items":
@@ -408,13 +410,15 @@ def _pack(b: Items, idx: np.ndarray, target: float, build: bool, max_devices: in
     rem_k: list[float] = []
     members: list[list[int]] = []
     by_class: list[list[int]] = [[] for _ in range(D)]  # open groups that still have room
-    joinable = [[cc for cc in range(D) if deg[cc] >= deg[c]] for c in range(D)]
+    joinable = b.joinable
     least_t = b.C[idx[big]].min(axis=0).tolist() if big.size else [0.0] * D  # a group below it is full
     least_k = float(b.lens[idx[big]].min()) if big.size else 0.0
     used, left_out = 0, []
     for s, c in zip(idx[big].tolist(), j[big].tolist()):
         row, length, chosen = rows[s], lens[s], -1
         for cc in joinable[c]:
+            if not by_class[cc]:
+                continue
             w = row[cc]
             for g in by_class[cc]:
                 if rem_t[g] >= w and rem_k[g] >= length:
