@@ -36,12 +36,12 @@ No torch import.
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 
-from .seqitems import (GroupSolution, Items, MicroBatchSolution, Phase, StepSolution,  # noqa: F401 (re-exported)
-                       _lpt_with_capacity, _split_micro_batches, fluid_bound, item_options, step_lower_bound)
+from .seqitems import (NEVER, Deadline, GroupSolution, Items, MicroBatchSolution, Phase,  # noqa: F401 (re-exported)
+                       StepSolution, _lpt_with_capacity, _split_micro_batches, fluid_bound, item_options,
+                       step_lower_bound)
 from .seqstatic import best_static, solve_static  # noqa: F401 (re-exported)
 
 _SMALL = 0.125  # while counting, items under this share of a group's time fill gaps fluidly
@@ -175,20 +175,20 @@ def _build(b: Items, idx: np.ndarray, target: float):
     return out
 
 
-def _search(b: Items, idx: np.ndarray, deadline: float = math.inf) -> MicroBatchSolution | None:
+def _search(b: Items, idx: np.ndarray, deadline: Deadline = NEVER) -> MicroBatchSolution | None:
     """Bisection on the target time: first on the (fast) device count, then on real packings.
-    Past the `deadline` (wall clock), the best packing found so far (None before the first)."""
+    Past the `deadline`, the best packing found so far (None before the first)."""
     lo = floor = b.lower_bound(idx)
     hi = lo
     for _ in range(60):
         if _pack(b, idx, hi, build=False) <= b.N:
             break
-        if time.perf_counter() > deadline:
+        if deadline.passed():
             return None
         lo, hi = hi, hi * 1.5
     else:
         return None
-    while hi - lo > _COUNT_TOLERANCE * hi and time.perf_counter() < deadline:
+    while hi - lo > _COUNT_TOLERANCE * hi and not deadline.passed():
         mid = 0.5 * (lo + hi)
         if _pack(b, idx, mid, build=False) <= b.N:
             hi = mid
@@ -204,13 +204,13 @@ def _search(b: Items, idx: np.ndarray, deadline: float = math.inf) -> MicroBatch
             best = _build(b, idx, hi)
             if best is not None:
                 break
-            if time.perf_counter() > deadline:
+            if deadline.passed():
                 return None
             step = min(step * 1.5, 1.5)
         else:
             return None
     for _ in range(_BUILD_STEPS):
-        if hi - lo <= _BUILD_TOLERANCE * hi or time.perf_counter() > deadline:
+        if hi - lo <= _BUILD_TOLERANCE * hi or deadline.passed():
             break
         mid = 0.5 * (lo + hi)
         sol = _build(b, idx, mid)
@@ -223,13 +223,13 @@ def _search(b: Items, idx: np.ndarray, deadline: float = math.inf) -> MicroBatch
 
 
 def solve_micro_batch_heuristic(b: Items, idx: np.ndarray,
-                                deadline: float = math.inf) -> tuple[MicroBatchSolution | None, Items]:
+                                deadline: Deadline = NEVER) -> tuple[MicroBatchSolution | None, Items]:
     """The heuristic on one micro-batch's items (bundled); returns the solution and the bundled items."""
     bundled = b.bundled(idx, b.lower_bound(idx) * _BUNDLE)
     return _search(bundled, np.arange(bundled.n), deadline), bundled
 
 
-def _solve_split(b: Items, idx: np.ndarray, deadline: float = math.inf) -> tuple[StepSolution | None, list[Items]]:
+def _solve_split(b: Items, idx: np.ndarray, deadline: Deadline = NEVER) -> tuple[StepSolution | None, list[Items]]:
     """The items `idx` cut into micro-batches of equal device-seconds, each solved alone: as few as
     the memory of each recompute allows, and one more (smaller micro-batches pack more freely,
     each carries its ZeRO traffic); the fastest whole step. (When none of those splits packs, more
@@ -249,14 +249,14 @@ def _solve_split(b: Items, idx: np.ndarray, deadline: float = math.inf) -> tuple
             continue
         solved = [solve_micro_batch_heuristic(b, part, deadline) for part in split]
         if any(m is None for m, _ in solved):
-            if time.perf_counter() > deadline:
+            if deadline.passed():
                 break
             continue
         sol = _step_of(b, solved)
         tried += 1
         if best is None or sol[0].time_s < best[0].time_s:
             best = sol
-        if parts >= idx.size or tried > _EXTRA_MICRO_BATCHES or parts >= counts[-1] or time.perf_counter() > deadline:
+        if parts >= idx.size or tried > _EXTRA_MICRO_BATCHES or parts >= counts[-1] or deadline.passed():
             break
     return best if best is not None else (None, [])
 
@@ -278,7 +278,7 @@ def peel(b: Items, idx: np.ndarray, target: float):
     return first, b.bundled(placed, 0.0), rest
 
 
-def _solve_peeled(b: Items, idx: np.ndarray, longest: float, deadline: float = math.inf):
+def _solve_peeled(b: Items, idx: np.ndarray, longest: float, deadline: Deadline = NEVER):
     """When a few long sequences set the time: a micro-batch that runs them, with every other
     sequence that fits within their time on the devices they leave, then the rest after. (Equal
     micro-batches would make the long sequences' micro-batch wait on memory-bound short groups.
@@ -294,7 +294,7 @@ def _solve_peeled(b: Items, idx: np.ndarray, longest: float, deadline: float = m
 
 
 def solve_adaptive(b: Items, idx: np.ndarray | None = None,
-                   deadline: float = math.inf) -> tuple[StepSolution | None, list[Items]]:
+                   deadline: Deadline = NEVER) -> tuple[StepSolution | None, list[Items]]:
     """The heuristic for the items `idx` (all by default) as one phase: the better of equal
     micro-batches (`_solve_split`) and the long sequences' micro-batch first (`_solve_peeled`)."""
     idx = np.arange(b.n) if idx is None else idx

@@ -36,8 +36,8 @@ import numpy as np
 from ..errors import TesseraError
 from ..plan import MicroBatchPlan, PhasePlan, SPGroupAssignment, StepPlan
 from .seqcost import SeqCostModel, StrategySet
-from .seqpar import (Items, MicroBatchSolution, Phase, StepSolution, _solve_split, best_static, fluid_bound,
-                     item_options, milp_binaries, peel, solve_adaptive)
+from .seqpar import (Deadline, Items, MicroBatchSolution, Phase, StepSolution, _solve_split, best_static,
+                     fluid_bound, item_options, milp_binaries, peel, solve_adaptive)
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ def _best_variant(phases: list[Phase], costs: StrategySet, lens: np.ndarray, met
 
 
 def _two_phases(items: dict[int, Items], costs: StrategySet, lens: np.ndarray, best: float,
-                deadline: float) -> StepSolution | None:
+                deadline: Deadline) -> StepSolution | None:
     """The long sequences' micro-batch under the working mode fastest for the longest sequence,
     the rest under the modes with the lowest bound for them (module docstring)."""
     idx = np.arange(len(lens))
@@ -188,7 +188,7 @@ def _two_phases(items: dict[int, Items], costs: StrategySet, lens: np.ndarray, b
     ranked = sorted((z for z, b in items.items() if b.fits(rest)), key=lambda z: _bound(items[z], rest))
     result = None
     for z in ranked[:2]:
-        if time.perf_counter() > deadline:
+        if deadline.passed():
             break
         if _bound(items[z], rest) + longest[za] > best:
             continue
@@ -206,7 +206,7 @@ def _two_phases(items: dict[int, Items], costs: StrategySet, lens: np.ndarray, b
 
 
 def _refine_with_milp(sol: StepSolution, bundles: list[Items], costs: StrategySet,
-                      deadline: float) -> StepSolution:
+                      deadline: Deadline) -> StepSolution:
     """Each micro-batch (one phase) re-solved exactly where its MILP is small enough for the time left."""
     from .seqmilp import milp_micro_batch  # scipy.optimize: imported only when it runs
 
@@ -214,7 +214,7 @@ def _refine_with_milp(sol: StepSolution, bundles: list[Items], costs: StrategySe
         return sol
     refined, changed = [], False
     for mb, bundle in zip(sol.micro_batches, bundles):
-        left = deadline - time.perf_counter()
+        left = deadline.left()
         idx = np.arange(bundle.n)
         exact = None
         if (left > _MILP_MIN_LEFT_S and mb.slowest_s > bundle.lower_bound(idx) * (1 + 1e-3)
@@ -230,13 +230,14 @@ def _refine_with_milp(sol: StepSolution, bundles: list[Items], costs: StrategySe
 
 
 def solve_step(seq_lens, costs: StrategySet | SeqCostModel, time_budget_s: float = 0.1,
-               use_milp: bool = True) -> StepSolution:
-    """The fastest plan found for this step within `time_budget_s` of wall time (module docstring).
+               use_milp: bool = True, clock=time.perf_counter) -> StepSolution:
+    """The fastest plan found for this step within `time_budget_s` of wall time (module docstring;
+    `clock`: another clock for the budget, e.g. `time.process_time`).
 
     Never predicted slower than the best static degree under the default strategy, whose plan is
     computed first. `details`: the static and adaptive (default strategy) times, wall seconds."""
     start = time.perf_counter()
-    deadline = start + time_budget_s
+    deadline = Deadline(time_budget_s, clock)
     costs = as_strategy_set(costs)
     lens = np.asarray(seq_lens, dtype=np.float64)
     if lens.size == 0:
@@ -261,13 +262,13 @@ def solve_step(seq_lens, costs: StrategySet | SeqCostModel, time_budget_s: float
         if len(zeros) > 1:
             candidates.append(_best_variant(adaptive.phases, costs, lens, "adaptive"))
     best_time = min((s.time_s for s in candidates), default=math.inf)
-    if len(zeros) > 1 and time.perf_counter() < deadline:
+    if len(zeros) > 1 and not deadline.passed():
         two = _two_phases(items, costs, lens, best_time, deadline)
         if two is not None:
             candidates.append(two)
     others = sorted((z for z in items if z != costs.default.zero), key=lambda z: -items[z].cap.max())
     for z in others[:1]:
-        if time.perf_counter() > deadline or not items[z].fits():
+        if deadline.passed() or not items[z].fits():
             continue
         sol, _ = solve_adaptive(items[z], deadline=deadline)
         if sol is not None:
@@ -275,7 +276,7 @@ def solve_step(seq_lens, costs: StrategySet | SeqCostModel, time_budget_s: float
     if not candidates:
         raise TesseraError("no sequence-parallel plan fits this batch in memory; use more devices or recompute")
     best = min(candidates, key=lambda s: s.time_s)
-    if use_milp and best is adaptive and time.perf_counter() < deadline:
+    if use_milp and best is adaptive and not deadline.passed():
         best = _refine_with_milp(best, bundles, costs, deadline)
     if best is not static:
         own = costs.default.strategy.recompute
