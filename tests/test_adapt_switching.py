@@ -148,3 +148,18 @@ def test_cost_model_of_a_plan_and_what_it_refuses():
     assert costs.default.degrees.tolist() == [1, 2, 4, 8, 16]  # 32 heads over 2 TP ranks: 16 each
     with pytest.raises(TesseraError, match="without pipeline parallelism"):
         cost_model(LLAMA, cluster, manual_plan(LLAMA, cluster, workload, pp=2, zero=1))
+
+
+def test_profiled_overheads_reach_the_groups():
+    """A model profile's per-call Ulysses overhead and slowdown (LayerSpec.sp_overhead_s,
+    sp_slowdown) price every group of two or more units, as the planner's layer costs do."""
+    cluster = make_cluster("h100-80gb", 8)
+    measured = LLAMA.model_copy(update={"layers": tuple(
+        layer.model_copy(update={"sp_overhead_s": 0.002, "sp_slowdown": 0.1}) if layer.num_heads else layer
+        for layer in LLAMA.layers)})
+    blocks = sum(1 for layer in LLAMA.layers if layer.num_heads)
+    plain = build_cost_model(LLAMA, cluster, Layout(8, 1, 8), Strategy(3, "none"))
+    slow = build_cost_model(measured, cluster, Layout(8, 1, 8), Strategy(3, "none"))
+    assert slow.alpha_s[0] == pytest.approx(plain.alpha_s[0])  # one unit: no Ulysses
+    assert slow.alpha_s[2] - plain.alpha_s[2] == pytest.approx(blocks * 0.002, rel=0.02)
+    assert slow.attn_s[2] == pytest.approx(1.1 * plain.attn_s[2], rel=0.02)
