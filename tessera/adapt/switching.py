@@ -255,20 +255,22 @@ def solve_step(seq_lens, costs: StrategySet | SeqCostModel, time_budget_s: float
     # moved to the other working modes; two phases; then, while time is left, one phase solved
     # under the other mode with the most memory.
     adaptive, bundles = None, []
+    began = deadline.clock()
     if items[costs.default.zero].fits():
         adaptive, bundles = solve_adaptive(items[costs.default.zero], deadline=deadline)
+    took = deadline.clock() - began  # what a whole solve costs: start another only with that much left
     if adaptive is not None:
         candidates.append(adaptive)
         if len(zeros) > 1:
             candidates.append(_best_variant(adaptive.phases, costs, lens, "adaptive"))
     best_time = min((s.time_s for s in candidates), default=math.inf)
-    if len(zeros) > 1 and not deadline.passed():
+    if len(zeros) > 1 and deadline.left() > 0.5 * took:
         two = _two_phases(items, costs, lens, best_time, deadline)
         if two is not None:
             candidates.append(two)
     others = sorted((z for z in items if z != costs.default.zero), key=lambda z: -items[z].cap.max())
     for z in others[:1]:
-        if deadline.passed() or not items[z].fits():
+        if deadline.left() < took or not items[z].fits():
             continue
         sol, _ = solve_adaptive(items[z], deadline=deadline)
         if sol is not None:
