@@ -6,8 +6,9 @@ group, the plan's TP, fixed); the model states are sharded by FSDP2 over groups 
 consecutive units and replicated across the N / (tp shard) groups (HSDP; shard 1 = replicated,
 shard N / tp = ZeRO-3 over all). A step's sequences run on sequence-parallel groups of d units
 (Ulysses over d, TP inside each unit), d a power of two dividing the heads per TP rank, chosen per
-micro-batch (`seqpar`). A `Strategy` is how one length group of the step runs (HotSPa): its ZeRO
-working mode and its activation recompute; `SeqCostModel` prices one strategy.
+micro-batch (`seqpar`). A `Strategy` is a ZeRO working mode with an activation recompute; a
+length group (phase) of a step runs one working mode, each of its groups one recompute (HotSPa,
+`switching`); `SeqCostModel` prices one strategy.
 
 Per group of degree d running sequences of lengths L_s in one micro-batch (seconds):
 
@@ -437,11 +438,6 @@ def cost_model_from_budget(model: ModelSpec, cluster: ClusterSpec, recompute: st
     layout = Layout(num_ranks=cluster.num_gpus, tp=tp, shard=(shard // tp if shard else units) if zero else 1,
                     dtype=dtype)
     return strategy_set(model, cluster, layout, Strategy(zero if zero else 3, recompute), switching)
-
-
-def with_capacity(cost: SeqCostModel, cap_tokens) -> SeqCostModel:
-    """The same model with other group capacities (tests: a memory budget given by hand)."""
-    return replace(cost, cap_tokens=np.asarray(cap_tokens, dtype=np.float64))
 
 
 def plan_sequence_cost(plan) -> tuple[float, float]:

@@ -1,24 +1,29 @@
-"""A step's plan: length groups, each with its own strategy (HotSPa, Ge et al. SOSP'24), each
-cut into micro-batches of sequence-parallel groups (`seqpar`); the entry point `solve_step`.
+"""A step's plan: length groups (phases, HotSPa, Ge et al. SOSP'24), each in its own ZeRO working
+mode, cut into micro-batches of sequence-parallel groups each with its own recompute (`seqpar`);
+the entry point `solve_step`.
 
-A run's strategies (`seqcost.StrategySet`: ZeRO working mode and recompute over one storage
-layout) price the same sequences differently: a long document at a high degree has memory to
-spare and runs fastest without recompute; short documents fill a device's memory and want
-selective recompute and fewer micro-batches; a group with many micro-batches saves its
-per-micro-batch parameter gathers by keeping the parameters gathered (working mode 2 or 1), if
-its memory allows. A step runs its phases one after the other; switching costs what
-`SeqCostModel.phase_time` charges (a gather when a phase keeps parameters that the previous one
-sharded, a reduce-scatter when a phase that accumulated unsharded gradients ends).
+A run's strategies (`seqcost.StrategySet`: ZeRO working mode x recompute over one storage layout)
+price the same sequences differently: a long document at a high degree has memory to spare and
+runs fastest without recompute; short documents beside it fill a device's memory and want
+selective or full recompute; a phase with many micro-batches saves its per-micro-batch parameter
+gathers by keeping the parameters gathered (working mode 2 or 1), if its memory allows. Recompute
+is local to a group's ranks, so it is chosen per group (the classes of `seqpar.Items`); the
+working mode is collective over a shard group, so it is chosen per phase. A step runs its phases
+one after the other; switching costs what `SeqCostModel.phase_time` charges (a gather when a
+phase keeps parameters that the previous one sharded, a reduce-scatter when a phase that
+accumulated unsharded gradients ends).
 
-Candidates, best first by a bound, each solved while the wall-clock budget lasts:
+Candidates, each started only while the budget (a `Deadline`, wall clock by default) lasts:
 1. the best static degree under the default strategy (so the plan is never predicted slower than
-   a static one) and the adaptive heuristic under it;
-2. one phase under another strategy whose fluid bound beats the best so far;
-3. two phases: the long sequences' micro-batch (with the short ones that fit beside them) under
-   the strategy that runs the longest sequence fastest, then the rest under the strategy whose
-   bound for them is lowest (and the default), in the order that hides the most of the gradient
-   sync;
-4. the exact MILP (`seqmilp`) on a micro-batch small enough to solve in the time left.
+   a static one);
+2. one phase in the default working mode, every recompute per group (`solve_adaptive`), and its
+   groups moved to every other working mode whose memory holds them (`reprice`);
+3. two phases: the long sequences' micro-batch (with the short ones that fit beside them) in the
+   mode that runs the longest sequence fastest, then the rest in the modes with the lowest bound
+   for them, in the order that hides the most of the gradient sync;
+4. one phase solved in the other working mode with the most memory;
+5. the exact MILP (`seqmilp`) on each micro-batch of the plan of 2 small enough to solve in the
+   time left (HiGHS; at a few hundred sequences on 64+ devices it is not).
 `step_lower_bound` bounds every plan over all strategies (a relaxation, see there).
 
 No torch import.
