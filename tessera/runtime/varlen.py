@@ -217,7 +217,7 @@ class AdaptiveStepRunner:
         self._pool = ThreadPoolExecutor(max_workers=1) if self.rank == 0 else None
         self._pending: dict[int, Future] = {}
         if self.rank == 0 and costs is not None:
-            import tessera.adapt.seqmilp  # noqa: F401  (scipy.optimize's import, once, not in a step's budget)
+            from ..adapt import seqmilp  # noqa: F401  (scipy.optimize's import, once, not in a step's budget)
 
     # --- planning ---------------------------------------------------------------------------
     def _solve(self, step: int, seq_lens) -> StepPlan:
