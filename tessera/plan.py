@@ -307,10 +307,13 @@ class Plan(Frozen):
 
 
 class SPGroupAssignment(Frozen):
-    """A sequence-parallel group of ranks and the sequences (indices into the step's batch) it runs."""
+    """A sequence-parallel group of ranks and the sequences (indices into the step's batch) it
+    runs, with its activation recompute (local to its ranks; None: the run's own)."""
 
     ranks: tuple[int, ...]
     sequences: tuple[int, ...]
+    recompute: Recompute | None = None
+    predicted_time_s: float = 0.0
 
     @property
     def degree(self) -> int:
@@ -322,11 +325,47 @@ class MicroBatchPlan(Frozen):
     predicted_time_s: float = 0.0
 
 
+class PhasePlan(Frozen):
+    """Micro-batches of one length group of a step, run under one ZeRO working mode (HotSPa):
+    3, parameters gathered every micro-batch; 2, gathered once for the phase, gradients
+    reduce-scattered every micro-batch; 1, gradients also accumulated unsharded until the phase
+    ends. None: the run's own (the static plan's)."""
+
+    micro_batches: tuple[MicroBatchPlan, ...]
+    zero: int | None = Field(default=None, ge=1, le=3)
+
+
 class StepPlan(Frozen):
-    """How one step's batch of variable-length sequences is split (see `tessera.adapt`)."""
+    """How one step's batch of variable-length sequences is split (see `tessera.adapt`): phases
+    run one after the other, each a list of micro-batches of sequence-parallel groups. Group ranks
+    come in units of `tp` consecutive ranks (tensor parallel inside a group). A plan given with
+    `micro_batches` only is one phase under the run's own strategy."""
 
     step: int
     seq_lens: tuple[int, ...]
-    micro_batches: tuple[MicroBatchPlan, ...]
+    phases: tuple[PhasePlan, ...]
+    tp: int = Field(default=1, ge=1)
     predicted_time_s: float = 0.0
-    strategy: Literal["adaptive", "static"] = "adaptive"
+    strategy: Literal["adaptive", "static", "switching"] = "adaptive"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_phase(cls, data):
+        if isinstance(data, dict) and "micro_batches" in data and "phases" not in data:
+            data = dict(data)
+            data["phases"] = ({"micro_batches": data.pop("micro_batches")},)
+        return data
+
+    @property
+    def micro_batches(self) -> tuple[MicroBatchPlan, ...]:
+        return tuple(m for p in self.phases for m in p.micro_batches)
+
+    def unit_times(self) -> list[float]:
+        """Predicted busy seconds of every unit of `tp` ranks over the step (its groups' times)."""
+        units = max((r for m in self.micro_batches for g in m.groups for r in g.ranks), default=-1) // self.tp + 1
+        busy = [0.0] * units
+        for m in self.micro_batches:
+            for g in m.groups:
+                for u in {r // self.tp for r in g.ranks}:
+                    busy[u] += g.predicted_time_s
+        return busy

@@ -175,6 +175,13 @@ class LayerCosts:
     # model-state tensors and saved tensors cannot see (tessera.profile.results.predicted_memory).
     copies: np.ndarray | None = None
     held: np.ndarray | None = None
+    # The data-parallel collectives the times above charge, unexposed (seconds, offload copies
+    # included): the all-gather of the layer's parameters over its shard group, the reduce-scatter
+    # of its gradients, and the all-reduce of the gradient shard across replicas. For planners that
+    # compose micro-batches themselves (tessera.adapt prices per-step groups with them).
+    zero_gather: np.ndarray | None = None
+    zero_reduce: np.ndarray | None = None
+    replica_reduce: np.ndarray | None = None
 
     @property
     def states(self) -> np.ndarray:
@@ -368,7 +375,8 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
                       compute_bwd=full_(cb), step=full_(sync + opt_time), optimizer_time=full_(opt_time),
                       params=full_(params), grads=full_(grads), optimizer=full_(optimizer),
                       act=full_(act), buf=full_(buf), host=full_(host), copies=full_(copies),
-                      held=full_(tokens_dev * (ab / 2.0) * layer.act_held_tp / t.tp))
+                      held=full_(tokens_dev * (ab / 2.0) * layer.act_held_tp / t.tp),
+                      zero_gather=full_(ag), zero_reduce=full_(rs), replica_reduce=full_(rep))
 
 
 def _runtime_copies(params, grads, wl: Workload, t: StrategyTable, z, pp: int, pd, pe, shard, es, m: float):
