@@ -157,8 +157,8 @@ def check_batch_divides(workload, cluster, opts: dict) -> None:
     sp_degree = opts.get("sp_degree", 1)
     per_stage, rest = divmod(cluster.num_gpus, pp * tp * sp_degree * cp)
     if rest or per_stage == 0:
-        raise TesseraError(f"pp {pp} x tp {tp} x sp {sp_degree} x cp {cp} = {pp * tp * sp_degree * cp} does not "
-                           f"divide {cluster.num_gpus} GPUs")
+        degrees = f"pp {pp} x tp {tp} x sp {sp_degree}" + (f" x cp {cp}" if cp > 1 else "")
+        raise TesseraError(f"{degrees} = {pp * tp * sp_degree * cp} does not divide {cluster.num_gpus} GPUs")
     dp = opts.get("dp") or per_stage
     mbs = opts.get("micro_batch_size", 1)
     if workload.global_batch % (dp * mbs):
