@@ -74,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--compare", action="store_true", help="show the plan beside the baselines")
     out.add_argument("-o", "--output", metavar="PLAN_JSON", help="write the plan JSON here")
     out.add_argument("--json", action="store_true", help="print the plan JSON to stdout (no tables)")
+    out.add_argument("--expert-offload", type=float, metavar="HOST_TFLOPS", default=None,
+                     help="APTMoE: experts in host memory, each computed on the GPU or the host (this many "
+                          "TFLOP/s of host compute per GPU, the cluster's host bandwidth): print the decision")
 
 
 def build_cluster(args: argparse.Namespace):
@@ -229,6 +232,8 @@ def run(args: argparse.Namespace) -> int:
         baselines = [evaluated(b) for b in baseline_plans(model, cluster, workload)]
         out.print()
         out.print(comparison_table(plan, baselines))
+    if args.expert_offload is not None:
+        out.print(expert_offload_summary(plan, args.expert_offload))
     from ..search.explain import bubble_warning
 
     warning = bubble_warning(plan)
@@ -238,6 +243,28 @@ def run(args: argparse.Namespace) -> int:
     if args.output:
         out.print(f"wrote {args.output} (show it with: tessera show {args.output})")
     return 0
+
+
+def expert_offload_summary(plan, host_tflops: float) -> str:
+    """APTMoE's decision for the MoE layers of the plan's first stage (cost/expert_offload.py)."""
+    from ..cost.expert_offload import GPU, HostSpec, plan_expert_offload
+
+    if host_tflops <= 0:
+        raise TesseraError(f"--expert-offload {host_tflops}: host TFLOP/s must be > 0")
+    start, end = plan.pipeline.stages[0]
+    layers = plan.model.layers[start:end]
+    if not any(layer.num_experts for layer in layers):
+        raise TesseraError(f"--expert-offload: {plan.model.name} has no experts on the first pipeline stage")
+    host = HostSpec(flops=host_tflops * 1e12, link_bandwidth=plan.cluster.host_bandwidth)
+    tokens = plan.micro_batch_size * plan.workload.seq_len
+    decision = plan_expert_offload(plan.model.model_copy(update={"layers": layers}), plan.cluster, plan.workload,
+                                   host, tokens, micro_batches=plan.num_micro_batches)
+    on_gpu = sum(w == GPU for layer in decision.layers for w in layer.where)
+    total = sum(len(layer.where) for layer in decision.layers)
+    return (f"expert offload (APTMoE, predicted, first stage, experts in host memory): {decision.step_s:.3f} s of "
+            f"expert layers per step, {on_gpu} of {total} experts brought to the GPU; bringing every expert "
+            f"{decision.offload_all_s:.3f} s ({decision.offload_all_s / decision.step_s:.2f}x), every expert on the "
+            f"host {decision.host_all_s:.3f} s")
 
 
 def _is_default_job(args: argparse.Namespace) -> bool:

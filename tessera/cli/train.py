@@ -39,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--nproc", type=int, default=None, help="local ranks: launch torchrun with this many processes")
     src.add_argument("--global-batch", type=int, default=8, help="sequences per step when planning (default 8)")
     src.add_argument("--seq-len", type=int, default=128, help="tokens per sequence when planning (default 128)")
+    src.add_argument("--ep", type=int, default=None,
+                     help="search only plans whose MoE layers use this expert-parallel degree")
     src.add_argument("--init-from", default=None, metavar="HF_DIR",
                      help="start from a Hugging Face checkpoint directory (its weights, tokenizer and chat template)")
     src.add_argument("--data", default=None,
@@ -73,15 +75,21 @@ def _workload(args):
     return Workload(global_batch=args.global_batch, seq_len=args.seq_len, dtype="fp32")
 
 
-def make_local_plan(model_name: str, nproc: int, workload):
-    """The searched plan for `nproc` local ranks of this machine."""
+def make_local_plan(model_name: str, nproc: int, workload, ep: int | None = None):
+    """The searched plan for `nproc` local ranks of this machine (MoE layers at expert-parallel
+    degree `ep` when given)."""
     from ..search import search
+    from ..search.space import SearchOptions
     from ..spec.hf_config import resolve_model_config
     from ..spec.model import ModelSpec
     from ..spec.presets.clusters import local_cpu_cluster
 
     model = ModelSpec.from_config(resolve_model_config(model_name))
-    return search(model, local_cpu_cluster(nproc), workload)
+    if ep is not None:
+        experts = max((layer.num_experts for layer in model.layers), default=0)
+        if not experts or experts % ep or nproc % ep:
+            raise TesseraError(f"--ep {ep} must divide the model's experts ({experts}) and --nproc {nproc}")
+    return search(model, local_cpu_cluster(nproc), workload, SearchOptions(ep=ep) if ep else None)
 
 
 def make_replicated_plan(model_name: str, nproc: int, workload):
@@ -144,7 +152,7 @@ def run(args) -> int:
     elif args.adaptive:
         plan = make_replicated_plan(model, world, _workload(args))
     else:
-        plan = make_local_plan(model, world, _workload(args))
+        plan = make_local_plan(model, world, _workload(args), args.ep)
     if args.adaptive:
         from ..runtime.adaptive import check_adaptive_plan
 
@@ -260,4 +268,21 @@ def _summary(records, plan, out: Path) -> None:
                   f"{100 * last.mfu:.2f}%" if last.mfu is not None else "-",
                   " ".join(f"{m / 2**20:,.0f}" for m in last.peak_memory_bytes))
     Console().print(table)
+    if last.moe:
+        Console().print(_moe_table(last.moe))
     Console().print(f"metrics: {out / 'metrics.jsonl'}")
+
+
+def _moe_table(moe: dict):
+    """Token-slots per expert of each MoE block and the all-to-all volume, per step (last logged)."""
+    from rich.table import Table
+
+    table = Table(title=f"routing per step: all-to-all {moe['a2a_bytes'] / 2**20:,.2f} MiB, "
+                        f"router losses {moe['aux_loss']:.4f}")
+    table.add_column("block", justify="right")
+    table.add_column("token-slots per expert", justify="left")
+    table.add_column("max / mean", justify="right")
+    for block, counts in moe["tokens_per_expert"].items():
+        mean = sum(counts) / max(1, len(counts))
+        table.add_row(block, " ".join(str(c) for c in counts), f"{max(counts) / mean:.2f}" if mean else "-")
+    return table

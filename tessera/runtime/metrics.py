@@ -38,6 +38,9 @@ class StepRecord:
     predicted_step_time_s: float | None = None
     # Adaptive runs: the sequence-parallel group sizes of each micro-batch of the step plan.
     sp_groups: list[list[int]] | None = None
+    # MoE models: token-slots per expert of each MoE block, all-to-all bytes and router losses per
+    # step (runtime/expert_parallel.py `moe_step_stats`).
+    moe: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -74,6 +77,7 @@ class PendingRecord:
     peaks: list[torch.Tensor]
     work: object  # the peak-memory all-gather in flight
     step_plan: object = None  # an adaptive run's step plan
+    moe: dict | None = None
 
 
 class StepSpan:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from ..errors import TesseraError
 from ..models.transformer import build_model
 from ..plan import Plan
+from .expert_parallel import moe_step_stats
 from .grad_sync import settle_gradients
 from .materialize import materialize
 from .mesh import ParallelDims
@@ -58,6 +59,7 @@ class TrainConfig:
     resume: str | None = None
     adaptive: bool = False  # per-step sequence-parallel groups for the batch's documents
     adaptive_time_budget_s: float = 0.1
+    moe_placement: bool = False  # NetMoE: place each step's samples on data ranks (runtime/moe_placement.py)
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -86,9 +88,32 @@ class Trainer:
         self.on_step = on_step
         self.step = 0
         self.build_distributed()
+        self.build()
+
+    @classmethod
+    def on_process_group(cls, config: TrainConfig, device: torch.device, dtype: str) -> "Trainer":
+        """A trainer on a process group that already exists and that it does not own (the dry
+        run's fake one at the plan's world size), computing in `dtype` on `device` whatever this
+        machine has: the same build as training, without starting a process group."""
+        self = cls.__new__(cls)
+        self.config, self.plan, self.on_step, self.step = config, config.plan, None, 0
+        self.device, self.dtype, self.owns_process_group = device, dtype, False
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.dims = ParallelDims.from_plan(self.plan, self.world_size, self.device.type)
+        self.build()
+        return self
+
+    def build(self) -> None:
+        """Everything after the process group: model, optimizer, sample placement, data, metrics."""
+        config = self.config
         check_plan_supported(self.plan, self.world_size, pipeline_available=_pipeline_available())
         self.build_model()
         self.build_optimizer()
+        self.placer = None
+        if config.moe_placement:
+            from .moe_placement import SamplePlacer
+
+            self.placer = SamplePlacer(self.plan, self.dims, self.rank, self.model_parts)
         self.loader = None
         self.data_iter = None
         self.metrics = MetricsWriter(config.metrics_path, config.tensorboard_dir) if self.rank == 0 else None
@@ -256,6 +281,8 @@ class Trainer:
         that are not -100 in the whole global batch, when some are (the loss is then their mean)."""
         loss = self.compute_gradients(tokens, labels, positions, doc_ids, num_targets)
         self.optimizer_step()
+        if self.placer is not None:
+            self.placer.observe()
         return torch.as_tensor(loss)
 
     def compute_gradients(self, tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None,
@@ -267,6 +294,8 @@ class Trainer:
         self.loss_fn.target_scale = (None if num_targets is None else
                                      self.loss_fn.pieces * self.plan.num_micro_batches / max(num_targets, 1))
         tokens, labels, positions, doc_ids = (self._to_device(t) for t in (tokens, labels, positions, doc_ids))
+        if self.placer is not None:  # NetMoE: this step's samples to the data ranks it chooses
+            tokens, labels, positions, doc_ids = self.placer.place(tokens, labels, positions, doc_ids)
         # A sequence that does not split into the plan's sequence shards is padded (ignored labels).
         self.loss_fn.real_seq_len = tokens.shape[1]
         tokens, labels, positions, doc_ids = pad_sequences(self.seq_multiple, tokens, labels, positions, doc_ids)
@@ -392,7 +421,7 @@ class Trainer:
         step_plan = self.adaptive.last_plan if self.adaptive is not None else None
         return PendingRecord(step=self.step, loss=loss, grad_norm=self.grad_norm,
                              lr=self.schedulers[0].get_last_lr()[0], span=span, peaks=peaks, work=work,
-                             step_plan=step_plan)
+                             step_plan=step_plan, moe=moe_step_stats(self.model_parts, self.plan, self.device))
 
     def log_step(self, pending: PendingRecord) -> StepRecord:
         """Read and report one step (waits for that step only)."""
@@ -405,7 +434,8 @@ class Trainer:
             mfu=model_flops_utilisation(self.plan, tokens_per_s, self.world_size,
                                         peak_dtype(self.dtype, self.device.type)),
             peak_memory_bytes=[float(t) for t in pending.peaks],
-            predicted_step_time_s=self.plan.prediction.step_time_s if self.plan.prediction else None)
+            predicted_step_time_s=self.plan.prediction.step_time_s if self.plan.prediction else None,
+            moe=pending.moe)
         if pending.step_plan is not None:
             record.predicted_step_time_s = pending.step_plan.predicted_time_s
             record.sp_groups = [[g.degree for g in mb.groups] for mb in pending.step_plan.micro_batches]

@@ -73,7 +73,7 @@ from __future__ import annotations
 import heapq
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import comb
 
 import numpy as np
@@ -117,6 +117,8 @@ class _Scored:
 
 class _Search(SplitBounds):
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, workload: Workload, options: SearchOptions):
+        if options.allow_cp and any(layer.num_experts for layer in model.layers):
+            options = replace(options, allow_cp=False, cp=None)  # the runtime runs MoE models at cp = 1
         self.model, self.cluster, self.workload, self.opts = model, cluster, workload, options
         self.world = cluster.num_gpus
         keys: dict[tuple, int] = {}

@@ -18,7 +18,8 @@ Candidates for one layer on a stage of n devices, given B sequences per micro-ba
         nodes (the ring's point-to-point blocks hide behind each step's attention, cost/layer.py
         prices what they do not hide); every layer (the embedding and the head shard the sequence
         alike, or the activation would be re-sharded at 2 cp-fold cost), flash attention only,
-        no expert parallelism beside it. With `allow_cp` off, cp = 1.
+        not in mixture-of-experts models (the planner turns it off there). With `allow_cp` off,
+        cp = 1.
     dp  = n / (tp * u * cp), must divide B (whole sequences per replica).
     zero 0..3 (dp cp > 1; ZeRO shards over dp x cp), with HSDP sharding inside a node
         (dp_shard = GPUs per node / (tp u cp)) when that is a proper divisor of dp; offload of the
@@ -163,6 +164,7 @@ class SearchOptions:
     max_sp: int | None = None  # Ulysses degree
     max_pp: int | None = None
     max_ep: int | None = None
+    ep: int | None = None  # fixes every MoE layer's expert-parallel degree
     pp: int | None = None  # fixed degrees for a partially specified search
     tp: int | None = None  # fixes every layer's tensor-parallel degree
     dp: int | None = None  # fixes the data-parallel degree of the batch (dp_of_batch)
@@ -246,7 +248,8 @@ def _degree_rows(layer: LayerSpec, stage_size: int, micro_batch_seqs: int, clust
     megatron = tp > 1 and u == 1
     eps = [1]
     if layer.num_experts:
-        eps = [e for e in divisors(gcd(layer.num_experts, dp * u)) if e <= (options.max_ep or e)]
+        eps = [e for e in divisors(gcd(layer.num_experts, dp * u)) if e <= (options.max_ep or e)
+               and e == (options.ep or e)]
     width = tp * u * cp
     hsdp = cluster.gpus_per_node // width if cluster.gpus_per_node >= width else 0
     zeros: list[tuple[int, int, bool]] = []
