@@ -154,3 +154,27 @@ def test_bubble_warning_threshold():
     assert "8 stages, 2 micro-batches" in bubble_warning(deep)
     flat = manual_plan(model, cluster, Workload(global_batch=2, seq_len=8192), tp=8, cp=4, dp=2, sp="megatron")
     assert flat.prediction.bubble_s == 0 and bubble_warning(flat) is None
+
+
+def test_ring_collectives_by_hand():
+    # tiny-llama with room for 1,024 tokens, 8 ranks: dp2 cp4, ZeRO-3 sharded over cp only
+    # (HSDP: dp_shard 1, two replicas), full recompute, 8 micro-batches of one sequence.
+    from tessera.cost.collectives import step_collectives
+
+    cfg = get_model_config("tiny-llama").model_copy(update={"max_seq_len": 1024})
+    plan = manual_plan(ModelSpec.from_config(cfg), make_cluster("h100-80gb", 8), Workload(global_batch=16, seq_len=1024),
+                       cp=4, zero=3, dp_shard=1, recompute="full")
+    m, cp, blocks = 8, 4, 4
+    got = {}
+    for c in step_collectives(plan, 5):
+        key = (c.kind, c.group_size, c.bytes)
+        got[key] = got.get(key, 0) + c.count
+    kv = 2 * 256 * 4 * 32 * 2  # K and V: 256 local tokens, 4 K/V heads of 32, bf16
+    for kind in ("send", "recv"):
+        assert got[(kind, 2, kv)] == blocks * m * (cp - 1) * 3  # forward, replay, backward
+        assert got[(kind, 2, kv * 2)] == blocks * m * cp  # fp32 dK/dV, backward
+    params = 2 * 725_504
+    assert got[("all_gather", 4, params)] == blocks * m * 2  # ZeRO-3 over the cp group
+    assert got[("all_reduce", 2, params / 4)] == blocks  # HSDP: the shard's replica all-reduce
+    assert got[("all_reduce", 4, 4)] == 1  # gradient norm over the shard group
+    assert got[("all_reduce", 8, 4)] == 1  # the step's loss

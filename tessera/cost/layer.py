@@ -30,7 +30,8 @@ parameters / tp (experts / (tp ep)), S = ZeRO shard degree, m = micro-batches:
     Ulysses  4 all-to-alls forward (q, k, v, output; message t h a / tp per rank for q and the
              output, x kv_heads r / heads for k and v, r = the runtime's KV repeats when the group
              outnumbers the KV heads) and 4 backward over the sp group (stride tp); full
-             recompute replays the forward's.
+             and selective recompute replay the forward's (selective saves matmul outputs only:
+             the attention core and the all-to-alls around it run again).
     CP       ring attention (runtime/context_parallel.py) over the cp group (stride tp sp): the
              sequence is cut into 2 cp chunks, rank c holding chunks c and 2cp-1-c, so each rank
              does 1/cp of the causal attention work in cp equal steps. A K/V block per step
@@ -231,10 +232,14 @@ def kv_repeats(num_heads: int, num_kv_heads: int, size: int) -> int:
     return group
 
 
-def _kv_repeats(layer: LayerSpec, sp: np.ndarray) -> np.ndarray:
-    degrees, index = np.unique(sp, return_inverse=True)
-    reps = np.array([kv_repeats(layer.num_heads, layer.num_kv_heads, int(d)) for d in degrees], dtype=float)
-    return reps[index.reshape(np.shape(sp))]
+def _kv_repeats(layer: LayerSpec, tp, sp) -> np.ndarray:
+    """`kv_repeats` per strategy: the runtime repeats the KV heads of a tensor-parallel rank
+    (num_heads / tp query heads, num_kv_heads / tp KV heads) for its Ulysses group of sp ranks."""
+    tp, sp = np.broadcast_arrays(np.asarray(tp), np.asarray(sp))
+    pairs, index = np.unique(np.stack([np.ravel(tp), np.ravel(sp)], axis=1), axis=0, return_inverse=True)
+    reps = np.array([kv_repeats(layer.num_heads // int(a), layer.num_kv_heads // int(a), int(b)) for a, b in pairs],
+                    dtype=float)
+    return reps[np.ravel(index)].reshape(np.shape(sp))
 
 
 def _compute(layer: LayerSpec, t: StrategyTable, ctx: StepContext, tokens, slowdown):
@@ -269,8 +274,8 @@ def _compute(layer: LayerSpec, t: StrategyTable, ctx: StepContext, tokens, slowd
 
 def ring_heads(layer: LayerSpec, t: StrategyTable) -> tuple[np.ndarray, np.ndarray]:
     """(query heads, K/V heads) per rank inside the ring: split over tp, then over the Ulysses
-    group after its KV repeats."""
-    reps = _kv_repeats(layer, t.sp)
+    group after the KV repeats the runtime makes for a tensor-parallel rank's heads."""
+    reps = _kv_repeats(layer, t.tp, t.sp)
     return layer.num_heads / (t.tp * t.sp), layer.num_kv_heads * reps / (t.tp * t.sp)
 
 
@@ -354,13 +359,13 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
     repeats = np.ones(np.shape(t.sp))
     if layer.num_heads and layer.attn_flops_coeff:
         # Ulysses: q, k, v and the output; K and V repeated when the group outnumbers the KV heads.
-        repeats = _kv_repeats(layer, t.sp)
+        repeats = _kv_repeats(layer, t.tp, t.sp)
         kv = np.minimum(1.0, layer.num_kv_heads * repeats / layer.num_heads)
         q_msg = tokens_dev * layer.hidden * ab / t.tp
         a2a = (2 * collective_times(cl, "all_to_all", q_msg, t.sp, t.tp)
                + 2 * collective_times(cl, "all_to_all", q_msg * kv, t.sp, t.tp))
         comm_f = comm_f + a2a
-        comm_b = comm_b + a2a + np.where(full, a2a, 0.0)
+        comm_b = comm_b + a2a + np.where(full | (t.recompute == RC_SELECTIVE), a2a, 0.0)
         # Context parallel: the ring's K/V (and dK/dV) blocks, hidden behind each step's block
         # attention; recompute (full, or selective's attention core) replays the forward's ring.
         ring_f, ring_b = ring_attention_comm(layer, cl, ab, tokens, t, attn_f, attn_b, cl.overlap_slowdown)
