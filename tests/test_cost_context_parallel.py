@@ -162,8 +162,8 @@ def test_ring_collectives_by_hand():
     from tessera.cost.collectives import step_collectives
 
     cfg = get_model_config("tiny-llama").model_copy(update={"max_seq_len": 1024})
-    plan = manual_plan(ModelSpec.from_config(cfg), make_cluster("h100-80gb", 8), Workload(global_batch=16, seq_len=1024),
-                       cp=4, zero=3, dp_shard=1, recompute="full")
+    plan = manual_plan(ModelSpec.from_config(cfg), make_cluster("h100-80gb", 8),
+                       Workload(global_batch=16, seq_len=1024), cp=4, zero=3, dp_shard=1, recompute="full")
     m, cp, blocks = 8, 4, 4
     got = {}
     for c in step_collectives(plan, 5):
