@@ -402,8 +402,9 @@ def layout_of_plan(plan) -> Layout:
                                                                    first.sp.value == "megatron"):
             raise TesseraError(f"adaptive sequence parallelism needs one tp/zero/dp_shard for every layer; "
                                f"layer {i} has {s.describe()}, layer 0 {first.describe()}")
-        if s.ep != 1 or s.offload_optimizer:
-            raise TesseraError(f"adaptive sequence parallelism does not run expert parallelism or offload; "
+        if s.ep != 1 or s.offload_optimizer or s.cp != 1:
+            raise TesseraError(f"adaptive sequence parallelism does not run expert parallelism, context "
+                               f"parallelism or offload; "
                                f"layer {i} has {s.describe()}")
     n = plan.world_size
     units = n // first.tp
