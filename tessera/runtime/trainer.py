@@ -94,11 +94,26 @@ def _pipeline_available() -> bool:
     return find_spec("tessera.runtime.pipeline") is not None
 
 
+def positions_for_workload(plan: Plan) -> Plan:
+    """RoPE models train at any length: a workload longer than the config's `max_seq_len` (which
+    only sizes the rotation table) gets a table as long as its sequences (long-context training,
+    as Llama 3's 128K stage). Learned positions stop at their table: refused in one line."""
+    cfg, seq = plan.model.config, plan.workload.seq_len
+    if cfg is None or seq <= cfg.max_seq_len:
+        return plan
+    if cfg.position == "learned":
+        raise TesseraError(f"{plan.model.name} has learned positions for {cfg.max_seq_len} tokens; the "
+                           f"workload's sequences have {seq}")
+    log.info("RoPE table extended from %d to %d positions for the workload", cfg.max_seq_len, seq)
+    model = plan.model.model_copy(update={"config": cfg.model_copy(update={"max_seq_len": seq})})
+    return plan.model_copy(update={"model": model})
+
+
 class Trainer:
     def __init__(self, config: TrainConfig, on_step: Callable[[StepRecord], None] | None = None,
                  on_event: Callable[[str, dict], None] | None = None):
         self.config = config
-        self.plan = config.plan
+        self.plan = positions_for_workload(config.plan)
         self.on_step = on_step
         self.on_event = on_event  # ("save" | "resume" | "eval", details), on rank 0
         self.step = 0
