@@ -239,6 +239,24 @@ class VLMSpec(Frozen):
     def num_params(self) -> int:
         return self.encoder.num_params + self.projector.params + self.llm.num_params
 
+    def encoder_and_projector(self) -> ModelSpec:
+        """The encoder with the projector appended, every layer priced per encoder token (the
+        unit of the encoder's workload: images x `encoder_seq_len`). The projector runs once per
+        merge^2 patches: its first linear per encoder token is (vision hidden -> mid) and its
+        second (mid -> llm hidden / merge^2), the same FLOPs; its activations scale by 1/merge^2."""
+        r = self.config.projector.merge ** 2
+        p = self.projector
+        if r == 1:
+            return ModelSpec(name=f"{self.name}/vision_encoder+projector", layers=self.encoder.layers + (p,))
+        first, *rest = p.matmuls
+        mats = (Matmul(n=first.n, k=first.k // r, shard=first.shard),) + tuple(
+            Matmul(n=max(1, m.n // r), k=m.k, shard=m.shard) for m in rest)
+        scaled = {f: getattr(p, f) / r for f in ("flops_per_token", "act_bytes_tp", "act_bytes_replicated",
+                                                 "act_bytes_input", "bwd_transient", "elementwise_bytes_tp",
+                                                 "elementwise_bytes_replicated")}
+        return ModelSpec(name=f"{self.name}/vision_encoder+projector",
+                         layers=self.encoder.layers + (p.model_copy(update=dict(matmuls=mats, **scaled)),))
+
     def part(self, name: str) -> ModelSpec:
         """One part as a ModelSpec: 'vision_encoder', 'projector' or 'llm'."""
         if name == "vision_encoder":
