@@ -74,6 +74,13 @@ def chunk_times(plan: Plan) -> tuple[list[float], list[float], list[float], list
     return _chunk_times(plan, ctx, _per_layer_costs(plan, ctx))
 
 
+def layer_times(plan: Plan) -> list[tuple[float, float, float]]:
+    """Per layer under its own strategy: (forward, backward, weight-gradient) seconds of one
+    micro-batch (what `chunk_times` sums per chunk, without the re-sharding between layers)."""
+    ctx = plan_context(plan)
+    return [(_scalar(c, "fwd"), _scalar(c, "bwd"), _scalar(c, "wgrad")) for c in _per_layer_costs(plan, ctx)]
+
+
 def _chunk_times(plan: Plan, ctx: StepContext, costs: list[LayerCosts]):
     pipe = plan.pipeline
     fwd, bwd, wgrad = [], [], []
