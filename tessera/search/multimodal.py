@@ -197,12 +197,13 @@ class TaskPlan:
                 f"LLM [{self.llm.describe()}], hand-off {self.handoff_s * 1e3:.1f} ms")
 
 
-def node_sizes(total: int, gpus_per_node: int) -> list[int]:
-    """Device-group sizes the planners consider: powers of two times a node (and the smaller
-    powers of two inside one node), up to `total`."""
+def node_sizes(total: int, gpus_per_node: int, smallest_share: int = 16) -> list[int]:
+    """Device-group sizes the planners consider: powers of two from max(one node, total /
+    `smallest_share`) up to `total` (inside one node, the powers of two from 1)."""
     sizes, g = [], 1
+    floor = max(1, min(gpus_per_node, total), total // smallest_share)
     while g <= total:
-        if total % g == 0 and (g <= gpus_per_node or g % gpus_per_node == 0):
+        if total % g == 0 and g >= floor and (g <= gpus_per_node or g % gpus_per_node == 0):
             sizes.append(g)
         g *= 2
     if total not in sizes:
