@@ -14,7 +14,8 @@ If the bubbles before the deadlines cannot hold the forward work, the pipeline s
 later (all ranks run encoder forward first); if the bubbles after the releases cannot hold the
 backward work, the step ends E seconds later. With C(t) the idle rank-seconds before t:
     S = max(0, max_j (sum_{i<=j} W_f - C(D_j)) / pp)          (earliest-deadline filling),
-    E = max(0, max_j (sum_{R_i>=R_j} W_b - C'[R_j, T]) / pp)  (release-order filling,
+    E = max(0, max_j (sum_{R_i>=R_j} W_b - C'[R_j, T]) / pp + max(0, R_j - T))
+                                                            (release-order filling,
                                                              C' what the forward left),
 both exact for divisible work; the fill that realises them is returned for the picture.
     step = S + T + E + LLM tail + encoder tail + all-reduce of the encoder's gradient shards
@@ -216,7 +217,8 @@ def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan) -> OptimusR
     ext = 0.0
     for pos, j in enumerate(order):
         suffix = (m - pos) * w_b
-        ext = max(ext, (suffix - _capacity_after(gaps, releases[j])) / pp)
+        late = max(0.0, releases[j] - horizon)  # released after the pipeline ends: wait for it
+        ext = max(ext, (suffix - _capacity_after(gaps, releases[j])) / pp + late)
     ext = max(0.0, ext)
     for rank in gaps:
         rank.append((horizon, horizon + ext))
