@@ -90,7 +90,7 @@ def optimus_part(console: Console) -> tuple[float, float]:
             console.print(f"Optimus at 12 tiles: LLM pipeline {opt.pipeline_s:.3f} s + start shift {opt.shift_s * 1e3:.1f} ms "
                           f"+ end extension {opt.extension_s * 1e3:.1f} ms + tails {opt.tail_s * 1e3:.1f} ms; encoder per "
                           f"rank group {opt.encoder.fwd_s * 1e3:.0f} ms fwd + {opt.encoder.bwd_s * 1e3:.0f} ms bwd "
-                          f"[{opt.encoder.describe()}]")
+                          f"({opt.encoder.describe()})")
     console.print(table)
     return result, plan_s
 

@@ -190,11 +190,11 @@ class TaskPlan:
 
     def describe(self) -> str:
         if self.encoder is None:
-            return f"{self.task}: LLM [{self.llm.describe()}] on {self.gpus} GPUs"
+            return f"{self.task}: LLM ({self.llm.describe()}) on {self.gpus} GPUs"
         where = (f"both on {self.gpus} GPUs" if self.placement == "colocated"
                  else f"encoder on {self.encoder_gpus}, LLM on {self.gpus - self.encoder_gpus} GPUs")
-        return (f"{self.task}: {self.placement} ({where}); encoder [{self.encoder.describe()}], "
-                f"LLM [{self.llm.describe()}], hand-off {self.handoff_s * 1e3:.1f} ms")
+        return (f"{self.task}: {self.placement} ({where}); encoder ({self.encoder.describe()}), "
+                f"LLM ({self.llm.describe()}), hand-off {self.handoff_s * 1e3:.1f} ms")
 
 
 def node_sizes(total: int, gpus_per_node: int, smallest_share: int = 16) -> list[int]:
