@@ -153,3 +153,20 @@ def test_bad_input_answers_in_one_line(tmp_path, tiny):
     task = TaskSpec(name="c", modalities=("image", "text"), batch=8, images_per_sample=1, text_tokens=64)
     with pytest.raises(TesseraError, match="encoder placement on 1 of 2 GPUs does not fit"):
         plan_vlm_task(PartPricer(big, make_cluster(gpu="a100-40gb", num_gpus=2)), task, 2, encoder_gpus=1)
+
+
+def test_cli_plans_tasks_and_shows_waves(tmp_path, capsys):
+    from tessera.cli import main
+    tasks = tmp_path / "tasks.yaml"
+    tasks.write_text("tasks:\n"
+                     "  - {name: caption, modalities: [image, text], batch: 16, images_per_sample: 1, text_tokens: 16}\n"
+                     "  - {name: text, modalities: [text], batch: 16, text_tokens: 128}\n")
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "tiny-vlm", "--gpus", "16", "--tasks", str(tasks), "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "Spindle waves" in text and "wave 1:" in text
+    assert main(["show", str(out)]) == 0
+    assert (tmp_path / "plan-waves.svg").is_file()
+    tasks.write_text("tasks:\n  - {name: s, modalities: [audio], batch: 4, text_tokens: 8}\n")
+    assert main(["plan", "--model", "tiny-vlm", "--gpus", "16", "--tasks", str(tasks)]) != 0
+    assert "unknown modality 'audio'" in capsys.readouterr().err
