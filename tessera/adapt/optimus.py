@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass
 
 from ..cost.comm import collective_times
-from ..cost.evaluate import chunk_times, layer_times, usable_memory
+from ..cost.evaluate import chunk_times, layer_times, shared_layer_costs, usable_memory
 from ..cost.schedule import simulate
 from ..errors import TesseraError
 from ..plan import Plan
@@ -110,7 +110,8 @@ def llm_pipeline_plans(pricer: PartPricer, task: TaskSpec, gpus: int, degrees=(4
         opts = SearchOptions(pp=pp, schedules=("1f1b",), allow_offload=False, allow_ulysses=False,
                              zero_stages=(1,), runner_ups=0, max_splits=1)
         try:
-            plans.append(search(vlm.llm, sub_cluster(pricer.cluster, gpus), wl, opts))
+            with shared_layer_costs():
+                plans.append(search(vlm.llm, sub_cluster(pricer.cluster, gpus), wl, opts))
         except NoFeasiblePlanError:
             continue
     return plans

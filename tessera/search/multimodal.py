@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..cost.comm import collective_times, p2p_time
-from ..cost.evaluate import chunk_times
+from ..cost.evaluate import chunk_times, shared_layer_costs
 from ..errors import TesseraError
 from ..plan import Plan
 from ..spec.cluster import ClusterSpec
@@ -111,7 +111,8 @@ class PartPricer:
             return PartCost(part, gpus, samples, seq_len, INF, INF, why=str(e))
         self.searches += 1
         try:
-            plan = search(model, cluster, Workload(global_batch=samples, seq_len=seq_len, dtype=self.dtype), opts)
+            with shared_layer_costs():
+                plan = search(model, cluster, Workload(global_batch=samples, seq_len=seq_len, dtype=self.dtype), opts)
         except NoFeasiblePlanError as e:
             return PartCost(part, gpus, samples, seq_len, INF, INF, why=str(e))
         fwd, bwd, _, tails, _ = chunk_times(plan)
