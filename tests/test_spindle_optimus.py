@@ -271,6 +271,13 @@ def test_cli_plans_tasks_and_shows_waves(tmp_path, capsys):
     assert main(["plan", "--model", "tiny-vlm", "--gpus", "16", "--tasks", str(tasks), "-o", str(out)]) == 0
     text = capsys.readouterr().out
     assert "Spindle waves" in text and "wave 1:" in text
+    # Every plan kind priced, the fastest chosen and said why.
+    import json
+    record = json.loads(out.read_text())
+    steps = {k["kind"]: k["step_s"] for k in record["kinds"]}
+    assert set(steps) == {"Spindle waves", "tasks one after another"}
+    assert record["chosen"]["step_s"] == min(steps.values()) and record["chosen"]["kind"] in text
+    assert f"chosen: {record['chosen']['kind']}" in text and "fastest of the 2 plan kinds" in text
     assert main(["show", str(out)]) == 0
     assert (tmp_path / "plan-waves.svg").is_file()
     tasks.write_text("tasks:\n  - {name: s, modalities: [audio], batch: 4, text_tokens: 8}\n")
@@ -362,3 +369,23 @@ def test_optimus_prices_whole_images_per_rank_and_the_baseline_checks_memory():
     assert work == pytest.approx(4 * (res.encoder.fwd_s + res.encoder.bwd_s), rel=1e-6)
     base = extra_stage_baseline(pricer, task, plan)
     assert 0 < base.peak_bytes <= usable_memory(cluster)
+
+
+def test_one_task_picks_the_fastest_plan_kind():
+    from tessera.adapt.optimus import compare
+    from tessera.adapt.vlm_choice import choose
+    from tessera.spec.tasks import MultiTaskWorkload
+    vlm = resolve_vlm("tiny-vlm")
+    pricer = PartPricer(vlm, make_cluster(num_gpus=16))
+    task = TaskSpec(name="t", modalities=("image", "text"), batch=16, images_per_sample=2, text_tokens=64)
+    choice = choose(pricer, MultiTaskWorkload(tasks=(task,)), 16, degrees=(2, 4))
+    by_kind = {k.kind: k.step_s for k in choice.kinds}
+    flat = plan_vlm_task(pricer, task, 16)
+    opt, base = compare(pricer, task, 16, (2, 4))
+    assert by_kind == {f"no pipeline ({flat.placement})": flat.step_s, "Optimus": opt.step_s,
+                       "encoder as extra pipeline stages": base.step_s}
+    assert choice.best.step_s == min(by_kind.values())
+    assert choice.why().startswith(f"{choice.best.kind} is the fastest of the 3 plan kinds priced")
+    forced = choose(pricer, MultiTaskWorkload(tasks=(task,)), 16, encoder_gpus=16)
+    assert [k.kind for k in forced.kinds] == ["no pipeline (colocated)"]
+    assert forced.skipped == (("pipeline kinds", "--encoder-gpus 16 fixes the placement"),)
