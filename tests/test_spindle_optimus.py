@@ -310,7 +310,7 @@ def test_spindle_keeps_every_device_within_memory():
              for o, op in enumerate(plan.ops) for g in (1, 2, 4, 8, 16) for v in ("fastest", "lean")}
     assert device_memory(plan.ops, plan.waves, costs, 16).max() <= memory_budget(small)
     assert device_memory(roomy.ops, roomy.waves, costs, 16).max() > memory_budget(small)
-    assert "packed under the memory bound" in "\n".join(plan.describe())
+    assert "the fastest schedule did not fit: the fastest that fits" in "\n".join(plan.describe())
     tiny_dev = base.model_copy(update={"device": base.device.model_copy(update={"memory_bytes": 2.2 * 2**30})})
     with pytest.raises(TesseraError, match="no wave schedule of the 5 operators fits in device memory on 16 GPUs"):
         plan_spindle(PartPricer(vlm, tiny_dev), tasks, 16)

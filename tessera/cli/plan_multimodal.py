@@ -54,7 +54,8 @@ def run_multimodal(args, cluster, out) -> int:
     spindle = next((k.result for k in choice.kinds if isinstance(k.result, SpindlePlan)), None)
     if len(workload.tasks) > 1:
         base = sequential_baseline(pricer, workload, gpus)
-        out.print(f"tasks one after another (each its best plan without a pipeline): {base.step_s * 1e3:.1f} ms per step")
+        out.print(f"tasks one after another (each its best plan without a pipeline): {base.step_s * 1e3:.1f} ms "
+                  f"per step")
         record.update(sequential_s=base.step_s)
         if spindle is not None:
             out.print(f"Spindle waves: {spindle.step_s * 1e3:.1f} ms per step ({base.step_s / spindle.step_s:.2f}x)")
