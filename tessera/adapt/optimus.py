@@ -273,7 +273,7 @@ def _min_max_split(weights: list[float], parts: int, fits=None) -> list[tuple[in
     lo, hi = max(weights), sum(weights)
     if not feasible(cuts(hi)):
         return None
-    for _ in range(60):
+    while hi - lo > 1e-12 * hi:
         mid = (lo + hi) / 2
         if feasible(cuts(mid)):
             hi = mid
@@ -363,6 +363,11 @@ class _stage_memory_check:
 
 def compare(pricer: PartPricer, task: TaskSpec, gpus: int, degrees=(4, 8)):
     """(best Optimus result, best extra-stage baseline) over the LLM's pipeline plans."""
+    with shared_layer_costs():  # the plans' layer costs, computed once for all the pricing below
+        return _compare(pricer, task, gpus, degrees)
+
+
+def _compare(pricer: PartPricer, task: TaskSpec, gpus: int, degrees):
     plans = llm_pipeline_plans(pricer, task, gpus, degrees)
     if not plans:
         raise TesseraError(f"task '{task.name}': the LLM has no pipeline plan on {gpus} GPUs")

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..cost.comm import collective_times
-from ..cost.evaluate import usable_memory
+from ..cost.evaluate import shared_layer_costs, usable_memory
 from ..cost.memory import memory_budget, required_memory
 from ..errors import TesseraError
 from ..search.multimodal import LEAN_OPTIONS, PartCost, PartPricer, group_handoff_s, node_sizes, plan_vlm_task
@@ -171,6 +171,11 @@ def operator_graph(workload: MultiTaskWorkload) -> list[Operator]:
 
 def plan_spindle(pricer: PartPricer, workload: MultiTaskWorkload, gpus: int) -> SpindlePlan:
     """Waves of the workload's operators on `gpus` devices (see the module docstring)."""
+    with shared_layer_costs():
+        return _plan_spindle(pricer, workload, gpus)
+
+
+def _plan_spindle(pricer: PartPricer, workload: MultiTaskWorkload, gpus: int) -> SpindlePlan:
     vlm, cluster = pricer.vlm, pricer.cluster
     workload.check_model(vlm)
     ops = operator_graph(workload)
