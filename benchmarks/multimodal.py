@@ -5,10 +5,14 @@ All figures are the cost model's predictions (H100-80GB nodes of 8, the preset c
     on a LLaVA-1.5-7B-shaped model at 64 and 512 GPUs: the wave schedule (tessera.adapt.spindle)
     vs the tasks one after another on all GPUs, each with its best plan (colocated or separate
     encoder placement, tessera.search.multimodal), gradients accumulated into one optimizer step.
+    The wave schedule keeps every device within memory: the states of every part whose group
+    holds it, across waves, plus its fullest round's activations (spindle.device_memory).
 (b) Optimus: an InternViT-6B-shaped encoder with a LLaMA-3-70B LLM on 512 GPUs, 256 samples of
     4096 LLM tokens; dynamic-resolution images of 12 tiles of 448 px (InternVL-style, 3,072 image
     tokens + 1,024 text tokens per sample), and for comparison 6 tiles: encoder work in the LLM
-    1F1B pipeline's bubbles vs the encoder as extra pipeline work (the best over pp = 4, 8, 16 of each).
+    1F1B pipeline's bubbles vs the encoder as extra pipeline work (the best over pp = 4, 8, 16 of
+    each; the extra stages memory-checked like any pipeline rank, with the encoder's fastest or
+    leanest plan; Optimus prices whole images per rank group).
     The best pipeline-free plan (encoder and LLM colocated or on separate device groups, each its
     own data/tensor-parallel plan) is priced beside them, and the best plan of all three kinds is
     reported (tessera.adapt.vlm_choice, what `tessera plan` picks).
