@@ -382,6 +382,12 @@ def test_one_task_picks_the_fastest_plan_kind():
     by_kind = {k.kind: k.step_s for k in choice.kinds}
     flat = plan_vlm_task(pricer, task, 16)
     opt, base = compare(pricer, task, 16, (2, 4))
+    # compare skips pipeline plans whose LLM step alone is no faster than its best Optimus step:
+    # the best is still the best over every plan.
+    from tessera.adapt.optimus import llm_pipeline_plans
+    plans = llm_pipeline_plans(pricer, task, 16, (2, 4))
+    assert len(plans) == 2
+    assert opt.step_s == min(optimus_schedule(pricer, task, p).step_s for p in plans)
     assert by_kind == {f"no pipeline ({flat.placement})": flat.step_s, "Optimus": opt.step_s,
                        "encoder as extra pipeline stages": base.step_s}
     assert choice.best.step_s == min(by_kind.values())

@@ -372,11 +372,14 @@ def _compare(pricer: PartPricer, task: TaskSpec, gpus: int, degrees):
     if not plans:
         raise TesseraError(f"task '{task.name}': the LLM has no pipeline plan on {gpus} GPUs")
     best_o, best_b, why, why_b = None, None, "", ""
-    for plan in plans:
+    # An Optimus step is at least its LLM plan's (S, E, the encoder's tail and combine are >= 0):
+    # pipeline plans no faster than the best Optimus step found are not scheduled (fastest first).
+    for plan in sorted(plans, key=lambda p: p.prediction.step_time_s):
         try:
-            o = optimus_schedule(pricer, task, plan)
-            if best_o is None or o.step_s < best_o.step_s:
-                best_o = o
+            if best_o is None or plan.prediction.step_time_s < best_o.step_s:
+                o = optimus_schedule(pricer, task, plan)
+                if best_o is None or o.step_s < best_o.step_s:
+                    best_o = o
         except TesseraError as e:
             why = str(e)
         try:
