@@ -19,7 +19,7 @@ the caption's tokens, end-of-text, then padding; labels are the next token where
 text or end-of-text, -100 elsewhere (image placeholders, padding), so the loss covers text only
 and the last placeholder predicts the caption's first token. Captions longer than S - P - 1
 tokens are cut. Text is byte-level (ids 0..255, end-of-text 256) for models whose vocabulary is
-smaller than GPT-2's, GPT-2 BPE otherwise.
+without room for GPT-2's vocabulary and an image token beyond it, GPT-2 BPE otherwise.
 
 Order and sharding follow `tessera.runtime.data`: global sample g is sample perm_e[g mod N] of
 epoch e = g // N (perm_e seeded by (seed, e)); each step takes the next `global_batch` samples;
@@ -195,16 +195,17 @@ def read_image(sample: Sample, image_size: int, channels: int) -> tuple[np.ndarr
 
 
 class CaptionTokenizer:
-    """Byte-level text (ids 0..255, end-of-text 256) below GPT-2's vocabulary size, GPT-2 BPE at or above."""
+    """GPT-2 BPE when the vocabulary holds GPT-2's and an image token beyond it; byte-level text
+    (ids 0..255, end-of-text 256) otherwise."""
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, image_token_id: int):
         from .tokenizer import EOT_ID, GPT2_VOCAB_SIZE
 
-        self.bpe = vocab_size >= GPT2_VOCAB_SIZE
+        self.bpe = vocab_size > GPT2_VOCAB_SIZE and image_token_id >= GPT2_VOCAB_SIZE
         self.eos_id = EOT_ID if self.bpe else BYTE_EOS
-        if not self.bpe and vocab_size <= BYTE_EOS:
-            raise TesseraError(f"a vocabulary of {vocab_size} tokens cannot hold byte-level text "
-                               f"(ids 0..{BYTE_EOS}); use at least {BYTE_EOS + 2} with the image token")
+        if not self.bpe and (vocab_size <= BYTE_EOS or image_token_id <= BYTE_EOS):
+            raise TesseraError(f"byte-level captions need ids 0..{BYTE_EOS} apart from the image token "
+                               f"({image_token_id}) in the vocabulary of {vocab_size}")
 
     def encode(self, text: str) -> list[int]:
         if self.bpe:
@@ -238,13 +239,13 @@ def encode_sample(caption_ids: list[int], image_tokens: int, image_token_id: int
 
 @dataclass
 class ImageTextBatch:
-    """Rows of one global batch: tokens and labels (B, S); images (N, C, H, W) of the rows
+    """Rows of one global batch: tokens and labels (B, S); images (N, C, H, W) of the global rows
     `image_rows` (one image per row); `num_targets`: labels that are not -100 in the whole global batch."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
     images: torch.Tensor
-    image_rows: slice
+    image_rows: list
     num_targets: int
     packed: bool = False
 
@@ -252,17 +253,18 @@ class ImageTextBatch:
 class ImageTextLoader:
     """The global batches of an image-text source, forever (epochs reshuffle)."""
 
-    def __init__(self, samples: list[Sample], vision, image_token_id: int, vocab_size: int, seq_len: int,
-                 global_batch: int, seed: int = 0, holdout: float = 0.0, split: str = "train"):
-        from ..models.vision import num_patches
+    def __init__(self, samples: list[Sample], vlm, seq_len: int, global_batch: int, seed: int = 0,
+                 holdout: float = 0.0, split: str = "train"):
+        from ..models.vision import image_token_id
 
-        self.samples, self.vision, self.seq_len, self.global_batch, self.seed = samples, vision, seq_len, \
+        self.samples, self.vision, self.seq_len, self.global_batch, self.seed = samples, vlm.vision, seq_len, \
             global_batch, seed
-        self.image_token_id = image_token_id
-        self.image_tokens = num_patches(vision)
-        self.tokenizer = CaptionTokenizer(vocab_size)
-        if not 0 <= image_token_id < vocab_size:
-            raise TesseraError(f"image_token_id {image_token_id} is outside the vocabulary of {vocab_size}")
+        self.image_token_id = image_token_id(vlm)
+        self.image_tokens = vlm.image_tokens
+        vocab_size = vlm.llm.vocab_size
+        self.tokenizer = CaptionTokenizer(vocab_size, self.image_token_id)
+        if not 0 <= self.image_token_id < vocab_size:
+            raise TesseraError(f"image_token_id {self.image_token_id} is outside the vocabulary of {vocab_size}")
         self.first, self.count = split_windows(len(samples), holdout, split)
         self.shuffle = split == "train"
         if self.count < global_batch:
@@ -280,28 +282,31 @@ class ImageTextLoader:
             out[epochs == e] = perm[offsets[epochs == e]]
         return out + self.first
 
-    def batch_at(self, first_sample: int, rows: slice | None = None, image_rows: slice | None = None) -> ImageTextBatch:
-        """Global samples [first_sample, first_sample + global_batch): text of `rows`, images of
-        `image_rows` (default: all of both). Does not move the data position."""
-        rows, image_rows = rows or slice(0, self.global_batch), image_rows or slice(0, self.global_batch)
+    def batch_at(self, first_sample: int, rows: slice | None = None, image_rows=None) -> ImageTextBatch:
+        """Global samples [first_sample, first_sample + global_batch): text of `rows` (a slice),
+        images of `image_rows` (global row indices, in the order wanted); default: all of both.
+        Does not move the data position."""
+        rows = rows or slice(0, self.global_batch)
+        image_rows = list(range(self.global_batch)) if image_rows is None else [int(r) for r in image_rows]
         ids = self._sample_ids(first_sample)
-        tokens, labels, images = [], [], []
+        tokens, labels, images = [], [], {}
         for row, i in enumerate(ids):
             sample = self.samples[int(i)]
-            want_image = image_rows.start <= row < image_rows.stop
             # A synthetic sample's caption comes with its image (cheap to draw).
-            image, caption = read_image(sample, self.vision.image_size, self.vision.num_channels) \
-                if want_image or not sample.text else (None, sample.text)
+            if row in image_rows or not sample.text:
+                image, caption = read_image(sample, self.vision.image_size, self.vision.channels)
+                images[row] = image
+            else:
+                caption = sample.text
             t, lab = encode_sample(self.tokenizer.encode(caption), self.image_tokens, self.image_token_id,
                                    self.tokenizer.eos_id, self.seq_len)
             tokens.append(t)
             labels.append(lab)
-            if want_image:
-                images.append(image)
         tokens, labels = np.stack(tokens), np.stack(labels)
-        shape = (0, self.vision.num_channels, self.vision.image_size, self.vision.image_size)
+        shape = (0, self.vision.channels, self.vision.image_size, self.vision.image_size)
+        picked = [images[r] for r in image_rows]
         return ImageTextBatch(tokens=torch.from_numpy(tokens[rows]), labels=torch.from_numpy(labels[rows]),
-                              images=torch.from_numpy(np.stack(images)) if images else torch.zeros(shape),
+                              images=torch.from_numpy(np.stack(picked)) if picked else torch.zeros(shape),
                               image_rows=image_rows, num_targets=int((labels != IGNORE_INDEX).sum()))
 
     def __iter__(self):
