@@ -67,7 +67,21 @@ def simulate_plan(plan: Plan) -> tuple[ScheduleResult, list[float]]:
     return _simulate(plan, plan_context(plan), _per_layer_costs(plan, plan_context(plan)))
 
 
-def _simulate(plan: Plan, ctx: StepContext, costs: list[LayerCosts]) -> tuple[ScheduleResult, list[float]]:
+def chunk_times(plan: Plan) -> tuple[list[float], list[float], list[float], list[float], float]:
+    """Per pipeline chunk: forward, backward and weight-gradient seconds of one micro-batch; per
+    pipeline rank its once-per-step tail; and the stage-to-stage hop (what `simulate` is given)."""
+    ctx = plan_context(plan)
+    return _chunk_times(plan, ctx, _per_layer_costs(plan, ctx))
+
+
+def layer_times(plan: Plan) -> list[tuple[float, float, float]]:
+    """Per layer under its own strategy: (forward, backward, weight-gradient) seconds of one
+    micro-batch (what `chunk_times` sums per chunk, without the re-sharding between layers)."""
+    ctx = plan_context(plan)
+    return [(_scalar(c, "fwd"), _scalar(c, "bwd"), _scalar(c, "wgrad")) for c in _per_layer_costs(plan, ctx)]
+
+
+def _chunk_times(plan: Plan, ctx: StepContext, costs: list[LayerCosts]):
     pipe = plan.pipeline
     fwd, bwd, wgrad = [], [], []
     for start, end in pipe.stages:
@@ -84,11 +98,17 @@ def _simulate(plan: Plan, ctx: StepContext, costs: list[LayerCosts]) -> tuple[Sc
         wgrad.append(w)
     hidden = max(layer.hidden for layer in plan.model.layers)
     p2p = pipeline_p2p_time(hidden, ctx) if pipe.degree > 1 else 0.0
-    sim = simulate(pipe.schedule.value, fwd, bwd, plan.num_micro_batches, pipe.degree,
-                   pipe.virtual_stages, p2p, wgrad)
     tails = [0.0] * pipe.degree
     for chunk, (start, end) in enumerate(pipe.stages):
         tails[pipe.rank_of_chunk(chunk)] += sum(_scalar(costs[i], "step") for i in range(start, end))
+    return fwd, bwd, wgrad, tails, p2p
+
+
+def _simulate(plan: Plan, ctx: StepContext, costs: list[LayerCosts]) -> tuple[ScheduleResult, list[float]]:
+    pipe = plan.pipeline
+    fwd, bwd, wgrad, tails, p2p = _chunk_times(plan, ctx, costs)
+    sim = simulate(pipe.schedule.value, fwd, bwd, plan.num_micro_batches, pipe.degree,
+                   pipe.virtual_stages, p2p, wgrad)
     return sim, tails
 
 
