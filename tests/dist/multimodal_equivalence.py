@@ -4,7 +4,10 @@ For each (LLM plan, encoder strategy) at 4 ranks: every parameter's gradient aft
 (encoder, projector and LLM; 1e-5 relative) against a one-process `VisionLanguageModel` on the
 same global batch of synthetic-shape images and captions; then `train()` for 3 steps (the
 trainer's data loader, global-norm clipping over both parts, AdamW) against the one-process
-losses. Rank 0 prints `CHECK <name> ok` per check.
+losses. Then a multi-task step in Spindle waves (three tasks, two waves, each task's LLM on other
+ranks than its encoder): gradients on every rank and two trained steps against one process running
+the tasks one after another, and malformed schedules refused in one sentence.
+Rank 0 prints `CHECK <name> ok` per check.
 """
 import os
 import sys
@@ -141,3 +144,58 @@ for case in CASES:
     check_gradients(*case)
 check_training("vlm_train_3_steps_llm_dp2_tp2_zero3_encoder_ranks01", plan(S(dp=2, tp=2, zero=3)), CLIP_LIKE,
                EncoderStrategy(dp=2))
+
+
+# --- Spindle: several tasks in waves on groups of ranks, the shared model's gradients combined ----
+from tessera.errors import TesseraError  # noqa: E402
+from tessera.runtime.spindle import RunOp, RunTask, SpindleSteps, one_process_gradients  # noqa: E402
+
+TASKS = [RunTask("caption", batch=8, seq_len=64), RunTask("text", batch=4, seq_len=48, images=False, seed=1),
+         RunTask("short_caption", batch=4, seq_len=32, seed=2)]
+WAVES = [[RunOp("caption", "vision_encoder", 0, 2), RunOp("short_caption", "vision_encoder", 2, 1),
+          RunOp("text", "llm", 3, 1)],
+         # each task's LLM on other ranks than its encoder: the image tokens cross groups
+         [RunOp("caption", "llm", 2, 2), RunOp("short_caption", "llm", 0, 2)]]
+
+
+def check_spindle(name: str, vlm, rtol: float = 1e-5) -> None:
+    steps = SpindleSteps(vlm, TASKS, WAVES, optim=OPTIM, seed=0)
+    steps.compute_gradients()
+    ref = build_vlm(vlm, seed=0)
+    one_process_gradients(ref, vlm, TASKS)
+    want = dict(ref.named_parameters())
+    floor = 1e-3 * max(float(p.grad.abs().max()) for p in want.values())
+    for n, p in steps.model.named_parameters():
+        err = float((p.grad - want[n].grad).abs().max())
+        if err > rtol * max(float(want[n].grad.abs().max()), floor):
+            raise AssertionError(f"{name}: gradient of {n} off by {err:.3e}")
+    steps.optimizer.zero_grad(set_to_none=True)
+    # Two optimizer steps against one process doing the same.
+    got = [steps.train_step() for _ in range(2)]
+    opt = build_optimizer(ref.parameters(), OPTIM)
+    sched = build_scheduler(opt, OPTIM)
+    ref.zero_grad(set_to_none=True)
+    for k, g in enumerate(got):
+        w = float(one_process_gradients(ref, vlm, TASKS, step=k))
+        clip_grad_norm_(list(ref.parameters()), OPTIM.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if abs(g - w) > 5e-5 * abs(w):
+            raise AssertionError(f"{name}: step {k} loss {g:.8f} != one process {w:.8f}")
+    # A schedule that cannot run is refused in one sentence.
+    for waves, match in [([[RunOp("caption", "llm", 0, 4)]], "runs before its task's vision encoder"),
+                         ([[RunOp("caption", "vision_encoder", 0, 2), RunOp("text", "llm", 1, 2)]],
+                          "shares ranks with another operator"),
+                         ([[RunOp("nope", "llm", 0, 1)]], "names an unknown task")]:
+        try:
+            SpindleSteps(vlm, TASKS, waves, optim=OPTIM)
+        except TesseraError as e:
+            assert match in str(e), str(e)
+        else:
+            raise AssertionError(f"{name}: the schedule {waves} was not refused")
+    if dist.get_rank() == 0:
+        print(f"CHECK {name} ok", flush=True)
+
+
+check_spindle("spindle_3_tasks_2_waves_cross_group_handoff", CLIP_LIKE)
