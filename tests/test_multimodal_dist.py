@@ -12,6 +12,7 @@ EXPECTED = {
     "vlm_llm_layerwise_mb2_encoder_zero2_dp4",
     "vlm_qwen2vl_llm_ulysses2_dp2_encoder_rank1",
     "vlm_train_3_steps_llm_dp2_tp2_zero3_encoder_ranks01",
+    "vlm_planned_task_colocated",
     "spindle_3_tasks_2_waves_cross_group_handoff",
 }
 

@@ -77,6 +77,28 @@ class EncoderStrategy:
             raise TesseraError(f"encoder zero={self.zero} must be 0, 1, 2 or 3")
 
 
+def from_task_plan(task_plan, world_size: int) -> tuple[Plan, EncoderStrategy]:
+    """The LLM plan and the encoder strategy this runtime executes for a planned VLM task
+    (`tessera.search.multimodal.plan_vlm_task`). Colocated placements run as planned: the
+    encoder data parallel on every rank with its plan's ZeRO stage and recompute (the largest
+    over its layers), the LLM under its own plan. One sentence for what it cannot run yet."""
+    from ..plan import Recompute
+
+    if task_plan.placement == "llm_only":
+        raise TesseraError(f"task '{task_plan.task}' has no images: train its LLM plan with the text trainer")
+    if task_plan.placement != "colocated":
+        raise TesseraError(f"task '{task_plan.task}': the encoder on {task_plan.encoder_gpus} ranks apart from the "
+                           f"LLM's is not supported by this runtime yet; plan it colocated (encoder_gpus = all)")
+    enc = task_plan.encoder.plan
+    if enc.pipeline.degree > 1 or any(s.tp > 1 or s.sp_degree > 1 for s in enc.layers):
+        raise TesseraError(f"task '{task_plan.task}': the encoder plan uses tensor/sequence/pipeline parallelism, "
+                           "which this runtime does not run for the encoder yet (data parallel and ZeRO only)")
+    if enc.world_size != world_size or task_plan.llm.plan.world_size != world_size:
+        raise TesseraError(f"task '{task_plan.task}' was planned for {enc.world_size} ranks, not {world_size}")
+    return task_plan.llm.plan, EncoderStrategy(dp=world_size, zero=max(s.zero for s in enc.layers),
+                                               recompute=any(s.recompute != Recompute.NONE for s in enc.layers))
+
+
 # --- which rows go where ---------------------------------------------------------------------------
 
 

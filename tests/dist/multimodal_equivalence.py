@@ -140,7 +140,23 @@ CASES = [
     ("vlm_qwen2vl_llm_ulysses2_dp2_encoder_rank1", plan(S(dp=2, sp="ulysses", sp_degree=2)), QWEN_LIKE,
      EncoderStrategy(dp=1, first_rank=1)),
 ]
-for case in CASES:
+
+def planned_case():
+    """The planner's separate plans for a captioning task (encoder and LLM each their own), as run."""
+    from tessera.runtime.multimodal import from_task_plan
+    from tessera.search.multimodal import PartPricer, plan_vlm_task
+    from tessera.spec.multimodal import VLMSpec
+    from tessera.spec.presets.clusters import local_cpu_cluster
+    from tessera.spec.tasks import TaskSpec
+
+    task = TaskSpec(name="caption", modalities=("image", "text"), batch=BATCH,
+                    text_tokens=SEQ - CLIP_LIKE.image_tokens, images_per_sample=1)
+    pricer = PartPricer(VLMSpec.from_config(CLIP_LIKE), local_cpu_cluster(WORLD), dtype="fp32")
+    llm_plan, encoder = from_task_plan(plan_vlm_task(pricer, task, WORLD, encoder_gpus=WORLD), WORLD)
+    return ("vlm_planned_task_colocated", llm_plan, CLIP_LIKE, encoder)
+
+
+for case in CASES + [planned_case()]:
     check_gradients(*case)
 check_training("vlm_train_3_steps_llm_dp2_tp2_zero3_encoder_ranks01", plan(S(dp=2, tp=2, zero=3)), CLIP_LIKE,
                EncoderStrategy(dp=2))
