@@ -28,6 +28,8 @@ offloaded states (`host`) <= the device's share of host memory.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 
 from ..plan import MemoryBreakdown, Plan, Prediction
@@ -46,15 +48,62 @@ def plan_context(plan: Plan) -> StepContext:
                        micro_batch_seqs=plan.micro_batch_size * plan.dp_of_batch)
 
 
+_shared: dict | None = None  # the memo of `shared_layer_costs`, None outside it
+
+
+@contextmanager
+def shared_layer_costs():
+    """Within the block, `evaluate` and its helpers reuse a (layer, strategy, step context)'s costs
+    across plans instead of recomputing them (a search scores dozens of plans that differ in a few
+    layers; planners that run many searches on one model share them too). The costs are a pure
+    function of the key, so the results are identical; the memo holds the models, clusters and
+    workloads it has seen (their identity is part of the key) and is dropped when the block ends."""
+    global _shared
+    if _shared is not None:  # nested: the outer block's memo
+        yield
+        return
+    _shared = {"keep": [], "contexts": {}, "models": {}, "interned": {}}
+    try:
+        yield
+    finally:
+        _shared = None
+
+
+def _layer_keys(model) -> list[tuple]:
+    if _shared is None:
+        return [cost_key(layer) for layer in model.layers]
+    keys = _shared["models"].get(id(model))
+    if keys is None:
+        _shared["keep"].append(model)  # alive while the memo is: its id stays its own
+        # Interned: a small int per distinct cost key (comparing the keys' specs is slow).
+        interned = _shared["interned"]
+        keys = _shared["models"][id(model)] = [interned.setdefault(cost_key(layer), len(interned))
+                                               for layer in model.layers]
+    return keys
+
+
+def _context_memo(ctx: StepContext) -> dict:
+    if _shared is None:
+        return {}
+    key = (id(ctx.cluster), id(ctx.workload), ctx.stage_size, ctx.micro_batch_seqs, ctx.host_layers)
+    memo = _shared["contexts"].get(key)
+    if memo is None:
+        _shared["keep"] += [ctx.cluster, ctx.workload]
+        memo = _shared["contexts"][key] = {}
+    return memo
+
+
 def _per_layer_costs(plan: Plan, ctx: StepContext) -> list[LayerCosts]:
-    """Costs of each layer's own strategy, computed once per distinct (layer, strategy)."""
-    cache: dict[tuple, LayerCosts] = {}
+    """Costs of each layer's own strategy, computed once per distinct (layer, strategy) (and once
+    across plans inside `shared_layer_costs`)."""
+    cache = _context_memo(ctx)
     out = []
-    for layer, s in zip(plan.model.layers, plan.layers):
-        key = (cost_key(layer), s)
-        if key not in cache:
-            cache[key] = layer_costs(layer, StrategyTable.build([s]), ctx)
-        out.append(cache[key])
+    for layer, lkey, s in zip(plan.model.layers, _layer_keys(plan.model), plan.layers):
+        key = (lkey, tuple(s.__dict__.values()))  # the strategy's fields: hashed far faster than the model
+        costs = cache.get(key)
+        if costs is None:
+            costs = cache[key] = layer_costs(layer, StrategyTable.build([s]), ctx)
+        out.append(costs)
     return out
 
 

@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..cost.comm import collective_times, p2p_time
-from ..cost.evaluate import chunk_times
+from ..cost.evaluate import chunk_times, shared_layer_costs
 from ..errors import TesseraError
 from ..plan import Plan
 from ..spec.cluster import ClusterSpec
@@ -111,7 +111,8 @@ class PartPricer:
             return PartCost(part, gpus, samples, seq_len, INF, INF, why=str(e))
         self.searches += 1
         try:
-            plan = search(model, cluster, Workload(global_batch=samples, seq_len=seq_len, dtype=self.dtype), opts)
+            with shared_layer_costs():
+                plan = search(model, cluster, Workload(global_batch=samples, seq_len=seq_len, dtype=self.dtype), opts)
         except NoFeasiblePlanError as e:
             return PartCost(part, gpus, samples, seq_len, INF, INF, why=str(e))
         fwd, bwd, _, tails, _ = chunk_times(plan)
@@ -190,11 +191,11 @@ class TaskPlan:
 
     def describe(self) -> str:
         if self.encoder is None:
-            return f"{self.task}: LLM [{self.llm.describe()}] on {self.gpus} GPUs"
+            return f"{self.task}: LLM ({self.llm.describe()}) on {self.gpus} GPUs"
         where = (f"both on {self.gpus} GPUs" if self.placement == "colocated"
                  else f"encoder on {self.encoder_gpus}, LLM on {self.gpus - self.encoder_gpus} GPUs")
-        return (f"{self.task}: {self.placement} ({where}); encoder [{self.encoder.describe()}], "
-                f"LLM [{self.llm.describe()}], hand-off {self.handoff_s * 1e3:.1f} ms")
+        return (f"{self.task}: {self.placement} ({where}); encoder ({self.encoder.describe()}), "
+                f"LLM ({self.llm.describe()}), hand-off {self.handoff_s * 1e3:.1f} ms")
 
 
 def node_sizes(total: int, gpus_per_node: int, smallest_share: int = 16) -> list[int]:
