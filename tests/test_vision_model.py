@@ -115,3 +115,31 @@ def test_image_files_and_bad_images(tmp_path):
         load_image_text(tmp_path / "broken.jsonl")
     with pytest.raises(TesseraError, match="must be a positive integer"):
         load_image_text("synthetic-shapes:x")
+
+
+def test_train_cli_trains_a_vlm_from_its_config_json(tmp_path):
+    """`tessera train --model <llava config.json> --data <image-text data>` end to end, one rank."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+
+    def train(*args):
+        return subprocess.run([sys.executable, "-m", "tessera", "train", "--model", str(root / "examples/tiny-llava"),
+                               "--cluster", "builtin", "--out", str(tmp_path / "runs/{id}"), *args], env=env,
+                              capture_output=True, text=True, timeout=600)
+
+    proc = train("--data", "synthetic-shapes:256", "--steps", "8", "--lr", "3e-3", "--no-final-checkpoint")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [json.loads(x) for x in next((tmp_path / "runs").glob("*/metrics.jsonl")).read_text().splitlines()]
+    losses = [x["loss"] for x in lines if "loss" in x]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 1.0, losses  # from ~5.7 nats per caption token
+    np.save(tmp_path / "gray.npy", np.zeros((32, 32), dtype=np.float32))
+    (tmp_path / "gray.txt").write_text("grey")
+    proc = train("--data", str(tmp_path), "--steps", "1", "--global-batch", "1")
+    assert proc.returncode != 0
+    assert "gray.npy is 32x32 with 1 channels; the encoder takes 32x32 with 3 channels" in proc.stderr
+    assert "Traceback" not in proc.stderr
