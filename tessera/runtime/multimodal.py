@@ -204,6 +204,8 @@ class MultimodalTrainer(Trainer):
         if config.plan.pipeline.degree > 1:
             raise TesseraError("a vision-language plan with an LLM pipeline is not supported by this runtime yet "
                                "(plan.pipeline.degree must be 1)")
+        if config.eval_every:
+            raise TesseraError("evaluation of a vision-language run is not supported yet (eval.every must be 0)")
         if config.plan.model.config != vlm.llm:
             raise TesseraError(f"the plan is for the model {config.plan.model.name}, not for the LLM of {vlm.name}")
         super().__init__(config, on_step=on_step, on_event=on_event)
@@ -410,14 +412,13 @@ class MultimodalTrainer(Trainer):
         """(name in the one-process `VisionLanguageModel`, parameter) of every parameter here."""
         from .materialize import canonical_name
 
+        encoder = {id(q) for q in self.encoder.parameters()} if self.encoder is not None else set()
         for name, p in super().named_parameters():
-            if self.encoder is not None and any(p is q for q in self.encoder.parameters()):
+            if id(p) in encoder:
                 yield canonical_name(name), p
             else:
                 yield "llm." + name, p
 
-    def evaluate(self):
-        raise TesseraError("evaluation of a vision-language run is not supported yet (set eval_every to 0)")
 
 
 def _image_tokens(vlm) -> int:
