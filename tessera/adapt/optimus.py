@@ -1,14 +1,17 @@
 """Optimus-style scheduling: the vision encoder's forward and backward in the LLM pipeline's bubbles.
 
 The LLM runs a 1F1B pipeline (its plan from the search, pp stages of n = N / pp devices). Every
-pipeline rank also holds a replica of the encoder (its own plan on n devices, the images split
-evenly over the pp groups, `search.multimodal.PartPricer`), so encoder work can run on any rank
-while that rank's LLM stage is idle. Per LLM micro-batch j (work in group-seconds, divisible over
-ranks since its images are independent):
+pipeline rank also holds a replica of the encoder (its own plan on n devices,
+`search.multimodal.PartPricer`), so encoder work can run on any rank while that rank's LLM stage
+is idle. Images are not divisible: a micro-batch's I / m images spread over the pp rank groups in
+whole images, the fullest group taking c = ceil(I / (m pp)); each group's encoder plan is priced
+for m c images (its share of every micro-batch, rounded up), F_E, B_E its forward / backward
+seconds, and per LLM micro-batch j (work in group-seconds, pp groups of c images each):
     forward   W_f = pp * F_E / m, due at D_j = start of stage 0's forward of j - hop,
     backward  W_b = pp * B_E / m, released at R_j = end of stage 0's backward of j + hop,
-F_E, B_E = one group's encoder forward / backward seconds for its images of the step, hop = the
-point-to-point hand-off of a micro-batch's embeddings (or their gradient) into stage 0's group.
+hop = the point-to-point hand-off of a micro-batch's embeddings (or their gradient) into stage 0's
+group. When pp m divides I this is the even split; otherwise the rounding is charged to every
+group (all wait for the fullest).
 The LLM timeline is fixed (`cost.schedule.simulate` events); encoder work fills the idle intervals.
 If the bubbles before the deadlines cannot hold the forward work, the pipeline starts S seconds
 later (all ranks run encoder forward first); if the bubbles after the releases cannot hold the
@@ -26,27 +29,33 @@ activations from forward to backward; a rank over the device's usable memory is 
 Baseline (`extra_stage_baseline`): the encoder as extra pipeline work, Megatron-style: the
 encoder's layers (priced on n devices for a whole LLM micro-batch's images) go in front of the
 LLM's layers and the chain is re-split into pp stages minimising the slowest stage, simulated with
-the same 1F1B simulator; the best over the same pipeline plans. No torch import.
+the same 1F1B simulator; the best over the same pipeline plans. Its memory is checked as the
+search checks a pipeline rank's: rank r holds its layers' states, min(pp - r, m) micro-batches of
+their activations (the encoder layers' per LLM micro-batch) and the largest buffer, within the
+budget; the re-split is the min-max split among those that fit (none: that pipeline plan has no
+baseline). No torch import.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..cost.comm import collective_times
-from ..cost.evaluate import chunk_times, layer_times, shared_layer_costs, usable_memory
-from ..cost.schedule import simulate
+from ..cost.evaluate import chunk_times, layer_memory, layer_times, shared_layer_costs, usable_memory
+from ..cost.memory import memory_budget, required_memory
+from ..cost.schedule import in_flight, simulate
 from ..errors import TesseraError
 from ..plan import Plan
-from ..search.multimodal import PartCost, PartPricer, group_handoff_s, sub_cluster
+from ..search.multimodal import LEAN_OPTIONS, PartCost, PartPricer, group_handoff_s, sub_cluster
 from ..search.planner import NoFeasiblePlanError, search
 from ..search.space import SearchOptions
 from ..spec.tasks import TaskSpec
 from ..spec.workload import Workload
 
 GiB = 2**30
-LEAN_ENCODER = SearchOptions(pp=1, schedules=("1f1b",), allow_offload=False, allow_ulysses=False, zero_stages=(3,),
-                             recompute=("full",), runner_ups=0)
+LEAN_ENCODER = LEAN_OPTIONS
 
 
 @dataclass(frozen=True)
@@ -92,6 +101,7 @@ class ExtraStageResult:
     pipeline_s: float
     tail_s: float
     pieces: tuple[Piece, ...]
+    peak_bytes: float = 0.0  # the fullest pipeline rank's device memory (fragmentation and reserve included)
 
 
 def _idle_total(pieces, rank: int, horizon: float) -> float:
@@ -183,9 +193,8 @@ def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan) -> OptimusR
     vlm, cluster = pricer.vlm, pricer.cluster
     pp, m, n = plan.pipeline.degree, plan.num_micro_batches, plan.stage_size
     images = task.images()
-    if images % pp:
-        raise TesseraError(f"task '{task.name}': {images} images do not split over {pp} pipeline ranks")
-    enc = pricer.cost("vision_encoder", n, images // pp, vlm.encoder_seq_len)
+    per_group = m * math.ceil(images / (m * pp))  # whole images: the fullest group's share of each micro-batch
+    enc = pricer.cost("vision_encoder", n, per_group, vlm.encoder_seq_len)
     if not enc.feasible:
         raise TesseraError(f"encoder placement on every pipeline rank ({n} GPUs each) does not fit: {enc.why}")
     try:
@@ -193,7 +202,7 @@ def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan) -> OptimusR
     except TesseraError:
         # The fastest encoder plan holds too much: every micro-batch's activations stay alive from
         # forward to backward here, so take the leanest (full recompute, ZeRO-3) instead.
-        lean = pricer.cost("vision_encoder", n, images // pp, vlm.encoder_seq_len, LEAN_ENCODER)
+        lean = pricer.cost("vision_encoder", n, per_group, vlm.encoder_seq_len, LEAN_ENCODER)
         if not lean.feasible:
             raise
         enc = lean
@@ -242,22 +251,31 @@ def _check_memory(plan: Plan, enc: PartCost) -> None:
                            f"{extra / GiB:.1f}) of {limit / GiB:.1f} GiB usable")
 
 
-def _min_max_split(weights: list[float], parts: int) -> list[tuple[int, int]]:
+def _min_max_split(weights: list[float], parts: int, fits=None) -> list[tuple[int, int]] | None:
     """Contiguous split of `weights` into `parts` ranges minimising the largest sum (binary search
-    on the bound, greedy check)."""
+    on the bound, greedy check). `fits(r, start, end)`: whether range [start, end) fits as the
+    r-th range (memory; monotone: a sub-range of a range that fits fits, at the same or a later
+    index), so the greedy's furthest reach stays optimal; None when no split fits."""
+    ok = fits or (lambda r, s, e: True)
+
     def cuts(bound):
         out, start, acc = [], 0, 0.0
         for i, w in enumerate(weights):
-            if acc + w > bound and i > start:
+            if i > start and (acc + w > bound or not ok(len(out), start, i + 1)):
                 out.append((start, i))
                 start, acc = i, 0.0
             acc += w
         out.append((start, len(weights)))
-        return out
+        return out if all(ok(r, s, e) for r, (s, e) in enumerate(out)) else None
+
+    def feasible(split):
+        return split is not None and len(split) <= parts
     lo, hi = max(weights), sum(weights)
-    for _ in range(60):
+    if not feasible(cuts(hi)):
+        return None
+    while hi - lo > 1e-12 * hi:
         mid = (lo + hi) / 2
-        if len(cuts(mid)) <= parts:
+        if feasible(cuts(mid)):
             hi = mid
         else:
             lo = mid
@@ -272,30 +290,88 @@ def _min_max_split(weights: list[float], parts: int) -> list[tuple[int, int]]:
 def extra_stage_baseline(pricer: PartPricer, task: TaskSpec, plan: Plan) -> ExtraStageResult:
     """The encoder as extra pipeline work on `plan`'s pipeline (see the module docstring)."""
     vlm = pricer.vlm
-    pp, m, n = plan.pipeline.degree, plan.num_micro_batches, plan.stage_size
-    enc = pricer.cost("vision_encoder", n, task.images(), vlm.encoder_seq_len)
-    if not enc.feasible:
-        raise TesseraError(f"encoder as a pipeline stage on {n} GPUs does not fit: {enc.why}")
+    n = plan.stage_size
+    best, why = None, ""
+    # The encoder's fastest plan, and its leanest (full recompute, ZeRO-3): the stages that hold
+    # encoder layers keep up to pp micro-batches of their activations, so the lean one may be the
+    # only one that fits, or fit a better split.
+    for options in (None, LEAN_ENCODER):
+        enc = pricer.cost("vision_encoder", n, task.images(), vlm.encoder_seq_len, options)
+        if not enc.feasible:
+            why = f"encoder as a pipeline stage on {n} GPUs does not fit: {enc.why}"
+            continue
+        try:
+            result = _extra_stage(enc, plan)
+        except TesseraError as e:
+            why = str(e)
+            continue
+        if best is None or result.step_s < best.step_s:
+            best = result
+    if best is None:
+        raise TesseraError(why)
+    return best
+
+
+def _extra_stage(enc: PartCost, plan: Plan) -> ExtraStageResult:
+    pp, m = plan.pipeline.degree, plan.num_micro_batches
     scale = enc.plan.num_micro_batches / m  # encoder micro-batches per LLM micro-batch
     enc_layers = [(f * scale, b * scale) for f, b, _ in layer_times(enc.plan)]
     llm_layers = [(f, b) for f, b, _ in layer_times(plan)]
     chain = enc_layers + llm_layers
-    split = _min_max_split([f + b for f, b in chain], pp)
+    memory = ([(st, act * scale, buf) for st, act, buf in layer_memory(enc.plan)] + layer_memory(plan))
+    fits = _stage_memory_check(memory, pp, m, memory_budget(plan.cluster))
+    split = _min_max_split([f + b for f, b in chain], pp, fits)
+    if split is None:
+        raise TesseraError(f"the encoder as extra pipeline stages does not fit in memory at pp={pp} (m={m})")
+    peak = max(fits.allocated(r, s, e) for r, (s, e) in enumerate(split))
     fwd = [sum(chain[i][0] for i in range(s, e)) for s, e in split]
     bwd = [sum(chain[i][1] for i in range(s, e)) for s, e in split]
     _, _, _, tails, p2p = chunk_times(plan)
     sim = simulate("1f1b", fwd, bwd, m, pp, 1, p2p)
     tail = max(tails) + enc.tail_s
     pieces = tuple(Piece(e.stage, e.kind, e.micro_batch, e.start, e.end) for e in sim.events)
-    return ExtraStageResult(pp, m, tuple(split), len(enc_layers), sim.step_time + tail, sim.step_time, tail, pieces)
+    return ExtraStageResult(pp, m, tuple(split), len(enc_layers), sim.step_time + tail, sim.step_time, tail, pieces,
+                            peak_bytes=required_memory(peak, plan.cluster))
+
+
+class _stage_memory_check:
+    """fits(r, start, end): the chain's layers [start, end) as 1F1B pipeline rank r fit, i.e.
+    states + min(pp - r, m) x activations (per LLM micro-batch) + the largest buffer <= budget
+    (bytes allocated, as cost/memory.py's budget); prefix sums make each check O(range)."""
+
+    def __init__(self, memory: list[tuple[float, float, float]], pp: int, m: int, budget: float):
+        self.states = np.concatenate([[0.0], np.cumsum([x[0] for x in memory])])
+        self.act = np.concatenate([[0.0], np.cumsum([x[1] for x in memory])])
+        self.buf = [x[2] for x in memory]
+        self.pp, self.m, self.budget = pp, m, budget
+        self.k = [in_flight("1f1b", pp, r, m) for r in range(pp)]
+        self._run = (-1, -1, 0.0)  # (start, end, largest buffer of [start, end)): the greedy grows ranges by one
+
+    def allocated(self, r: int, start: int, end: int) -> float:
+        s, e, buf = self._run
+        if s == start and e == end - 1:
+            buf = max(buf, self.buf[end - 1])
+        elif not (s == start and e == end):
+            buf = max(self.buf[start:end])
+        self._run = (start, end, buf)
+        return (float(self.states[end] - self.states[start])
+                + self.k[min(r, self.pp - 1)] * float(self.act[end] - self.act[start]) + buf)
+
+    def __call__(self, r: int, start: int, end: int) -> bool:
+        return self.allocated(r, start, end) <= self.budget
 
 
 def compare(pricer: PartPricer, task: TaskSpec, gpus: int, degrees=(4, 8)):
     """(best Optimus result, best extra-stage baseline) over the LLM's pipeline plans."""
+    with shared_layer_costs():  # the plans' layer costs, computed once for all the pricing below
+        return _compare(pricer, task, gpus, degrees)
+
+
+def _compare(pricer: PartPricer, task: TaskSpec, gpus: int, degrees):
     plans = llm_pipeline_plans(pricer, task, gpus, degrees)
     if not plans:
         raise TesseraError(f"task '{task.name}': the LLM has no pipeline plan on {gpus} GPUs")
-    best_o, best_b, why = None, None, ""
+    best_o, best_b, why, why_b = None, None, "", ""
     for plan in plans:
         try:
             o = optimus_schedule(pricer, task, plan)
@@ -303,9 +379,15 @@ def compare(pricer: PartPricer, task: TaskSpec, gpus: int, degrees=(4, 8)):
                 best_o = o
         except TesseraError as e:
             why = str(e)
-        b = extra_stage_baseline(pricer, task, plan)
+        try:
+            b = extra_stage_baseline(pricer, task, plan)
+        except TesseraError as e:
+            why_b = str(e)
+            continue
         if best_b is None or b.step_s < best_b.step_s:
             best_b = b
     if best_o is None:
         raise TesseraError(why)
+    if best_b is None:
+        raise TesseraError(why_b)
     return best_o, best_b

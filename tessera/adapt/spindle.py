@@ -6,7 +6,10 @@ Operators of different tasks are independent; operators of the same part share p
 
 Waves: the step's forward runs waves W_1..W_K one after another; each wave runs a set of ready
 operators side by side, operator o on its own group of g_o devices (sum g_o <= N); the backward
-runs the waves in reverse order on the same groups (parameters stay where they are). So
+runs the waves in reverse order on the same groups (parameters stay where they are). The waves
+form rounds: once the operators finished so far include every operator that depends on them, the
+round's backward runs and its activations go (`round_ends`; the sum below is the same, the
+memory is not: a round holds only its own operators' activations). So
 
     step = sum_k [ max_{o in W_k} f_o(g_o) + max_{o in W_k} b_o(g_o) ] + combine + tails
 
@@ -22,8 +25,27 @@ non-empty set of ready operators; the best allocation of one wave is found by en
 forward threshold t_f and backward threshold t_b over the operators' values: each operator then
 takes its smallest group with f <= t_f and b <= t_b, feasible when the groups sum to <= N; the
 cheapest feasible t_f + t_b is the wave's optimum (any allocation's maxima are such a pair, and the
-smallest groups meeting them use no more devices). `tests/test_spindle.py` checks it against
-enumerating every wave sequence and allocation.
+smallest groups meeting them use no more devices). `tests/test_spindle_optimus.py` checks it
+against enumerating every wave sequence and allocation.
+
+Memory. Each operator's plan fits its group on its own, but a device holds more across the step:
+the states of every part whose group includes it (one copy per group of a part, whatever the
+waves and tasks that use the group; groups of the same part elsewhere hold their own), and, per
+round, the activations of every operator of the round it ran, all micro-batches, from the
+forward wave to the backward wave. `device_memory` adds this up per device (the groups of a wave
+side by side from device 0); a schedule whose fullest device exceeds the memory budget is
+refused. When the fastest schedule does not fit, each operator may also take its leanest plan
+(full recompute, ZeRO-3) and the schedule is searched again:
+    `_pack_waves_exact_memory`  A* over partial schedules (the unconstrained program's remaining
+        time as the estimate; a partial schedule that overflows a device dropped, memory only
+        grows), each wave's allocations its Pareto-optimal (time, largest per-device bytes) ones:
+        the fastest schedule of that space that fits as `device_memory` counts;
+    `_pack_waves_in_memory`     if the A* does not settle within its node limit: each wave charged
+        the largest per-device bytes (states + activations) of its operators and the waves' sum
+        kept within the budget less the largest buffer; every device's true sum is at most that
+        (one operator per device per wave), so the schedule fits; the fastest under that bound (a
+        forward dynamic program keeping the Pareto-optimal (time, memory) labels per set of
+        finished operators). Brute force checks both.
 
 The baseline it is compared with (`sequential_baseline`): the tasks one after another on all N
 devices, each with its best separate plan (`plan_vlm_task`), the tails paid once (gradients of
@@ -31,16 +53,18 @@ the tasks accumulate into one optimizer step). No torch import.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from itertools import combinations
 
 import numpy as np
 
 from ..cost.comm import collective_times
+from ..cost.evaluate import shared_layer_costs, usable_memory
+from ..cost.memory import memory_budget, required_memory
 from ..errors import TesseraError
-from ..search.multimodal import INF, PartPricer, group_handoff_s, node_sizes, plan_vlm_task
+from ..search.multimodal import LEAN_OPTIONS, PartCost, PartPricer, group_handoff_s, node_sizes, plan_vlm_task
 from ..spec.tasks import MultiTaskWorkload
+from .wave_packing import (_pack_waves_exact_memory, _pack_waves_in_memory, _wave_options,  # noqa: F401 (re-exported)
+                           pack_waves)
 
 
 @dataclass(frozen=True)
@@ -58,6 +82,7 @@ class Placed:
     first_gpu: int
     fwd_s: float
     bwd_s: float
+    variant: str = "fastest"  # the operator's plan: its fastest, or "lean" (full recompute, ZeRO-3) for memory
 
 
 @dataclass(frozen=True)
@@ -77,68 +102,6 @@ class Wave:
         return self.fwd_s + self.bwd_s
 
 
-def _wave_allocation(members: tuple[int, ...], sizes: np.ndarray, f: np.ndarray, b: np.ndarray, total: int):
-    """(cost, groups) of the best allocation of one wave (see the module docstring) or (inf, None)."""
-    tf = np.unique(f[list(members)])
-    tb = np.unique(b[list(members)])
-    tf, tb = tf[np.isfinite(tf)], tb[np.isfinite(tb)]
-    if not len(tf) or not len(tb):
-        return INF, None
-    need = np.zeros((len(tf), len(tb)))
-    pick = []
-    for o in members:
-        ok = (f[o][None, None, :] <= tf[:, None, None]) & (b[o][None, None, :] <= tb[None, :, None])
-        g = np.where(ok, sizes[None, None, :], np.inf).min(axis=-1)
-        need += g
-        pick.append(g)
-    cost = np.where(need <= total, tf[:, None] + tb[None, :], np.inf)
-    i, j = np.unravel_index(int(np.argmin(cost)), cost.shape)
-    if not np.isfinite(cost[i, j]):
-        return INF, None
-    return float(cost[i, j]), tuple(int(g[i, j]) for g in pick)
-
-
-def pack_waves(ops: list[Operator], sizes: list[int], fwd: np.ndarray, bwd: np.ndarray,
-               total: int) -> tuple[float, list[tuple[tuple[int, ...], tuple[int, ...]]]]:
-    """The wave sequence minimising sum(max f + max b): (cost, [(operators, groups), ...]).
-
-    fwd[o, i], bwd[o, i]: seconds of operator o on sizes[i] devices (inf: it does not fit)."""
-    n = len(ops)
-    size_arr = np.asarray(sizes, dtype=float)
-    full = (1 << n) - 1
-    wave_cache: dict[tuple[int, ...], tuple[float, tuple | None]] = {}
-    best: dict[int, tuple[float, tuple | None, int]] = {full: (0.0, None, full)}
-    need_mask = [sum(1 << a for a in op.after) for op in ops]
-
-    def solve(done: int) -> float:
-        if done in best:
-            return best[done][0]
-        ready = [o for o in range(n) if not done >> o & 1 and need_mask[o] & done == need_mask[o]]
-        choice = (INF, None, done)
-        for k in range(1, len(ready) + 1):
-            for members in combinations(ready, k):
-                if members not in wave_cache:
-                    wave_cache[members] = _wave_allocation(members, size_arr, fwd, bwd, total)
-                cost, groups = wave_cache[members]
-                if not math.isfinite(cost):
-                    continue
-                nxt = done | sum(1 << o for o in members)
-                value = cost + solve(nxt)
-                if value < choice[0]:
-                    choice = (value, (members, groups), nxt)
-        best[done] = choice
-        return choice[0]
-
-    cost = solve(0)
-    if not math.isfinite(cost):
-        return INF, []
-    waves, state = [], 0
-    while state != full:
-        _, wave, state = best[state]
-        waves.append(wave)
-    return cost, waves
-
-
 @dataclass(frozen=True)
 class SpindlePlan:
     ops: tuple[Operator, ...]
@@ -147,6 +110,10 @@ class SpindlePlan:
     tail_s: float
     gpus: int
     searches: int = 0
+    peak_bytes: float = 0.0  # the fullest device's memory (`device_memory`, fragmentation and reserve included)
+    usable_bytes: float = 0.0  # what a device may use (memory less the planner's margin)
+    memory_bound: bool = False  # the fastest schedule overflowed a device: packed under the memory bound
+    round_ends: tuple[int, ...] = ()  # waves after which a round's backward runs (`round_ends`); () = one round
 
     @property
     def waves_s(self) -> float:
@@ -157,27 +124,37 @@ class SpindlePlan:
         return self.waves_s + self.combine_s + self.tail_s
 
     def timeline(self) -> list[tuple[str, str, int, int, float, float]]:
-        """(operator, 'F'/'B', first device, devices, start, end) of every operator run: forward
-        waves in order, then the backward in reverse (the simulator of the step's waves)."""
-        out, t = [], 0.0
-        for w in self.waves:
-            for p in w.ops:
-                out.append((self.ops[p.op].name, "F", p.first_gpu, p.gpus, t, t + p.fwd_s))
-            t += w.fwd_s
-        for w in reversed(self.waves):
-            for p in w.ops:
-                out.append((self.ops[p.op].name, "B", p.first_gpu, p.gpus, t, t + p.bwd_s))
-            t += w.bwd_s
+        """(operator, 'F'/'B', first device, devices, start, end) of every operator run: per round,
+        its forward waves in order, then their backward in reverse (the simulator of the step)."""
+        out, t, start = [], 0.0, 0
+        ends = sorted(set(self.round_ends) | {len(self.waves) - 1})
+        for end in ends:
+            for w in self.waves[start:end + 1]:
+                for p in w.ops:
+                    out.append((self.ops[p.op].name, "F", p.first_gpu, p.gpus, t, t + p.fwd_s))
+                t += w.fwd_s
+            for w in reversed(self.waves[start:end + 1]):
+                for p in w.ops:
+                    out.append((self.ops[p.op].name, "B", p.first_gpu, p.gpus, t, t + p.bwd_s))
+                t += w.bwd_s
+            start = end + 1
         return out
 
     def describe(self) -> list[str]:
         lines = []
         for k, w in enumerate(self.waves):
-            parts = ", ".join(f"{self.ops[p.op].name} on {p.gpus} GPUs ({(p.fwd_s + p.bwd_s) * 1e3:.0f} ms)"
-                              for p in w.ops)
+            parts = ", ".join(f"{self.ops[p.op].name} on {p.gpus} GPUs"
+                              + (f" {p.variant}" if p.variant != "fastest" else "")
+                              + f" ({(p.fwd_s + p.bwd_s) * 1e3:.0f} ms)" for p in w.ops)
             lines.append(f"wave {k + 1}: {parts}; {w.time_s * 1e3:.0f} ms (fwd {w.fwd_s * 1e3:.0f} + bwd "
-                         f"{w.bwd_s * 1e3:.0f})")
+                         f"{w.bwd_s * 1e3:.0f})" + ("; round ends (backward of its waves, activations freed)"
+                                                  if k in self.round_ends and k < len(self.waves) - 1 else ""))
         lines.append(f"gradient combine of shared parts {self.combine_s * 1e3:.1f} ms, tails {self.tail_s * 1e3:.1f} ms")
+        if self.usable_bytes:
+            lines.append(f"fullest device {self.peak_bytes / 2**30:.1f} of {self.usable_bytes / 2**30:.1f} GiB (every "
+                         f"part's states it holds across waves + its fullest round's activations)"
+                         + ("; the fastest schedule did not fit: the fastest that fits" if self.memory_bound
+                            else ""))
         return lines
 
 
@@ -194,46 +171,160 @@ def operator_graph(workload: MultiTaskWorkload) -> list[Operator]:
 
 def plan_spindle(pricer: PartPricer, workload: MultiTaskWorkload, gpus: int) -> SpindlePlan:
     """Waves of the workload's operators on `gpus` devices (see the module docstring)."""
+    with shared_layer_costs():
+        return _plan_spindle(pricer, workload, gpus)
+
+
+def _plan_spindle(pricer: PartPricer, workload: MultiTaskWorkload, gpus: int) -> SpindlePlan:
     vlm, cluster = pricer.vlm, pricer.cluster
     workload.check_model(vlm)
     ops = operator_graph(workload)
     tasks = {t.name: t for t in workload.tasks}
     sizes = node_sizes(gpus, cluster.gpus_per_node)
-    fwd = np.full((len(ops), len(sizes)), np.inf)
+    columns = [(g, "fastest") for g in sizes]
+    costs: dict[tuple[int, int, str], PartCost] = {}
+    fwd, bwd = _columns(pricer, ops, tasks, columns, costs)
+    cost, packed = pack_waves(ops, sizes, fwd, bwd, gpus)
+    if not packed:
+        raise TesseraError(f"no wave schedule of the {len(ops)} operators fits on {gpus} GPUs")
+    waves = _place(packed_columns(packed, sizes), columns, fwd, bwd)
+    budget = memory_budget(cluster)
+    peak = fastest_peak = float(device_memory(ops, waves, costs, gpus).max())
+    bounded = peak > budget
+    if bounded:
+        # The fastest schedule overflows a device: the fastest one whose waves' largest per-device
+        # bytes add up to the budget (an upper bound of every device's, so it fits), each operator
+        # on any group size with its fastest or its leanest plan.
+        columns += [(g, "lean") for g in sizes]
+        fwd, bwd = _columns(pricer, ops, tasks, columns, costs)
+        mem = np.full_like(fwd, np.inf)
+        for o in range(len(ops)):
+            for i, (g, variant) in enumerate(columns):
+                c = costs[o, g, variant]
+                if c.feasible:
+                    mem[o, i] = c.states_bytes + c.act_bytes
+        col_sizes = [g for g, _ in columns]
+        per = {f: np.zeros_like(fwd) for f in ("states_bytes", "act_bytes", "buf_bytes")}
+        for o in range(len(ops)):
+            for i, (g, variant) in enumerate(columns):
+                c = costs[o, g, variant]
+                for f, a in per.items():
+                    a[o, i] = getattr(c, f) if c.feasible else 0.0
+        found = _pack_waves_exact_memory(ops, col_sizes, fwd, bwd, per["states_bytes"], per["act_bytes"],
+                                         per["buf_bytes"], gpus, budget)
+        if found is not None:
+            cost, packed = found
+        else:  # the exact search did not settle: the bound (every device within it)
+            buf = max(c.buf_bytes for c in costs.values() if c.feasible)
+            cost, packed = _pack_waves_in_memory(ops, col_sizes, fwd, bwd, mem, gpus, budget - buf)
+        if not packed:
+            raise TesseraError(f"no wave schedule of the {len(ops)} operators fits in device memory on {gpus} GPUs: "
+                               f"the fastest needs {required_memory(fastest_peak, cluster) / 2**30:.2f} GiB on a "
+                               f"device of {usable_memory(cluster) / 2**30:.2f} GiB usable, and no schedule fits, "
+                               f"even with every operator's leanest plan")
+        waves = _place(packed, columns, fwd, bwd)
+        peak = float(device_memory(ops, waves, costs, gpus).max())
+    combine, tails = 0.0, 0.0
+    for part in ("vision_encoder", "llm"):
+        runs = [(p.op, p.gpus, p.variant) for w in waves for p in w.ops if ops[p.op].part == part]
+        if not runs:
+            continue
+        tails += max(costs[run].tail_s for run in runs)
+        if len(runs) > 1:
+            g_min = min(g for _, g, _ in runs)
+            shard = 2.0 * pricer.model(part).num_params / g_min
+            combine += float(collective_times(cluster, "all_reduce", shard, len(runs), g_min))
+    return SpindlePlan(tuple(ops), tuple(waves), combine, tails, gpus, pricer.searches,
+                       peak_bytes=required_memory(peak, cluster), usable_bytes=usable_memory(cluster),
+                       memory_bound=bounded, round_ends=round_ends(ops, waves))
+
+
+def _columns(pricer: PartPricer, ops, tasks, columns, costs) -> tuple[np.ndarray, np.ndarray]:
+    """fwd[o, i], bwd[o, i]: operator o's seconds with column i's (group size, plan), the image
+    embeddings' hand-off added (module docstring); `costs[(o, size, plan)]` filled in."""
+    vlm, cluster = pricer.vlm, pricer.cluster
+    fwd = np.full((len(ops), len(columns)), np.inf)
     bwd = np.full_like(fwd, np.inf)
-    costs = {}
     for o, op in enumerate(ops):
         t = tasks[op.task]
-        for i, g in enumerate(sizes):
-            c = pricer.encoder(t, g) if op.part == "vision_encoder" else pricer.llm(t, g)
-            costs[o, g] = c
+        for i, (g, variant) in enumerate(columns):
+            if (o, g, variant) not in costs:
+                options = LEAN_OPTIONS if variant == "lean" else None
+                costs[o, g, variant] = (pricer.encoder(t, g, options) if op.part == "vision_encoder"
+                                        else pricer.llm(t, g, options))
+            c = costs[o, g, variant]
             if not c.feasible:
                 continue
             hop = group_handoff_s(cluster, vlm, t.images(), g) if t.has_images else 0.0
             fwd[o, i] = c.fwd_s + (hop if op.part == "llm" else 0.0)
             bwd[o, i] = c.bwd_s + (hop if op.part == "vision_encoder" else 0.0)
-    cost, packed = pack_waves(ops, sizes, fwd, bwd, gpus)
-    if not packed:
-        raise TesseraError(f"no wave schedule of the {len(ops)} operators fits on {gpus} GPUs")
+    return fwd, bwd
+
+
+def packed_columns(packed, sizes: list[int]):
+    """`pack_waves`' (operators, group sizes) waves as (operators, columns) of unique sizes."""
+    return [(members, tuple(sizes.index(g) for g in groups)) for members, groups in packed]
+
+
+def _place(packed, columns: list[tuple[int, str]], fwd: np.ndarray, bwd: np.ndarray) -> list[Wave]:
+    """Each wave's groups side by side from device 0, in the order of its operators; `packed`:
+    (operators, columns) per wave."""
     waves = []
-    for members, groups in packed:
+    for members, chosen in packed:
         first, placed = 0, []
-        for o, g in zip(members, groups):
-            i = sizes.index(g)
-            placed.append(Placed(o, g, first, float(fwd[o, i]), float(bwd[o, i])))
+        for o, i in zip(members, chosen):
+            g, variant = columns[i]
+            placed.append(Placed(o, g, first, float(fwd[o, i]), float(bwd[o, i]), variant))
             first += g
         waves.append(Wave(tuple(placed)))
-    combine, tails = 0.0, 0.0
-    for part in ("vision_encoder", "llm"):
-        runs = [(p.op, p.gpus) for w in waves for p in w.ops if ops[p.op].part == part]
-        if not runs:
-            continue
-        tails += max(costs[o, g].tail_s for o, g in runs)
-        if len(runs) > 1:
-            g_min = min(g for _, g in runs)
-            shard = 2.0 * pricer.model(part).num_params / g_min
-            combine += float(collective_times(cluster, "all_reduce", shard, len(runs), g_min))
-    return SpindlePlan(tuple(ops), tuple(waves), combine, tails, gpus, pricer.searches)
+    return waves
+
+
+def round_ends(ops, waves) -> tuple[int, ...]:
+    """Indices of the waves after which a round ends: the operators finished so far include every
+    operator that depends on one of them, so their backward waves can run now (in reverse) and
+    their activations go. The time is the same (each wave's forward and backward are run once
+    either way); only the memory falls. The last wave always ends one."""
+    dependents = [[o for o, op in enumerate(ops) if a in op.after] for a in range(len(ops))]
+    done: set[int] = set()
+    ends = []
+    for k, w in enumerate(waves):
+        done.update(p.op for p in w.ops)
+        if all(d in done for o in done for d in dependents[o]):
+            ends.append(k)
+    return tuple(ends)
+
+
+def device_memory(ops: list[Operator] | tuple[Operator, ...], waves, costs: dict, gpus: int,
+                  ends: tuple[int, ...] | None = None) -> np.ndarray:
+    """Each device's peak bytes allocated over the step, before fragmentation and the framework's
+    reserve:
+        sum over the groups (part, first device, size) that hold device d of the largest model
+            states of that part's operators on that group (a group keeps one copy of its part,
+            across waves and tasks, for the whole step; another group of the same part holds its own)
+        + the largest over rounds (`round_ends`; default: as early as the dependencies allow) of
+            the activations of the round's operators on d, all micro-batches (alive from an
+            operator's forward wave until its backward wave, the backward running in reverse)
+        + the largest buffer of the operators on d.
+    `costs[(op, group size, plan variant)]`: the operator's PartCost."""
+    ends = round_ends(ops, waves) if ends is None else ends
+    states: dict[tuple, float] = {}
+    act, peak_act, buf = np.zeros(gpus), np.zeros(gpus), np.zeros(gpus)
+    for k, w in enumerate(waves):
+        for p in w.ops:
+            c = costs[p.op, p.gpus, p.variant]
+            key = (ops[p.op].part, p.first_gpu, p.gpus)
+            states[key] = max(states.get(key, 0.0), c.states_bytes)
+            where = slice(p.first_gpu, p.first_gpu + p.gpus)
+            act[where] += c.act_bytes
+            buf[where] = np.maximum(buf[where], c.buf_bytes)
+        if k in ends or k == len(waves) - 1:
+            np.maximum(peak_act, act, out=peak_act)
+            act[:] = 0.0
+    held = np.zeros(gpus)
+    for (_, first, size), b in states.items():
+        held[first:first + size] += b
+    return held + peak_act + buf
 
 
 @dataclass(frozen=True)

@@ -130,6 +130,14 @@ def layer_times(plan: Plan) -> list[tuple[float, float, float]]:
     return [(_scalar(c, "fwd"), _scalar(c, "bwd"), _scalar(c, "wgrad")) for c in _per_layer_costs(plan, ctx)]
 
 
+def layer_memory(plan: Plan) -> list[tuple[float, float, float]]:
+    """Per layer under its own strategy, bytes on one device: (model states, activations of one
+    micro-batch, transient buffer) (what `stage_memory` adds up per rank)."""
+    ctx = plan_context(plan)
+    return [(_scalar(c, "params") + _scalar(c, "grads") + _scalar(c, "optimizer"), _scalar(c, "act"),
+             _scalar(c, "buf")) for c in _per_layer_costs(plan, ctx)]
+
+
 def _chunk_times(plan: Plan, ctx: StepContext, costs: list[LayerCosts]):
     pipe = plan.pipeline
     fwd, bwd, wgrad = [], [], []

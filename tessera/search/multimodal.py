@@ -43,6 +43,10 @@ from .space import SearchOptions
 
 FAST_OPTIONS = SearchOptions(pp=1, schedules=("1f1b",), allow_offload=False, allow_ulysses=False,
                              zero_stages=(1, 3), runner_ups=0)
+# A part's leanest plan: every layer fully recomputed and ZeRO-3 (for schedules that hold more
+# than one micro-batch's activations or several parts' states on a device).
+LEAN_OPTIONS = SearchOptions(pp=1, schedules=("1f1b",), allow_offload=False, allow_ulysses=False, zero_stages=(3,),
+                             recompute=("full",), runner_ups=0)
 HANDOFF_CHUNKS = 8
 INF = math.inf
 
@@ -60,6 +64,13 @@ class PartCost:
     fwd_s: float = 0.0  # forward share of busy_s (summed over micro-batches)
     plan: Plan | None = field(default=None, repr=False, compare=False)
     why: str = ""  # why no plan fits
+    # Per device, bytes allocated (before fragmentation and the framework's reserve): the model
+    # states (parameters + gradients + optimizer), the activations of ALL the step's micro-batches
+    # (what a wave schedule holds from an operator's forward wave to its backward wave) and the
+    # largest transient buffer.
+    states_bytes: float = 0.0
+    act_bytes: float = 0.0
+    buf_bytes: float = 0.0
 
     @property
     def step_s(self) -> float:
@@ -122,14 +133,17 @@ class PartPricer:
         m = plan.num_micro_batches
         # Forward share of the busy time: the chunks' forward over forward + backward.
         share = sum(fwd) / max(sum(fwd) + sum(bwd), 1e-30)
-        return PartCost(part, gpus, samples, seq_len, busy, tail, fwd_s=busy * share, plan=plan) if m else None
+        mem = plan.prediction.stage_memory[0]  # pp = 1: one rank, one micro-batch in flight
+        return PartCost(part, gpus, samples, seq_len, busy, tail, fwd_s=busy * share, plan=plan,
+                        states_bytes=mem.params + mem.grads + mem.optimizer, act_bytes=mem.activations * m,
+                        buf_bytes=mem.buffers - cluster.device.reserved_bytes)
 
     # --- the parts of one task -------------------------------------------------------------
-    def encoder(self, task: TaskSpec, gpus: int) -> PartCost:
-        return self.cost("vision_encoder", gpus, task.images(), self.vlm.encoder_seq_len)
+    def encoder(self, task: TaskSpec, gpus: int, options: SearchOptions | None = None) -> PartCost:
+        return self.cost("vision_encoder", gpus, task.images(), self.vlm.encoder_seq_len, options)
 
-    def llm(self, task: TaskSpec, gpus: int) -> PartCost:
-        return self.cost("llm", gpus, task.batch, task.llm_seq_len(self.vlm))
+    def llm(self, task: TaskSpec, gpus: int, options: SearchOptions | None = None) -> PartCost:
+        return self.cost("llm", gpus, task.batch, task.llm_seq_len(self.vlm), options)
 
 
 def embedding_bytes(vlm: VLMSpec, images: int, dtype_bytes: int = 2) -> float:
