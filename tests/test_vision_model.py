@@ -143,3 +143,28 @@ def test_train_cli_trains_a_vlm_from_its_config_json(tmp_path):
     assert proc.returncode != 0
     assert "gray.npy is 32x32 with 1 channels; the encoder takes 32x32 with 3 channels" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_spindle_planner_waves_are_a_schedule_the_runtime_runs():
+    """The planner's waves (`plan_spindle`) convert to the runtime's operators and pass its checks."""
+    from pathlib import Path
+
+    from tessera.adapt.spindle import plan_spindle
+    from tessera.runtime.spindle import RunTask, check_waves, waves_of
+    from tessera.search.multimodal import PartPricer
+    from tessera.spec.multimodal import resolve_vlm
+    from tessera.spec.presets.clusters import local_cpu_cluster
+    from tessera.spec.tasks import parse_tasks
+
+    vlm = resolve_vlm(str(Path(__file__).resolve().parents[1] / "examples/tiny-llava"))
+    work = parse_tasks({"tasks": [
+        dict(name="caption", modalities=["image", "text"], batch=8, images_per_sample=1, text_tokens=48),
+        dict(name="text", modalities=["text"], batch=4, text_tokens=48)]})
+    waves = waves_of(plan_spindle(PartPricer(vlm, local_cpu_cluster(4), dtype="fp32"), work, 4))
+    tasks = {"caption": RunTask("caption", 8, 64), "text": RunTask("text", 4, 48, images=False)}
+    check_waves(waves, tasks, 4)
+    ops = [(op.task, op.part) for wave in waves for op in wave]
+    assert sorted(ops) == [("caption", "llm"), ("caption", "vision_encoder"), ("text", "llm")]
+    with pytest.raises(TesseraError, match="caption/llm runs before its task.s vision encoder"):
+        check_waves([[op for op in wave if op.part != "vision_encoder"] for wave in waves if
+                     any(op.part != "vision_encoder" for op in wave)], tasks, 4)
