@@ -93,6 +93,21 @@ def test_sequences_hold_image_placeholders_then_caption_with_text_labels_only():
     assert torch.equal(part.tokens, batch.tokens[2:]) and torch.equal(part.images, batch.images[[3, 0]])
 
 
+def test_a_given_image_token_id_is_what_the_data_and_the_model_use():
+    """HF's image_token_index (here 257, not the last id) marks the images in the data and in the splice."""
+    vlm = VLM.model_copy(update=dict(image_token_id=257))
+    batch = next(ImageTextLoader(load_image_text("synthetic-shapes:8"), vlm, seq_len=48, global_batch=2))
+    p = vlm.image_tokens
+    assert (batch.tokens[:, :p] == 257).all() and not (batch.tokens == LLM.vocab_size - 1).any()
+    model = build_vlm(vlm, seed=0)
+    assert model.splice.image_token_id == 257
+    model(batch.tokens, batch.images).sum().backward()
+    assert float(model.llm.tok_embeddings.weight.grad[257].abs().sum()) == 0.0  # replaced by the images
+    with pytest.raises(TesseraError, match="byte-level captions need ids 0..256 apart from the image token"):
+        ImageTextLoader(load_image_text("synthetic-shapes:8"), VLM.model_copy(update=dict(image_token_id=10)),
+                        seq_len=48, global_batch=2)
+
+
 def test_image_files_and_bad_images(tmp_path):
     rng = np.random.default_rng(0)
     np.save(tmp_path / "cat.npy", rng.integers(0, 255, (16, 16, 3), dtype=np.uint8))

@@ -48,10 +48,9 @@ LAYER_SCALE_INIT = 0.1
 
 
 def image_token_id(config) -> int:
-    """The placeholder id of an image token: the config's `image_token_id` when it has one (Hugging
-    Face's `image_token_index` / `image_token_id`), else the last id of the LLM's vocabulary."""
-    given = getattr(config, "image_token_id", None)
-    return int(given) if given is not None else config.llm.vocab_size - 1
+    """The placeholder id of an image token: `VLMConfig.image_token` (the config's `image_token_id`,
+    Hugging Face's `image_token_index` / `image_token_id`, else the last id of the LLM's vocabulary)."""
+    return config.image_token
 
 
 def patchify(images: torch.Tensor, patch: int) -> torch.Tensor:

@@ -117,10 +117,16 @@ class VLMConfig(Frozen):
     feature_layer: int = -1
     # "default": the class token is dropped before the projector (LLaVA); "full": kept.
     feature_select: Literal["default", "full"] = "default"
+    # The LLM token id that marks an image token's place in the text (Hugging Face LLaVA's
+    # `image_token_index`, Qwen2-VL's `image_token_id`); None: the last id of the LLM's vocabulary.
+    image_token_id: int | None = Field(default=None, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> "VLMConfig":
         v = self.vision
+        if self.image_token_id is not None and self.image_token_id >= self.llm.vocab_size:
+            raise ValueError(f"image_token_id={self.image_token_id} is outside the LLM's vocabulary of "
+                             f"{self.llm.vocab_size}")
         if v.grid % self.projector.merge:
             raise ValueError(f"projector merge={self.projector.merge} does not divide the {v.grid}x{v.grid} "
                              f"patch grid (image_size={v.image_size}, patch_size={v.patch_size})")
@@ -129,6 +135,11 @@ class VLMConfig(Frozen):
         if self.projector.merge > 1 and v.class_token and self.feature_select == "full":
             raise ValueError("a class token cannot be merged with patches (feature_select='full' with merge > 1)")
         return self
+
+    @property
+    def image_token(self) -> int:
+        """The image placeholder id the runtime and the data use (`image_token_id`, else the last id)."""
+        return self.llm.vocab_size - 1 if self.image_token_id is None else self.image_token_id
 
     @property
     def encoder_layers_run(self) -> int:
