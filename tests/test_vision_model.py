@@ -26,8 +26,22 @@ def test_modules_have_the_parameters_the_planner_counts(name):
     vision = sum(p.numel() for p in encoder.vision.parameters())
     projector = sum(p.numel() for p in encoder.projector.parameters())
     assert projector == spec.projector.params
-    if config.vision.family != "intern_vit":  # InternViT's q/k norms are counted per head by the spec
-        assert vision == spec.encoder.num_params
+    assert vision == spec.encoder.num_params
+
+
+def test_intern_vit_6b_has_the_public_architecture_s_parameters():
+    """InternViT-6B-448px-V1-5: 45 blocks of width 3200 (25 heads, MLP 12800), q/k/v without bias and
+    the output projection with one, RMS norms of q and k over all 3200 features, two layer-scale
+    vectors; a 14 px patch conv with bias, a class token and 1,025 learned positions."""
+    h, f = 3200, 12800
+    block = 3 * h * h + (h * h + h) + (h * f + f) + (f * h + h) + 2 * h + 2 * h + 2 * h
+    embeddings = 3 * 14 * 14 * h + h + h + 1025 * h
+    want = embeddings + 45 * block
+    assert want == 5_536_496_000
+    config = VLM_CONFIGS["vit6b-llama3-70b"]
+    encoder = build_image_encoder(config, device="meta")
+    assert sum(p.numel() for p in encoder.vision.parameters()) == VLMSpec.from_config(config).encoder.num_params == want
+    assert encoder.vision.layers["0"].attention.q_norm.weight.shape == (h,)
 
 
 def test_patch_linear_is_the_strided_convolution():

@@ -195,7 +195,11 @@ def encoder_block_layer(v: VisionEncoderConfig, index: int) -> LayerSpec:
     """A pre-norm ViT block. Bidirectional attention: QK^T and AV cost 2 x 2 s d FLOPs per token
     (nothing masked), twice a causal block's `attn_flops_coeff`."""
     base = block_layer(_as_transformer(v), index)
-    extra = (2 * v.head_dim * 2 if v.qk_norm else 0) + (2 * v.hidden if v.layer_scale else 0)
+    # The decoder block counts q/k/v biases whenever the linears have biases (GPT-2); InternViT
+    # has an output-projection bias without q/k/v biases. Its q and k norms span all heads.
+    extra = -3 * v.hidden if (v.linear_bias and not v.qkv_bias) else 0
+    extra += 2 * _norm_params(v.norm, v.hidden) if v.qk_norm else 0
+    extra += 2 * v.hidden if v.layer_scale else 0
     return base.model_copy(update=dict(name=f"vit{index}", kind=LayerKind.ENCODER, params=base.params + extra,
                                        attn_flops_coeff=4.0 * v.hidden))
 
@@ -289,7 +293,8 @@ CLIP_VIT_L14_336 = VisionEncoderConfig(name="clip-vit-l14-336", family="clip", i
 QWEN2_VL_VIT = VisionEncoderConfig(name="qwen2-vl-vit", family="qwen2_vl", image_size=448, patch_size=14,
                                    temporal_patch_size=2, hidden=1280, num_layers=32, num_heads=16, ffn_hidden=5120,
                                    norm_eps=1e-6, act="quick_gelu", position="rope2d", class_token=False)
-# InternViT-6B (OpenGVLab/InternViT-6B-448px-V1-5): RMSNorm, q/k norm, layer scale, no qkv bias.
+# InternViT-6B (OpenGVLab/InternViT-6B-448px-V1-5): RMSNorm, q/k norm over the whole width,
+# layer scale, no q/k/v bias (an output-projection bias): 5,536,496,000 parameters.
 INTERN_VIT_6B = VisionEncoderConfig(name="intern-vit-6b", family="intern_vit", image_size=448, patch_size=14,
                                     hidden=3200, num_layers=45, num_heads=25, ffn_hidden=12800, norm="rmsnorm",
                                     norm_eps=1e-6, act="gelu", qkv_bias=False, qk_norm=True, layer_scale=True)
