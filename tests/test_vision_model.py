@@ -27,6 +27,10 @@ def test_modules_have_the_parameters_the_planner_counts(name):
     projector = sum(p.numel() for p in encoder.projector.parameters())
     assert projector == spec.projector.params
     assert vision == spec.encoder.num_params
+    if config.llm.hidden <= 1024:  # the whole model, tiny presets
+        model = build_vlm(config, device="meta")
+        assert sum(p.numel() for p in model.llm.parameters()) == spec.llm.num_params
+        assert sum(p.numel() for p in model.parameters()) == spec.num_params
 
 
 def test_intern_vit_6b_has_the_public_architecture_s_parameters():
@@ -42,6 +46,14 @@ def test_intern_vit_6b_has_the_public_architecture_s_parameters():
     encoder = build_image_encoder(config, device="meta")
     assert sum(p.numel() for p in encoder.vision.parameters()) == VLMSpec.from_config(config).encoder.num_params == want
     assert encoder.vision.layers["0"].attention.q_norm.weight.shape == (h,)
+
+
+def test_tiny_presets_have_a_small_vocabulary_with_a_spare_image_id():
+    for name in ("tiny-vlm", "tiny-qwen2-vl"):
+        config = VLM_CONFIGS[name]
+        assert config.llm.vocab_size == 320 and config.image_token == 319  # bytes, end-of-text 256, image 319
+        batch = next(ImageTextLoader(load_image_text("synthetic-shapes:8"), config, seq_len=64, global_batch=2))
+        assert int(batch.tokens.max()) == 319 and int(batch.labels.max()) <= 256
 
 
 def test_patch_linear_is_the_strided_convolution():

@@ -303,6 +303,9 @@ TINY_VIT = VisionEncoderConfig(name="tiny-vit", family="clip", image_size=32, pa
 
 _VICUNA_7B = MODEL_CONFIGS["llama2-7b"].model_copy(update=dict(name="vicuna-7b", vocab_size=32064))
 _QWEN2_7B = MODEL_CONFIGS["qwen2.5-7b"].model_copy(update=dict(name="qwen2-vl-7b-llm"))
+# The tiny presets' LLM: tiny-llama with examples/tiny-llava's 320-token vocabulary (byte-level
+# captions 0..255, end-of-text 256, the image placeholder 319), not GPT-2's 50,257 tokens.
+_TINY_VLM_LLM = MODEL_CONFIGS["tiny-llama"].model_copy(update=dict(name="tiny-vlm-llm", vocab_size=320))
 
 VLM_CONFIGS: dict[str, VLMConfig] = {c.name: c for c in [
     # llava-hf/llava-1.5-7b-hf: CLIP ViT-L/14-336 (penultimate layer, class token dropped),
@@ -317,13 +320,13 @@ VLM_CONFIGS: dict[str, VLMConfig] = {c.name: c for c in [
               projector=ProjectorConfig(merge=2, norm=True, layers=2, act="gelu"), llm=MODEL_CONFIGS["llama3-70b"]),
     # CPU-sized: 32 px images, 16 patches, a tiny LLaMA.
     VLMConfig(name="tiny-vlm", family="llava", vision=TINY_VIT,
-              projector=ProjectorConfig(merge=1, layers=2, act="gelu"), llm=MODEL_CONFIGS["tiny-llama"]),
+              projector=ProjectorConfig(merge=1, layers=2, act="gelu"), llm=_TINY_VLM_LLM, image_token_id=319),
     VLMConfig(name="tiny-qwen2-vl", family="qwen2_vl",
               vision=VisionEncoderConfig(name="tiny-qwen2-vl-vit", family="qwen2_vl", image_size=32, patch_size=4,
                                          temporal_patch_size=2, hidden=64, num_layers=2, num_heads=4, ffn_hidden=256,
                                          norm_eps=1e-6, act="quick_gelu", position="rope2d", class_token=False),
               projector=ProjectorConfig(merge=2, norm=True, layers=2, hidden=256, act="gelu"),
-              llm=MODEL_CONFIGS["tiny-llama"]),
+              llm=_TINY_VLM_LLM, image_token_id=319),
 ]}
 
 
