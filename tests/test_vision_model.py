@@ -209,3 +209,19 @@ def test_spindle_planner_waves_are_a_schedule_the_runtime_runs():
     with pytest.raises(TesseraError, match="caption/llm runs before its task.s vision encoder"):
         check_waves([[op for op in wave if op.part != "vision_encoder"] for wave in waves if
                      any(op.part != "vision_encoder" for op in wave)], tasks, 4)
+
+
+def test_train_takes_the_encoder_strategy_from_the_planner():
+    """`tessera train` of a VLM: the planner's colocated plan when it is the choice; otherwise the best
+    colocated plan the runtime runs, said in one line (both with the encoder and LLM plans)."""
+    from tessera.cli.train_vlm import plan_vlm
+    from tessera.spec.model import ModelSpec
+    from tessera.spec.presets.clusters import local_cpu_cluster
+    from tessera.spec.workload import Workload
+
+    config = VLM_CONFIGS["tiny-vlm"]
+    llm = ModelSpec.from_config(config.llm)
+    got = plan_vlm(config, llm, 2, Workload(global_batch=16, seq_len=64, dtype="fp32"), local_cpu_cluster(2))
+    assert got.plan.pipeline.degree == 1 and got.plan.model.config == config.llm and got.encoder["dp"] == 2
+    assert got.lines[0].startswith("encoder plan") and got.lines[1].startswith("LLM plan")
+    assert got.lines[2].startswith("chosen: no pipeline (colocated)")
