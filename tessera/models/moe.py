@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -113,6 +114,24 @@ def capacity_keep(chosen: torch.Tensor, num_experts: int, limit: int, context: "
     return (place * onehot).sum(-1) < limit
 
 
+@dataclass
+class Routing:
+    """One forward call's routing: `chosen` (B, S, k) experts of every token, `slots` the served
+    token-slots (flat index token * k + choice) grouped by expert (`counts` (E,) each, `expert`
+    the expert of each), `token` and `weights` of each served slot; `routed` (E,) slots before
+    capacity drops; the router's logits and softmax."""
+
+    logits: torch.Tensor
+    probs: torch.Tensor
+    chosen: torch.Tensor
+    routed: torch.Tensor
+    slots: torch.Tensor
+    token: torch.Tensor
+    expert: torch.Tensor
+    counts: torch.Tensor
+    weights: torch.Tensor
+
+
 class MoEContext:
     """How a MoE layer runs on one process; `tessera.runtime.expert_parallel` subclasses it.
 
@@ -124,6 +143,7 @@ class MoEContext:
     token_pieces: int = 1
     seq_pieces: int = 1  # ranks a sequence is split over (Ulysses)
     aux_grad_scale: float | None = None
+    carries_residual: bool = False  # the block calls `MoE.forward_block` (`place_block`)
 
     def reduce_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """Routing counts (E,) of the whole micro-batch from this rank's."""
@@ -137,6 +157,14 @@ class MoEContext:
         """Expert outputs for the routed copies x[token] (grouped by expert; counts (E,) per
         expert), in the same order."""
         return experts(x[token], counts.tolist())
+
+    def place_block(self, moe: "MoE", h: torch.Tensor, x: torch.Tensor, routing: Routing, norm: nn.Module,
+                    shape, inject) -> torch.Tensor:
+        """h + the layer's output for x = norm(h) (flat (T, H) each), shaped `shape`, on the rows
+        the context places the samples on for the next layer (`carries_residual` contexts only);
+        `inject(t)` returns t carrying the aux loss's gradient, for a tensor of this rank's
+        backward."""
+        raise NotImplementedError
 
 
 LOCAL = MoEContext()
@@ -175,13 +203,36 @@ class MoE(nn.Module):
         self.routing_log: list[torch.Tensor] | None = None  # a list: each forward appends its choices
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cfg, ctx = self.config, self.context
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
+        r = self._route(flat, shape)
+        y = self.context.dispatch(flat, r.token, r.counts, self.experts)
+        out = torch.zeros_like(flat).index_add_(0, r.token, y * r.weights.to(y.dtype)[:, None])
+        if self.config.shared_expert_ffn:
+            out = out + self.shared(flat)
+        return self._inject(out, self._record(r)).view(shape)
+
+    def forward_block(self, h: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """h + MoE(norm(h)) for a context that carries the residual (`MoEContext.carries_residual`:
+        NetMoE per-layer placement): the context returns the sum with the residual, on the rows of
+        the samples this rank runs next (runtime/moe_placement.py)."""
+        shape = h.shape
+        flat_h = h.reshape(-1, shape[-1])
+        flat = norm(h).reshape(-1, shape[-1])
+        r = self._route(flat, shape)
+        aux = self._record(r)
+        return self.context.place_block(self, flat_h, flat, r, norm, shape, lambda t: self._inject(t, aux))
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The gated shared expert (Qwen-MoE): sigmoid(w_s . x) * shared_expert(x)."""
+        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+    def _route(self, flat: torch.Tensor, shape) -> "Routing":
+        cfg, ctx = self.config, self.context
         logits = self.gate(flat)
         chosen, weights, probs = route(logits, self.top_k, cfg.router, cfg.norm_topk_prob)
         routed = torch.bincount(chosen.flatten(), minlength=self.num_experts)
-        slots = torch.arange(chosen.numel(), device=x.device)
+        slots = torch.arange(chosen.numel(), device=flat.device)
         if cfg.capacity_factor is not None:
             seq = shape[1] * ctx.seq_pieces
             keep = capacity_keep(chosen.view(shape[0], shape[1], -1), self.num_experts, capacity(cfg, seq), ctx)
@@ -189,23 +240,27 @@ class MoE(nn.Module):
         expert_of = chosen.flatten()[slots]
         order = torch.argsort(expert_of, stable=True)
         slots = slots[order]
-        token = slots // self.top_k
-        counts = torch.bincount(expert_of, minlength=self.num_experts)
-        y = ctx.dispatch(flat, token, counts, self.experts)
-        w = weights.flatten()[slots].to(y.dtype)
-        out = torch.zeros_like(flat).index_add_(0, token, y * w[:, None])
-        if cfg.shared_expert_ffn:
-            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-        aux = self._aux_loss(logits, probs, routed, flat.shape[0])
-        if aux is not None and ctx.aux_grad_scale is not None:
-            out = _InjectAux.apply(out, aux, ctx.aux_grad_scale)
-            aux = aux.detach()
-        self.aux_loss = aux
+        return Routing(logits=logits, probs=probs, chosen=chosen.view(shape[0], shape[1], -1), routed=routed,
+                       slots=slots, token=slots // self.top_k, expert=expert_of[order],
+                       counts=torch.bincount(expert_of, minlength=self.num_experts),
+                       weights=weights.flatten()[slots])
+
+    def _record(self, r: "Routing") -> torch.Tensor | None:
+        """The aux loss (kept in `aux_loss`, detached when its gradient is injected) and the
+        statistics; returns the loss for `_inject`."""
+        aux = self._aux_loss(r.logits, r.probs, r.routed, r.logits.shape[0])
+        self.aux_loss = aux.detach() if aux is not None and self.context.aux_grad_scale is not None else aux
         if torch._C._current_graph_task_id() == -1:  # not a recompute inside the backward
-            self.stats.add(routed, len(slots), aux)
+            self.stats.add(r.routed, len(r.slots), self.aux_loss)
             if self.routing_log is not None:
-                self.routing_log.append(chosen.detach().view(shape[0], shape[1], -1))
-        return out.view(shape)
+                self.routing_log.append(r.chosen.detach())
+        return aux
+
+    def _inject(self, out: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+        """`out` carrying the aux loss's gradient (injecting contexts), else `out`."""
+        if aux is None or self.context.aux_grad_scale is None:
+            return out
+        return _InjectAux.apply(out, aux, self.context.aux_grad_scale)
 
     def _aux_loss(self, logits, probs, routed, tokens: int) -> torch.Tensor | None:
         """This rank's share of the layer's aux loss: shares of all ranks add up to the loss of the

@@ -59,11 +59,15 @@ class TrainConfig:
     resume: str | None = None
     adaptive: bool = False  # per-step sequence-parallel groups for the batch's documents
     adaptive_time_budget_s: float = 0.1
-    moe_placement: bool = False  # NetMoE: place each step's samples on data ranks (runtime/moe_placement.py)
+    # NetMoE (runtime/moe_placement.py): "step" (or True) places each step's samples on data ranks,
+    # "layer" also moves them between MoE layers.
+    moe_placement: bool | str = False
 
     def __post_init__(self) -> None:
         if self.steps < 0:
             raise TesseraError(f"steps must be >= 0, got {self.steps}")
+        if self.moe_placement not in (False, True, "step", "layer"):
+            raise TesseraError(f"moe_placement must be 'step' or 'layer', not {self.moe_placement!r}")
         if self.data is not None and not Path(self.data).exists():
             raise TesseraError(f"data directory {self.data} does not exist")
         if self.init_from is not None:
@@ -113,7 +117,8 @@ class Trainer:
         if config.moe_placement:
             from .moe_placement import SamplePlacer
 
-            self.placer = SamplePlacer(self.plan, self.dims, self.rank, self.model_parts)
+            self.placer = SamplePlacer(self.plan, self.dims, self.rank, self.model_parts,
+                                       per_layer=config.moe_placement == "layer", parallel=self.parallel)
         self.loader = None
         self.data_iter = None
         self.metrics = MetricsWriter(config.metrics_path, config.tensorboard_dir) if self.rank == 0 else None

@@ -63,10 +63,11 @@ def reference(config: TransformerConfig, plan, batches, aux_out: list | None = N
     sched = build_scheduler(opt, OPTIM)
     data_ranks, m = min(s.dp for s in plan.layers), plan.num_micro_batches
     losses, grads, norm = [], None, None
-    for step, (tokens, labels) in enumerate(batches):
+    for step, (tokens, labels, *docs) in enumerate(batches):
         total = aux_total = 0.0
-        for t, l in zip(micro_batches(tokens, data_ranks, m), micro_batches(labels, data_ranks, m)):
-            lm = F.cross_entropy(model(t).flatten(0, 1), l.flatten())
+        pieces = [micro_batches(x, data_ranks, m) for x in docs]
+        for t, l, *extra in zip(micro_batches(tokens, data_ranks, m), micro_batches(labels, data_ranks, m), *pieces):
+            lm = F.cross_entropy(model(t, *extra).flatten(0, 1), l.flatten())
             aux = moe_aux_loss(model)
             ((lm + aux) / m).backward()
             total += lm.item() / m
@@ -96,8 +97,23 @@ def full_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
     return out
 
 
-def check(name: str, config: TransformerConfig, plan, placement: bool = False) -> None:
+def packed(batches, seed: int = 5):
+    """The batches as packed documents: every row cut in two at a random point (positions restart,
+    attention stays inside each document)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for tokens, labels in batches:
+        cut = torch.randint(1, tokens.shape[1], (tokens.shape[0], 1), generator=gen)
+        pos = torch.arange(tokens.shape[1]).expand_as(tokens)
+        doc_ids = (pos >= cut).long()
+        out.append((tokens, labels, torch.where(pos >= cut, pos - cut, pos), doc_ids))
+    return out
+
+
+def check(name: str, config: TransformerConfig, plan, placement: bool | str = False, docs: bool = False) -> None:
     batches = global_batches(config)
+    if docs:
+        batches = packed(batches)
     want_losses, want_grads, want_norm = reference(config, plan, batches)
     trainer = Trainer(TrainConfig(plan=plan, steps=STEPS, optim=OPTIM, seed=0, moe_placement=placement))
     moved = []
@@ -122,7 +138,7 @@ def check(name: str, config: TransformerConfig, plan, placement: bool = False) -
         captured.setdefault("__norm__", float(trainer.grad_norm))
 
     trainer.optimizer_step = optimizer_step
-    losses = [trainer.train_step(trainer.local_rows(t), trainer.local_rows(lab)) for t, lab in batches]
+    losses = [trainer.train_step(*(trainer.local_rows(x) for x in batch)) for batch in batches]
     trainer.close()
     rank = dist.get_rank()
     norm = captured.pop("__norm__")
@@ -149,6 +165,11 @@ def check(name: str, config: TransformerConfig, plan, placement: bool = False) -
             raise AssertionError(f"{name}: step {step} loss {got:.8f} != one-process {want:.8f}")
     if placement and rank == 0 and not any(moved[1:]):
         raise AssertionError(f"{name}: the placement never moved a sample ({moved})")
+    if placement == "layer":  # samples moved between layers too
+        between = [bool((order != torch.arange(len(order))).any()) for c in trainer.placer.contexts
+                   for order in c.decisions.values()]
+        if not any(between):
+            raise AssertionError(f"{name}: no MoE layer moved a sample")
     if rank == 0:
         print(f"  {name}: worst gradient error {worst[0]:.1e} ({worst[1]})", flush=True)
         print(f"CHECK {name} ok", flush=True)
@@ -292,10 +313,16 @@ def check_checkpoint_across_ep(directory: str) -> None:
 
 
 def placement_plans():
-    """NetMoE placement with one rank per node: every ep2 group spans two nodes."""
+    """NetMoE placement with one rank per node: every ep2 group spans two nodes. Per layer: Qwen-MoE
+    (shared expert), a capacity that drops slots, two micro-batches, full recompute, packed documents."""
     plan = make_plan(MIXTRAL, 4, blocks(MIXTRAL, S(dp=4), S(dp=4, ep=2, zero=1)))
-    two_nodes = plan.cluster.model_copy(update=dict(num_nodes=4, gpus_per_node=1))
-    return [("ep2_dp2_netmoe_placement", MIXTRAL, plan.model_copy(update=dict(cluster=two_nodes)))]
+    one_per_node = plan.cluster.model_copy(update=dict(num_nodes=4, gpus_per_node=1))
+    qwen = QWEN.model_copy(update=dict(name="ep-qwen-cap-layer", capacity_factor=1.0, norm_topk_prob=True))
+    layered = make_plan(qwen, 4, blocks(qwen, S(dp=4, zero=2), S(dp=4, ep=2, zero=2, recompute="full")),
+                        num_micro_batches=2)
+    return [("ep2_dp2_netmoe_placement", MIXTRAL, plan.model_copy(update=dict(cluster=one_per_node)), True),
+            ("ep2_dp4_netmoe_per_layer_qwen_capacity_recompute", qwen,
+             layered.model_copy(update=dict(cluster=one_per_node)), "layer")]
 
 
 if __name__ == "__main__":
@@ -306,9 +333,9 @@ if __name__ == "__main__":
     for name, config, plan in plans() + capacity_plans():
         if not only or name in only:
             check(name, config, plan)
-    for name, config, plan in placement_plans():
+    for name, config, plan, how in placement_plans():
         if not only or name in only:
-            check(name, config, plan, placement=True)
+            check(name, config, plan, placement=how, docs=how == "layer")
     if not only or "train_reports_routing" in only:
         check_train_report()
     if not only or "ep_collectives_as_priced" in only:
