@@ -158,6 +158,26 @@ class MoEContext:
         expert), in the same order."""
         return experts(x[token], counts.tolist())
 
+    # Tensor parallelism (runtime/expert_tp.py) replaces these five: the layer's input as it
+    # computes on it, the router's input, the shared expert's output, the weighted sum of the
+    # expert outputs (out_t = sum_j w_tj y_tj [+ gate_t shared_t]) and the layer's output.
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def router_input(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def run_shared(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return mlp(x)
+
+    def mix(self, y, w, token, tokens: int, shared, gate) -> torch.Tensor:
+        out = torch.zeros((tokens, y.shape[-1]), dtype=y.dtype, device=y.device)
+        out.index_add_(0, token, y * w.to(y.dtype)[:, None])
+        return out if shared is None else out + gate * shared
+
+    def leave(self, out: torch.Tensor) -> torch.Tensor:
+        return out
+
     def place_block(self, moe: "MoE", h: torch.Tensor, x: torch.Tensor, routing: Routing, norm: nn.Module,
                     shape, inject) -> torch.Tensor:
         """h + the layer's output for x = norm(h) (flat (T, H) each), shaped `shape`, on the rows
@@ -203,14 +223,19 @@ class MoE(nn.Module):
         self.routing_log: list[torch.Tensor] | None = None  # a list: each forward appends its choices
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx = self.context
+        x = ctx.enter(x)
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        r = self._route(flat, shape)
-        y = self.context.dispatch(flat, r.token, r.counts, self.experts)
-        out = torch.zeros_like(flat).index_add_(0, r.token, y * r.weights.to(y.dtype)[:, None])
+        router_in = ctx.router_input(flat)
+        r = self._route(router_in, shape)
+        y = ctx.dispatch(flat, r.token, r.counts, self.experts)
+        shared = gate = None
         if self.config.shared_expert_ffn:
-            out = out + self.shared(flat)
-        return self._inject(out, self._record(r)).view(shape)
+            gate = torch.sigmoid(self.shared_expert_gate(router_in))
+            shared = ctx.run_shared(self.shared_expert, flat)
+        out = ctx.mix(y, r.weights, r.token, flat.shape[0], shared, gate)
+        return ctx.leave(self._inject(out, self._record(r)).view(shape))
 
     def forward_block(self, h: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         """h + MoE(norm(h)) for a context that carries the residual (`MoEContext.carries_residual`:

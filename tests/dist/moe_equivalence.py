@@ -290,6 +290,43 @@ def check_collectives_as_priced() -> None:
         print("CHECK ep_collectives_as_priced ok", flush=True)
 
 
+def check_tp_collectives_as_priced() -> None:
+    """Tensor parallel with Megatron SP: a MoE block issues a dense block's tp collectives (per
+    micro-batch an all-gather + reduce-scatter pair each way for each half, of the sequence's
+    activation, as cost/collectives.py prices a block), and besides them only the all-reduce of
+    the routing-weight gradients that cost/moe.py lists (the experts' outputs are reduced once,
+    with the layer's, not as all-reduces of their token-slots)."""
+    from collections import Counter
+
+    from tessera.cost.moe import ep_collectives
+    from tessera.runtime.comm_count import count_collectives
+
+    moe_plan = dict((name, p) for name, _, p in plans())["ep2_tp2_sp_qwen"]
+    dense = QWEN.model_copy(update=dict(name="tp-qwen-dense", family="qwen2", num_experts=0, top_k=0,
+                                        shared_expert_ffn=0, router="topk_softmax", router_aux_loss_coef=0.0,
+                                        router_z_loss_coef=0.0))
+    dense_plan = make_plan(dense, 4, S(dp=2, tp=2, sp="megatron"))
+    msg = 8 // 2 * SEQ * QWEN.hidden * 4  # a rank's (whole-sequence) activation, fp32
+    counts = []
+    for plan, config in ((moe_plan, QWEN), (dense_plan, dense)):
+        trainer = Trainer(TrainConfig(plan=plan, steps=1, optim=OPTIM, seed=0))
+        tokens, labels = global_batches(config)[0]
+        with count_collectives() as records:
+            trainer.train_step(trainer.local_rows(tokens), trainer.local_rows(labels))
+        trainer.close()
+        counts.append((Counter((r.kind, r.group_size) for r in records if r.bytes == msg), records))
+    (moe, records), (dense_counts, _) = counts
+    assert moe == dense_counts, (sorted(moe.items()), sorted(dense_counts.items()))
+    layer, s = moe_plan.model.layers[1], moe_plan.layers[1]
+    tiny = [c for c in ep_collectives(layer, s, 8 // s.dp * SEQ, 4, aux_loss=True) if "tensor parallel" in c.what]
+    assert len(tiny) == 1 and tiny[0].op == "all_reduce" and tiny[0].phase == "backward", tiny
+    small = [r for r in records if r.kind == "all_reduce" and r.group_size == s.tp and r.bytes == tiny[0].nbytes]
+    assert len(small) == QWEN.num_layers, ([(r.bytes, r.group_size) for r in records if r.kind == "all_reduce"],
+                                           tiny[0].nbytes)
+    if dist.get_rank() == 0:
+        print("CHECK tp_sp_collectives_as_priced ok", flush=True)
+
+
 def check_checkpoint_across_ep(directory: str) -> None:
     """Save under ep4 after two steps, resume under ep2 (experts on other ranks): the third step's
     loss is the one of an uninterrupted one-process run."""
@@ -340,6 +377,8 @@ if __name__ == "__main__":
         check_train_report()
     if not only or "ep_collectives_as_priced" in only:
         check_collectives_as_priced()
+    if not only or "tp_sp_collectives_as_priced" in only:
+        check_tp_collectives_as_priced()
     if os.environ.get("MOE_CHECKPOINT_DIR") and (not only or "checkpoint_ep4_resume_ep2" in only):
         check_checkpoint_across_ep(os.environ["MOE_CHECKPOINT_DIR"])
     dist.destroy_process_group()
