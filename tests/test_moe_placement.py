@@ -1,5 +1,6 @@
-"""NetMoE sample placement (tessera/adapt/moe_placement.py): the geometry, optimality against brute
-force, balance, the routing predictor, and solve time at 64 GPUs."""
+"""NetMoE sample placement (tessera/adapt/moe_placement.py, moe_routing.py): the geometry, optimality
+against brute force, balance, per layer, the routing predictors and their sparse updates, and solve
+time at 64 GPUs."""
 from __future__ import annotations
 
 import itertools
@@ -7,8 +8,9 @@ import itertools
 import numpy as np
 import pytest
 
-from tessera.adapt.moe_placement import (LayerGeometry, LayerTransition, RoutingTable, crossing_matrix,
-                                          inter_node_slots, place_layer, place_samples, simulate_layers)
+from tessera.adapt.moe_placement import (LayerGeometry, crossing_matrix, inter_node_slots, place_layer,
+                                          place_samples, simulate_layers)
+from tessera.adapt.moe_routing import LayerTransition, RoutingTable, RoutingUpdate, update_bytes
 from tessera.plan import LayerStrategy
 
 
@@ -139,3 +141,35 @@ def test_layer_transition_predicts_from_the_layer_before():
     chosen = np.array([[[0], [1], [0]], [[2], [0], [2]]])  # (layers, tokens, k): expert 0 -> 2, 1 -> 0
     t.update(*LayerTransition.observed(chosen, 3))
     assert t.predict(0, np.array([[2.0, 1, 0]])).tolist() == [[1, 0, 2]]
+
+
+def test_sparse_updates_from_several_processes_equal_one_update_of_the_whole_step():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 50, size=(4, 16))
+    chosen = rng.integers(0, 4, size=(3, 4, 16, 2))  # 3 layers
+    whole = RoutingTable(vocab_size=50, num_experts=4)
+    whole.update(tokens, chosen)
+    parts = RoutingTable(vocab_size=50, num_experts=4)
+    # Two processes with two rows each; one sends its rows padded (key -1), as the runtime gathers them.
+    sent = [parts.observed(tokens[:2], chosen[:, :2]).packed(), parts.observed(tokens[2:], chosen[:, 2:]).packed()]
+    sent[1] = np.concatenate([sent[1], np.full((3, 6), -1)])
+    update = RoutingUpdate.unpack(np.concatenate(sent))
+    assert len(update.keys) == len(np.unique(tokens))  # one row per distinct id: what a step sends
+    parts.apply(update, layers=3)
+    assert np.allclose(parts.slots, whole.slots) and np.allclose(parts.seen, whole.seen)
+    assert np.allclose(parts.predict(tokens), whole.predict(tokens))
+
+
+def test_hashed_buckets_bound_the_table():
+    table = RoutingTable(vocab_size=151936, num_experts=8, buckets=4096)
+    assert table.slots.shape == (4096, 8)
+    keys = table.key(np.arange(151936))
+    assert keys.min() >= 0 and keys.max() < 4096 and len(np.unique(keys)) == 4096
+    table.update(np.array([[5, 151935]]), np.array([[[[0, 1], [2, 3]]]]))
+    assert table.predict(np.array([[151935]])).tolist() == [[0, 0, 1, 1, 0, 0, 0, 0]]
+
+
+def test_update_bytes_prices_dense_and_sparse():
+    b = update_bytes(np.array([100, 80]), num_experts=8, vocab_size=1000, world=2)
+    assert b["dense_per_rank"] == 1000 * 9 * 8.0  # ring all-reduce: 2 (p - 1) / p = 1 at p = 2
+    assert b["sparse_per_rank"] == 100 * 10 * 8.0 and b["sparse_at_root"] == 100 * 10 * 8.0

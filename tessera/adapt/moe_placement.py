@@ -41,9 +41,10 @@ with their share of every capacity and `Placement.bound` (every sample in its be
 how far from optimal that can be. Samples of a class are dealt to its ranks keeping a sample on
 its current rank where that rank is in its class (no move within a node that gains nothing).
 
-Routing is predicted (`RoutingTable`): the runtime cannot know a new batch's routing before its
-forward, so it uses, per token id, the experts that token went to in previous steps (an
-exponential average); NetMoE likewise decides from routing already observed. No torch.
+Routing is predicted (adapt/moe_routing.py): the runtime cannot know a new batch's routing before
+its forward, so the step placement uses, per token id, the experts that token went to in
+previous steps (`RoutingTable`), and the per-layer placement the experts its tokens chose in the
+layer before (`LayerTransition`); NetMoE likewise decides from routing already observed. No torch.
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..plan import LayerStrategy
+from .moe_routing import LayerTransition, RoutingTable, RoutingUpdate  # noqa: F401 (re-exported)
 
 
 def crossing_matrix(strategy: LayerStrategy, data_ranks: int, num_experts: int, gpus_per_node: int,
@@ -314,85 +316,6 @@ def simulate_layers(geometry: LayerGeometry, counts: np.ndarray, start: np.ndarr
         out["move"] += float((rest * geometry.move[where, new]).sum())
         where = new
     return out
-
-
-class LayerTransition:
-    """Predicts a sample's slots per expert in the next MoE layer from its tokens' experts in this
-    one: M[e, f] = the mean slots a token that chose e here sends to f there (from earlier steps,
-    an exponential average per step), and a sample's prediction is (c_l M) / k, each of a token's
-    k slots predicting its k slots there. Without observations: uniform."""
-
-    def __init__(self, num_layers: int, num_experts: int, top_k: int, decay: float = 0.5):
-        self.num_experts, self.top_k, self.decay = num_experts, top_k, decay
-        self.matrix = np.full((max(num_layers - 1, 0), num_experts, num_experts), top_k / num_experts)
-        self.seen = np.zeros(max(num_layers - 1, 0), dtype=bool)
-
-    @staticmethod
-    def observed(chosen: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
-        """(pairs (L-1, E, E): slots to f in layer l+1 of tokens with e in layer l, uses (L-1, E):
-        tokens with e in layer l) of routing chosen (L, ..., k)."""
-        chosen = np.asarray(chosen)
-        layers, k = chosen.shape[0], chosen.shape[-1]
-        flat = chosen.reshape(layers, -1, k)
-        onehot = np.zeros((layers, flat.shape[1], num_experts))
-        for j in range(k):
-            np.add.at(onehot, (np.arange(layers)[:, None], np.arange(flat.shape[1])[None, :], flat[..., j]), 1.0)
-        pairs = np.einsum("ltf,lte->lef", onehot[1:], onehot[:-1]) if layers > 1 else np.zeros((0,) * 3)
-        return pairs, onehot[:-1].sum(1)
-
-    def update(self, pairs: np.ndarray, uses: np.ndarray) -> None:
-        for layer in range(len(self.matrix)):
-            hit = uses[layer] > 0
-            if not hit.any():
-                continue
-            mean = pairs[layer][hit] / uses[layer][hit, None]
-            keep = self.decay if self.seen[layer] else 0.0
-            self.matrix[layer][hit] = keep * self.matrix[layer][hit] + (1 - keep) * mean
-            self.seen[layer] = True
-
-    def predict(self, layer: int, counts: np.ndarray) -> np.ndarray:
-        """(N, E) predicted slots in MoE layer `layer` + 1 from counts (N, E) of layer `layer`."""
-        return np.asarray(counts, dtype=float) @ self.matrix[layer] / self.top_k
-
-
-class RoutingTable:
-    """Per token id, the expected token-slots per expert over the MoE layers (an exponential
-    average of what the previous steps routed): predicts a new sample's counts c[i, e]."""
-
-    def __init__(self, vocab_size: int, num_experts: int, decay: float = 0.5):
-        self.slots = np.zeros((vocab_size, num_experts))
-        self.seen = np.zeros(vocab_size)
-        self.decay = decay
-
-    def update(self, tokens: np.ndarray, chosen: np.ndarray) -> None:
-        """tokens (N, S) ids; chosen (L, N, S, k) expert ids the step's MoE layers routed them to."""
-        self.apply(*self.observed(tokens, chosen, *self.slots.shape))
-
-    @staticmethod
-    def observed(tokens: np.ndarray, chosen: np.ndarray, vocab_size: int, num_experts: int):
-        """(slots per token id and expert, occurrences per token id) of one process's routing."""
-        tokens, chosen = np.asarray(tokens).ravel(), np.asarray(chosen)
-        delta = np.zeros((vocab_size, num_experts))
-        for layer in chosen.reshape(chosen.shape[0], -1, chosen.shape[-1]):
-            np.add.at(delta, (np.repeat(tokens, layer.shape[-1]), layer.ravel()), 1.0)
-        return delta, np.bincount(tokens, minlength=vocab_size).astype(float)
-
-    def apply(self, delta: np.ndarray, seen: np.ndarray) -> None:
-        """Merge the update of another process (`delta`: slots summed per token id, `seen`: occurrences)."""
-        hit = seen > 0
-        mean = np.zeros_like(delta)
-        mean[hit] = delta[hit] / seen[hit, None]
-        keep = np.where(self.seen > 0, self.decay, 0.0)[:, None]
-        self.slots[hit] = keep[hit] * self.slots[hit] + (1 - keep[hit]) * mean[hit]
-        self.seen += seen
-
-    def predict(self, tokens: np.ndarray) -> np.ndarray:
-        """c (N, E): the predicted token-slots per expert of each sample (unseen tokens: the mean)."""
-        tokens = np.asarray(tokens)
-        known = self.seen > 0
-        prior = self.slots[known].mean(0) if known.any() else np.zeros(self.slots.shape[1])
-        table = np.where(known[:, None], self.slots, prior)
-        return table[tokens].sum(axis=1)
 
 
 def inter_node_slots(counts: np.ndarray, crossing: np.ndarray, order: list[int] | None = None) -> float:

@@ -8,7 +8,8 @@ losses are those without placement), and broadcasts the order; every rank keeps 
 data rank. Every rank still runs N / D samples and the loss is a mean over the same tokens, so
 losses and gradients are those without placement. After the step (`observe`), the MoE layers'
 routing of the step (recorded per forward call, in micro-batch order) updates the routing
-table: slots per token id and expert, all-reduced so that every rank holds the same table.
+table on rank 0: each rank sends only the token ids it saw, with their slots per expert
+(`RoutingUpdate`: n (E + 2) integers for n distinct ids, not the vocabulary-sized table).
 
 Per layer (`per_layer=True`, NetMoE's placement between layers; `PlacingContext`): in every MoE
 layer, once its routing is known, the layer's data ranks all-gather their rows' slots per
@@ -38,8 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..adapt.moe_placement import (LayerGeometry, LayerTransition, Placement, RoutingTable, crossing_matrix,
-                                   place_layer, place_samples)
+from ..adapt.moe_placement import LayerGeometry, Placement, crossing_matrix, place_layer, place_samples
+from ..adapt.moe_routing import LayerTransition, RoutingTable, RoutingUpdate
 from ..errors import TesseraError
 from ..models.moe import MoE, Routing
 from ..plan import Plan
@@ -138,36 +139,49 @@ class SamplePlacer:
 
     def observe(self) -> None:
         """Update the routing table (and the per-layer transitions) with the routing of the step just
-        run."""
+        run: every rank's distinct token ids with their slots per expert (`RoutingUpdate`, a tp
+        group's first rank for its replicas), gathered to rank 0, the only rank that predicts."""
         cfg = self.plan.model.config
-        delta = np.zeros((cfg.vocab_size, cfg.num_experts))
-        seen = np.zeros(cfg.vocab_size)
+        updates = []
         chunks = self.tokens.chunk(self.plan.num_micro_batches)
         for index, (module, s, _) in enumerate(self.layers):
             log_, module.routing_log = module.routing_log, []
+            if self.dims.stage_rank(self.rank) % s.tp:  # tp replicas route the same tokens
+                continue
             want = ActLayout(dp=s.dp, sp=s.sp_degree, tp=s.tp, seq_over_tp=False)
             for j, chosen in enumerate(log_):
                 chunk = chunks[j] if not self.per_layer else self._data_rows(self.full[0], j, index)
                 ids = self.ctx.data_block(chunk, want)
-                d, n = RoutingTable.observed(ids.cpu().numpy(), chosen.cpu().numpy()[None], cfg.vocab_size,
-                                             cfg.num_experts)
-                delta += d / s.tp  # tp replicas route the same tokens
-                seen += n / s.tp / self.num_moe_layers  # each layer saw the same tokens
-        parts = [delta.ravel(), seen]
+                updates.append(self.table.observed(ids.cpu().numpy(), chosen.cpu().numpy()[None]))
+        e = cfg.num_experts
+        mine = RoutingUpdate.merge(updates).packed() if updates else np.zeros((0, e + 2), dtype=np.int64)
+        self.update_rows = len(mine)  # this rank's share of the step's update (rows of E + 2 integers)
+        rows = self._gather_to_first(mine)
+        if rows is not None:
+            self.table.apply(RoutingUpdate.unpack(rows), layers=self.num_moe_layers)
         if self.per_layer:
-            parts += [c.pairs.ravel() for c in self.contexts[1:]] + [c.uses for c in self.contexts[1:]]
-        both = torch.from_numpy(np.concatenate(parts))
-        dist.all_reduce(both)
-        both = both.numpy()
-        self.table.apply(both[:delta.size].reshape(delta.shape), both[delta.size:delta.size + seen.size])
-        if self.per_layer:
-            e = cfg.num_experts
-            rest = both[delta.size + seen.size:]
             k = len(self.contexts) - 1
-            pairs, uses = rest[:k * e * e].reshape(k, e, e), rest[k * e * e:].reshape(k, e)
-            self.transition.update(pairs, uses)
+            both = torch.from_numpy(np.concatenate([c.pairs.ravel() for c in self.contexts[1:]] +
+                                                   [c.uses for c in self.contexts[1:]] + [np.zeros(1)]))
+            both = both.to(self.tokens.device)
+            dist.reduce(both, dst=0)  # each MoE layer's group solves on global rank 0 (pp = tp = 1)
+            if self.rank == 0:
+                both = both.cpu().numpy()
+                pairs, uses = both[:k * e * e].reshape(k, e, e), both[k * e * e:k * e * e + k * e].reshape(k, e)
+                self.transition.update(pairs, uses)
             for c in self.contexts:
                 c.reset_pairs()
+
+    def _gather_to_first(self, rows: np.ndarray) -> np.ndarray | None:
+        """Every rank's rows (padded with -1 to the longest) on rank 0; None elsewhere."""
+        device = self.tokens.device
+        n = torch.tensor([len(rows)], device=device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        padded = torch.full((int(n), rows.shape[1]), -1, dtype=torch.int64, device=device)
+        padded[:len(rows)] = torch.from_numpy(rows).to(device)
+        out = [torch.empty_like(padded) for _ in range(dist.get_world_size())] if self.rank == 0 else None
+        dist.gather(padded, out, dst=0)
+        return torch.cat(out).cpu().numpy() if self.rank == 0 else None
 
     # --- per-layer placement ------------------------------------------------------------------------
 
