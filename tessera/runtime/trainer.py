@@ -62,6 +62,9 @@ class TrainConfig:
     # NetMoE (runtime/moe_placement.py): "step" (or True) places each step's samples on data ranks,
     # "layer" also moves them between MoE layers.
     moe_placement: bool | str = False
+    # APTMoE (runtime/expert_offload.py): a cost.expert_offload.HostSpec (the cost model decides where
+    # each expert computes) or an OffloadPlan; the MoE layers' experts live in host memory.
+    expert_offload: object = None
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -169,6 +172,7 @@ class Trainer:
         self.parallel: Parallelized = parallelize(self.model, self.plan, self.dims, self.rank,
                                                   compile=self.config.compile, mp_policy=mp_policy)
         self.materialize(self.parallel.chunk)
+        self.offload_experts(self.parallel.chunk)
         self.parallel.wrap_ddp()
         self.model_parts = [self.parallel.module]
         self.loss_fn = self.parallel.loss
@@ -186,6 +190,7 @@ class Trainer:
             parts.append(parallelize(chunk, self.plan, self.dims, self.rank, layers, compile=self.config.compile,
                                      mp_policy=mp_policy))
             self.materialize(parts[-1].chunk)  # before the pipeline stage sees it
+            self.offload_experts(parts[-1].chunk)
             return parts[-1]
 
         self.loss_fn = ParallelLoss(StageContext.build(self.plan, self.dims, self.rank))
@@ -213,6 +218,17 @@ class Trainer:
             load_hf_shards(part, self.config.init_from, self.plan.model.config, self.device)
         else:
             materialize(part, self.plan.model.config, self.config.seed, self.device)
+
+    def offload_experts(self, part) -> None:
+        """APTMoE: the MoE experts of `part` to host memory, each computing where the decision says."""
+        if self.config.expert_offload is None:
+            return
+        from .expert_offload import apply_expert_offload, check_expert_offload, offload_plan_for
+
+        check_expert_offload(self.plan)
+        self.offload_plan = offload_plan_for(self.plan, self.config.expert_offload)
+        self.host_experts = getattr(self, "host_experts", []) + apply_expert_offload(part, self.offload_plan,
+                                                                                     self.device)
 
     def build_optimizer(self) -> None:
         """AdamW and its LR schedule per model part (pipeline chunks checkpoint one pair each)."""

@@ -110,12 +110,14 @@ def packed(batches, seed: int = 5):
     return out
 
 
-def check(name: str, config: TransformerConfig, plan, placement: bool | str = False, docs: bool = False) -> None:
+def check(name: str, config: TransformerConfig, plan, placement: bool | str = False, docs: bool = False,
+          offload=None) -> None:
     batches = global_batches(config)
     if docs:
         batches = packed(batches)
     want_losses, want_grads, want_norm = reference(config, plan, batches)
-    trainer = Trainer(TrainConfig(plan=plan, steps=STEPS, optim=OPTIM, seed=0, moe_placement=placement))
+    trainer = Trainer(TrainConfig(plan=plan, steps=STEPS, optim=OPTIM, seed=0, moe_placement=placement,
+                                  expert_offload=offload))
     moved = []
     if placement:  # note each step's placement (rank 0 solves it)
         place = trainer.placer.place
@@ -163,6 +165,10 @@ def check(name: str, config: TransformerConfig, plan, placement: bool | str = Fa
     for step, (got, want) in enumerate(zip(losses, want_losses)):
         if abs(got - want) > LOSS_RTOL * abs(want):
             raise AssertionError(f"{name}: step {step} loss {got:.8f} != one-process {want:.8f}")
+    if offload is not None:  # APTMoE: every expert of this stage ran where the decision put it
+        assert all(h.prefetches for h in trainer.host_experts), name
+        for host in trainer.host_experts:
+            assert all(host.ran[e][place] > 0 for e, place in host.where.items()), (name, host.ran)
     if placement and rank == 0 and not any(moved[1:]):
         raise AssertionError(f"{name}: the placement never moved a sample ({moved})")
     if placement == "layer":  # samples moved between layers too
@@ -362,6 +368,17 @@ def placement_plans():
              layered.model_copy(update=dict(cluster=one_per_node)), "layer")]
 
 
+def offload_plans():
+    """APTMoE: a pipeline of four single-rank stages, each MoE layer's experts on its rank's host,
+    two brought to the device and two computed on the host."""
+    from tessera.cost.expert_offload import GPU, HOST, LayerOffload, OffloadPlan
+
+    plan = make_plan(MIXTRAL, 4, blocks(MIXTRAL, S(), S()), num_micro_batches=4,
+                     stages=((0, 1), (1, 2), (2, 3), (3, 4)))
+    where = LayerOffload(where=(GPU, HOST, HOST, GPU), seconds=0.0, offload_all_s=0.0, host_all_s=0.0)
+    return [("aptmoe_offload_pp4", MIXTRAL, plan, OffloadPlan(layers=(where,) * 2, micro_batches=4))]
+
+
 if __name__ == "__main__":
     assert SEQ == 16
     dist.init_process_group("gloo")
@@ -373,6 +390,9 @@ if __name__ == "__main__":
     for name, config, plan, how in placement_plans():
         if not only or name in only:
             check(name, config, plan, placement=how, docs=how == "layer")
+    for name, config, plan, offload in offload_plans():
+        if not only or name in only:
+            check(name, config, plan, offload=offload)
     if not only or "train_reports_routing" in only:
         check_train_report()
     if not only or "ep_collectives_as_priced" in only:
