@@ -169,7 +169,8 @@ def test_hashed_buckets_bound_the_table():
     assert table.predict(np.array([[151935]])).tolist() == [[0, 0, 1, 1, 0, 0, 0, 0]]
 
 
-def test_update_bytes_prices_dense_and_sparse():
-    b = update_bytes(np.array([100, 80]), num_experts=8, vocab_size=1000, world=2)
-    assert b["dense_per_rank"] == 1000 * 9 * 8.0  # ring all-reduce: 2 (p - 1) / p = 1 at p = 2
-    assert b["sparse_per_rank"] == 100 * 10 * 8.0 and b["sparse_at_root"] == 100 * 10 * 8.0
+def test_update_bytes_prices_dense_sparse_and_hashed():
+    b = update_bytes(np.array([100, 80, 90]), num_experts=8, vocab_size=1000, world=3, buckets=64)
+    assert b["dense"] == (4 / 3 * 1000 * 9 * 8.0,) * 2  # ring all-reduce: 2 (p - 1) / p of the table
+    assert b["sparse"] == (100 * 10 * 4.0, 2 * 100 * 10 * 4.0)  # padded to the longest, the others at the root
+    assert b["hashed"] == (64 * 9 * 4.0,) * 2

@@ -61,3 +61,34 @@ def test_per_layer_placement_refuses_what_it_cannot_run():
     plan = make_plan(QWEN, 1, LayerStrategy(), global_batch=4)
     with pytest.raises(TesseraError, match="moe_placement must be 'step' or 'layer'"):
         TrainConfig(plan=plan, steps=1, optim=OPTIM, moe_placement="sometimes")
+
+
+def test_the_routing_table_learns_the_same_hashed_or_exact(monkeypatch):
+    """One step's routing reaches rank 0's table as the step's distinct ids (small vocabularies) or
+    as hashed buckets (large ones): a bucket holds the mean over its ids' occurrences."""
+    import numpy as np
+
+    import tessera.runtime.moe_placement as placement
+
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, QWEN.vocab_size, (4, 16), generator=gen)
+    labels = torch.randint(0, QWEN.vocab_size, (4, 16), generator=gen)
+    plan = make_plan(QWEN, 1, LayerStrategy(), global_batch=4)
+    tables = []
+    monkeypatch.setattr(placement, "HASHED_BUCKETS", 61)
+    for limit in (10**9, 0):  # exact, then hashed
+        monkeypatch.setattr(placement, "EXACT_UP_TO_IDS", limit)
+        trainer = Trainer(TrainConfig(plan=plan, steps=1, optim=OPTIM, seed=0, moe_placement=True))
+        trainer.train_step(tokens, labels)
+        tables.append(trainer.placer.table)
+        trainer.close()
+    exact, hashed = tables
+    assert exact.buckets is None and hashed.buckets is not None
+    assert exact.buckets is None and hashed.slots.shape == (61, QWEN.num_experts)
+    ids = np.unique(tokens.numpy())
+    assert exact.seen[ids].min() > 0 and exact.seen.sum() == tokens.numel()
+    seen = np.bincount(hashed.key(ids), exact.seen[ids], minlength=61)
+    slots = np.zeros((61, QWEN.num_experts))
+    np.add.at(slots, hashed.key(ids), exact.slots[ids] * exact.seen[ids, None])
+    hit = seen > 0
+    assert np.allclose(hashed.seen, seen) and np.allclose(hashed.slots[hit], slots[hit] / seen[hit, None])

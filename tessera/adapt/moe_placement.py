@@ -36,10 +36,12 @@ positions), x[i, k] in {0, 1}, sum_k x[i, k] = 1, sum_i x[i, k] = cap_k (N / D x
 k). The constraint matrix is totally unimodular, so an optimal assignment is an optimal
 placement: K = 1 needs nothing, K = 2 is a sort by the cost difference (exact), K > 2 an N x N
 assignment (class k repeated cap_k times) solved by scipy's Jonker-Volgenant
-`linear_sum_assignment`; above `exact_up_to` samples, chunks of samples are assigned exactly
+`linear_sum_assignment`; above `exact_up_to` samples (128), chunks of samples are assigned exactly
 with their share of every capacity and `Placement.bound` (every sample in its best class) says
 how far from optimal that can be. Samples of a class are dealt to its ranks keeping a sample on
 its current rank where that rank is in its class (no move within a node that gains nothing).
+Per layer, above `exact_up_to` samples each block of whole expert-parallel groups re-places its
+own samples among its own ranks (then `bound` is the blocks' bound, not the whole problem's).
 
 Routing is predicted (adapt/moe_routing.py): the runtime cannot know a new batch's routing before
 its forward, so the step placement uses, per token id, the experts that token went to in
@@ -55,6 +57,10 @@ import numpy as np
 
 from ..plan import LayerStrategy
 from .moe_routing import LayerTransition, RoutingTable, RoutingUpdate  # noqa: F401 (re-exported)
+
+# Samples solved in one exact assignment: an N x N Jonker-Volgenant solve on few distinct columns
+# takes up to hundreds of ms at N = 512 (many ties), chunks of 128 a few ms, within 2-3% of the cut.
+EXACT_UP_TO = 128
 
 
 def crossing_matrix(strategy: LayerStrategy, data_ranks: int, num_experts: int, gpus_per_node: int,
@@ -89,8 +95,9 @@ class Placement:
     cost: float
     baseline: float
     bound: float
-    seconds: float
+    seconds: float  # wall time of the solve
     method: str
+    cpu_seconds: float = 0.0  # this process's CPU time of the solve (a loaded machine's wall time waits)
 
     @property
     def cut(self) -> float:
@@ -109,9 +116,9 @@ class Placement:
         return out
 
 
-def place_samples(counts: np.ndarray, crossing: np.ndarray, exact_up_to: int = 512) -> Placement:
+def place_samples(counts: np.ndarray, crossing: np.ndarray, exact_up_to: int = EXACT_UP_TO) -> Placement:
     """The once-per-step placement of the module docstring for counts (N, E) and crossing (D, E)."""
-    start = time.perf_counter()
+    start = time.perf_counter(), time.process_time()
     counts = np.asarray(counts, dtype=float)
     n, d = counts.shape[0], crossing.shape[0]
     if n % d:
@@ -122,8 +129,9 @@ def place_samples(counts: np.ndarray, crossing: np.ndarray, exact_up_to: int = 5
 
 
 def _place(cost: np.ndarray, baseline: float, current: np.ndarray | None, exact_up_to: int,
-           start: float) -> Placement:
-    """Assign N samples to D ranks (N / D each) minimising the sum of cost[i, d(i)]."""
+           start: tuple[float, float] | None) -> Placement:
+    """Assign N samples to D ranks (N / D each) minimising the sum of cost[i, d(i)] (timed from
+    `start`, wall and CPU clocks, unless None)."""
     n, d = cost.shape
     per_rank = n // d
     classes, rank_class = np.unique(np.round(cost.T, 6), axis=0, return_inverse=True)  # equal columns: a class
@@ -143,8 +151,9 @@ def _place(cost: np.ndarray, baseline: float, current: np.ndarray | None, exact_
     total = float(class_cost[np.arange(n), choice].sum())
     exact = method != "chunked assignment"
     ranks = _deal(choice, rank_class, per_rank, current)
+    wall, cpu = (time.perf_counter() - start[0], time.process_time() - start[1]) if start else (0.0, 0.0)
     return Placement(ranks=ranks, cost=total, baseline=baseline, bound=total if exact else relaxed,
-                     seconds=time.perf_counter() - start, method=method)
+                     seconds=wall, method=method, cpu_seconds=cpu)
 
 
 def _deal(choice: np.ndarray, rank_class: np.ndarray, per_rank: int, current: np.ndarray | None) -> list[list[int]]:
@@ -256,19 +265,20 @@ class LayerGeometry:
         return cls(dispatch=dispatch, combine=combine, move=move, group=group)
 
     def costs(self, counts: np.ndarray, next_counts: np.ndarray | None, current: np.ndarray,
-              rest_rows: np.ndarray) -> np.ndarray:
+              rest_rows: np.ndarray, columns: np.ndarray | None = None) -> np.ndarray:
         """(N, D): the inter-node rows of sample i if it runs the next layer on data rank d (module
-        docstring: combine + next dispatch + move)."""
+        docstring: combine + next dispatch + move); only the data ranks `columns` when given."""
         counts = np.asarray(counts, dtype=float)
         current = np.asarray(current)
-        out = np.empty((len(counts), len(self.group)))
+        cols = np.arange(len(self.group)) if columns is None else np.asarray(columns)
+        out = np.empty((len(counts), len(cols)))
         groups = self.group[current]
         for g in np.unique(groups):
             rows = groups == g
-            out[rows] = counts[rows] @ self.combine[g]
+            out[rows] = counts[rows] @ self.combine[g][:, cols]
         if next_counts is not None:
-            out += np.asarray(next_counts, dtype=float) @ self.dispatch.T
-        out += np.asarray(rest_rows, dtype=float)[:, None] * self.move[current]
+            out += np.asarray(next_counts, dtype=float) @ self.dispatch[cols].T
+        out += np.asarray(rest_rows, dtype=float)[:, None] * self.move[np.ix_(current, cols)]
         return out
 
     def dispatch_rows(self, counts: np.ndarray, where: np.ndarray) -> float:
@@ -277,30 +287,49 @@ class LayerGeometry:
 
 
 def place_layer(geometry: LayerGeometry, counts: np.ndarray, next_counts: np.ndarray | None,
-                current: np.ndarray, rest_rows: np.ndarray, exact_up_to: int = 512) -> Placement:
+                current: np.ndarray, rest_rows: np.ndarray, exact_up_to: int = EXACT_UP_TO) -> Placement:
     """Where each sample runs the layer after this one (module docstring: per layer). counts (N, E)
     the slots of this layer (known), next_counts (N, E) the next MoE layer's predicted (None after
     the last), current (N,) the data rank each sample ran this layer on, rest_rows (N,) the rows a
     move carries. The baseline keeps every sample where it is."""
-    start = time.perf_counter()
+    start = time.perf_counter(), time.process_time()
     current = np.asarray(current, dtype=np.int64)
     n, d = len(current), len(geometry.group)
     if n % d or np.bincount(current, minlength=d).max() != n // d:
         raise ValueError(f"the current placement does not hold {n} samples evenly on {d} data ranks")
-    cost = geometry.costs(counts, next_counts, current, rest_rows)
-    baseline = float(cost[np.arange(n), current].sum())
-    return _place(cost, baseline, current, exact_up_to, start)
+    if n <= exact_up_to:
+        cost = geometry.costs(counts, next_counts, current, rest_rows)
+        return _place(cost, float(cost[np.arange(n), current].sum()), current, exact_up_to, start)
+    # Many samples: each block of whole expert-parallel groups (or one group) re-places the samples
+    # it holds among its own ranks (a move to another group sends every combined row off its node).
+    counts, rest_rows = np.asarray(counts, dtype=float), np.asarray(rest_rows, dtype=float)
+    group_size = int(np.bincount(geometry.group).max())
+    span = group_size * max(1, exact_up_to // (group_size * (n // d)))
+    placed: list[list[int]] = [[] for _ in range(d)]
+    cost = baseline = bound = 0.0
+    method = ""
+    for cols in np.split(np.arange(d), range(span, d, span)):
+        rows = np.flatnonzero((current >= cols[0]) & (current <= cols[-1]))
+        home = current[rows] - cols[0]
+        sub = geometry.costs(counts[rows], None if next_counts is None else np.asarray(next_counts)[rows],
+                             current[rows], rest_rows[rows], cols)
+        part = _place(sub, float(sub[np.arange(len(rows)), home].sum()), home, exact_up_to, None)
+        for j, members in enumerate(part.ranks):
+            placed[cols[0] + j] = [int(rows[i]) for i in members]
+        cost, baseline, bound, method = cost + part.cost, baseline + part.baseline, bound + part.bound, part.method
+    return Placement(ranks=placed, cost=cost, baseline=baseline, bound=bound, seconds=time.perf_counter() - start[0],
+                     method=f"{method} per block of {span} ranks", cpu_seconds=time.process_time() - start[1])
 
 
 def simulate_layers(geometry: LayerGeometry, counts: np.ndarray, start: np.ndarray, rest_rows: np.ndarray,
-                    predict=None, per_layer: bool = True, exact_up_to: int = 512) -> dict:
+                    predict=None, per_layer: bool = True, exact_up_to: int = EXACT_UP_TO) -> dict:
     """Inter-node rows of one micro-batch's forward through L MoE layers (counts (L, N, E) known
     routing; samples on data ranks `start` for the first layer): per layer its dispatch, its
     combine to where each sample runs next (re-placed by `place_layer` when `per_layer`, with
     the next layer's counts from `predict(l, counts[l])`, else staying) and the moves. Returns
     {"dispatch", "combine", "move": rows, "seconds": solve times}."""
     where = np.asarray(start, dtype=np.int64)
-    out = {"dispatch": 0.0, "combine": 0.0, "move": 0.0, "seconds": []}
+    out = {"dispatch": 0.0, "combine": 0.0, "move": 0.0, "seconds": [], "cpu_seconds": []}
     rest = np.asarray(rest_rows, dtype=float)
     for layer, c in enumerate(np.asarray(counts, dtype=float)):
         out["dispatch"] += geometry.dispatch_rows(c, where)
@@ -310,6 +339,7 @@ def simulate_layers(geometry: LayerGeometry, counts: np.ndarray, start: np.ndarr
             nxt = None if last or predict is None else predict(layer, c)
             placed = place_layer(geometry, c, nxt, where, rest, exact_up_to)
             out["seconds"].append(placed.seconds)
+            out["cpu_seconds"].append(placed.cpu_seconds)
             new = placed.dest()
         g = geometry.group[where]
         out["combine"] += float(np.einsum("ne,ne->", c, geometry.combine[g, :, new]))

@@ -1,13 +1,14 @@
 """Routing predictors for NetMoE sample placement (adapt/moe_placement.py). No torch.
 
 `RoutingTable`: per token id, the expected token-slots per expert summed over the MoE layers (an
-exponential average over steps): a new sample's counts c[i, e] before its forward. A step's
-routing reaches the table as a `RoutingUpdate`: only the token keys the step saw, each with its
-slots per expert and occurrences, so a process sends n (E + 2) integers for its n distinct keys
-instead of the table's V (E + 1) (`update_bytes` prices both); only the rank that places the
-samples holds the table. With `buckets`, token ids are hashed into that many rows (a
-multiplicative hash), bounding the table and the keys a step can send; ids sharing a row share
-a prediction.
+exponential average over steps): a new sample's counts c[i, e] before its forward. Only the rank
+that places the samples holds the table, and a step's routing reaches it compactly
+(`update_bytes` prices the three forms against all-reducing the V x (E + 1) table): as a
+`RoutingUpdate`, the token ids the step saw, each with its slots per expert and occurrences (n
+(E + 2) integers for n distinct ids, gathered), or, with `buckets`, ids hashed into that many
+rows (a multiplicative hash, `hash_key`) and the bucket counts reduced: bounded whatever the
+vocabulary, ids sharing a row share a prediction. The runtime hashes vocabularies above
+`EXACT_UP_TO_IDS` ids into `HASHED_BUCKETS` rows.
 
 `LayerTransition`: a sample's slots per expert in the next MoE layer from its tokens' experts in
 this one (per-layer placement).
@@ -31,8 +32,8 @@ class RoutingUpdate:
     seen: np.ndarray
 
     def packed(self) -> np.ndarray:
-        """(n, E + 2) int64 rows [key, seen, slots...] (what a process sends)."""
-        return np.concatenate([self.keys[:, None], self.seen[:, None], self.slots], 1).astype(np.int64)
+        """(n, E + 2) int32 rows [key, seen, slots...] (what a process sends)."""
+        return np.concatenate([self.keys[:, None], self.seen[:, None], self.slots], 1).astype(np.int32)
 
     @classmethod
     def unpack(cls, rows: np.ndarray) -> "RoutingUpdate":
@@ -52,6 +53,17 @@ class RoutingUpdate:
                                                             minlength=len(uniq)).astype(np.int64))
 
 
+# Above this many ids the runtime hashes them into `HASHED_BUCKETS` rows (SamplePlacer).
+EXACT_UP_TO_IDS = 65536
+HASHED_BUCKETS = 16384
+
+
+def hash_key(tokens, buckets: int):
+    """The row of token ids in a table of `buckets` rows: ((id * 0x9E3779B1) mod 2^32) mod buckets
+    (numpy arrays or torch tensors of int64)."""
+    return ((tokens * _HASH) % (1 << 32)) % buckets
+
+
 class RoutingTable:
     """Per token key, the expected token-slots per expert over the MoE layers (module docstring)."""
 
@@ -66,9 +78,7 @@ class RoutingTable:
 
     def key(self, tokens: np.ndarray) -> np.ndarray:
         tokens = np.asarray(tokens, dtype=np.int64)
-        if self.buckets is None:
-            return tokens
-        return ((tokens * _HASH) % (1 << 32)) % self.buckets
+        return tokens if self.buckets is None else hash_key(tokens, self.buckets)
 
     def observed(self, tokens: np.ndarray, chosen: np.ndarray) -> RoutingUpdate:
         """The update of tokens (..., S) ids routed to chosen (L, ..., S, k) experts by L layers."""
@@ -84,6 +94,11 @@ class RoutingTable:
     def update(self, tokens: np.ndarray, chosen: np.ndarray) -> None:
         """tokens (N, S) ids; chosen (L, N, S, k) expert ids the step's MoE layers routed them to."""
         self.apply(self.observed(tokens, chosen), layers=np.asarray(chosen).shape[0])
+
+    def apply_dense(self, slots: np.ndarray, seen: np.ndarray, layers: int) -> None:
+        """Merge a step's update given for every row (slots (R, E), seen (R,)), zero rows unseen."""
+        rows = np.flatnonzero(seen > 0)
+        self.apply(RoutingUpdate(keys=rows, slots=slots[rows], seen=seen[rows]), layers)
 
     def apply(self, update: RoutingUpdate, layers: int) -> None:
         """Merge a step's update, whose occurrences were counted in `layers` MoE layers."""
@@ -106,17 +121,18 @@ class RoutingTable:
         return values.sum(axis=-2)
 
 
-def update_bytes(distinct_keys: np.ndarray, num_experts: int, vocab_size: int, world: int) -> dict:
-    """Bytes of one step's table update (module docstring), per process and at the placing rank:
-    dense, an all-reduce of the V x (E + 1) table in fp64 (a ring sends and receives
+def update_bytes(distinct_keys: np.ndarray, num_experts: int, vocab_size: int, world: int,
+                 buckets: int = HASHED_BUCKETS) -> dict:
+    """Bytes of one step's table update (module docstring), sent per process and received at the
+    placing rank: dense, an all-reduce of the V x (E + 1) table in fp64 (a ring sends and receives
     2 (p - 1) / p of it on every rank); sparse, a gather of each process's distinct keys padded to
-    the largest count, (E + 2) int64 each, all of which the placing rank receives.
-    `distinct_keys` (world,): distinct keys each process saw."""
-    dense = vocab_size * (num_experts + 1) * 8.0
-    ring = 2.0 * (world - 1) / world * dense
-    padded = float(np.max(distinct_keys)) * (num_experts + 2) * 8.0
-    return {"dense_per_rank": ring, "dense_at_root": ring, "sparse_per_rank": padded,
-            "sparse_at_root": padded * (world - 1)}
+    the largest count, (E + 2) int32 each, all of which the placing rank receives; hashed, a reduce
+    of the `buckets` x (E + 1) int32 counts to the placing rank (a ring or tree: about the table
+    once per rank). `distinct_keys` (world,): distinct ids each process saw."""
+    ring = 2.0 * (world - 1) / world * vocab_size * (num_experts + 1) * 8.0
+    padded = float(np.max(distinct_keys)) * (num_experts + 2) * 4.0
+    hashed = buckets * (num_experts + 1) * 4.0
+    return {"dense": (ring, ring), "sparse": (padded, padded * (world - 1)), "hashed": (hashed, hashed)}
 
 
 class LayerTransition:

@@ -9,7 +9,8 @@ data rank. Every rank still runs N / D samples and the loss is a mean over the s
 losses and gradients are those without placement. After the step (`observe`), the MoE layers'
 routing of the step (recorded per forward call, in micro-batch order) updates the routing
 table on rank 0: each rank sends only the token ids it saw, with their slots per expert
-(`RoutingUpdate`: n (E + 2) integers for n distinct ids, not the vocabulary-sized table).
+(`RoutingUpdate`: n (E + 2) integers for n distinct ids, not the vocabulary-sized table), or,
+for vocabularies above 65536 ids, the counts of a hashed table of 16384 rows.
 
 Per layer (`per_layer=True`, NetMoE's placement between layers; `PlacingContext`): in every MoE
 layer, once its routing is known, the layer's data ranks all-gather their rows' slots per
@@ -40,7 +41,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..adapt.moe_placement import LayerGeometry, Placement, crossing_matrix, place_layer, place_samples
-from ..adapt.moe_routing import LayerTransition, RoutingTable, RoutingUpdate
+from ..adapt.moe_routing import (EXACT_UP_TO_IDS, HASHED_BUCKETS, LayerTransition, RoutingTable, RoutingUpdate,
+                                 hash_key)
 from ..errors import TesseraError
 from ..models.moe import MoE, Routing
 from ..plan import Plan
@@ -66,7 +68,8 @@ class SamplePlacer:
                                                  plan.cluster.gpus_per_node,
                                                  plan.pipeline.rank_of_chunk(plan.stage_of_layer(i)) * plan.stage_size)
                                  for i in moe], axis=0)
-        self.table = RoutingTable(cfg.vocab_size, cfg.num_experts)
+        big = cfg.vocab_size > EXACT_UP_TO_IDS  # hashed: bounded memory and update (adapt/moe_routing.py)
+        self.table = RoutingTable(cfg.vocab_size, cfg.num_experts, buckets=HASHED_BUCKETS if big else None)
         self.num_moe_layers = len(moe)
         self.ctx = StageContext.build(plan, dims, rank)
         self.layers = []  # (MoE module, its plan layer's strategy)
@@ -139,31 +142,45 @@ class SamplePlacer:
 
     def observe(self) -> None:
         """Update the routing table (and the per-layer transitions) with the routing of the step just
-        run: every rank's distinct token ids with their slots per expert (`RoutingUpdate`, a tp
-        group's first rank for its replicas), gathered to rank 0, the only rank that predicts."""
+        run, on rank 0, the only rank that predicts: every rank's (a tp group's first rank for its
+        replicas) slots per token id and expert, built on the device; the step's distinct ids
+        gathered (`RoutingUpdate` rows), or the hashed table's buckets reduced."""
         cfg = self.plan.model.config
-        updates = []
+        e = cfg.num_experts
+        keys, chosen = [], []
         chunks = self.tokens.chunk(self.plan.num_micro_batches)
         for index, (module, s, _) in enumerate(self.layers):
             log_, module.routing_log = module.routing_log, []
             if self.dims.stage_rank(self.rank) % s.tp:  # tp replicas route the same tokens
                 continue
             want = ActLayout(dp=s.dp, sp=s.sp_degree, tp=s.tp, seq_over_tp=False)
-            for j, chosen in enumerate(log_):
+            for j, c in enumerate(log_):
                 chunk = chunks[j] if not self.per_layer else self._data_rows(self.full[0], j, index)
-                ids = self.ctx.data_block(chunk, want)
-                updates.append(self.table.observed(ids.cpu().numpy(), chosen.cpu().numpy()[None]))
-        e = cfg.num_experts
-        mine = RoutingUpdate.merge(updates).packed() if updates else np.zeros((0, e + 2), dtype=np.int64)
-        self.update_rows = len(mine)  # this rank's share of the step's update (rows of E + 2 integers)
-        rows = self._gather_to_first(mine)
-        if rows is not None:
-            self.table.apply(RoutingUpdate.unpack(rows), layers=self.num_moe_layers)
+                keys.append(self.ctx.data_block(chunk, want).reshape(-1).to(c.device))
+                chosen.append(c.reshape(-1, c.shape[-1]))
+        device = self.tokens.device
+        keys = torch.cat(keys) if keys else torch.zeros(0, dtype=torch.int64, device=device)
+        chosen = torch.cat(chosen) if chosen else torch.zeros((0, cfg.top_k), dtype=torch.int64, device=device)
+        if self.table.buckets is not None:  # every bucket's counts, reduced
+            rows = hash_key(keys, self.table.buckets)
+            counts = self._slot_counts(rows, chosen, self.table.buckets, e).to(device)
+            dist.reduce(counts, dst=0)
+            if self.rank == 0:
+                counts = counts.cpu().numpy()
+                self.table.apply_dense(counts[:, 1:], counts[:, 0], layers=self.num_moe_layers)
+        else:  # the step's distinct ids, gathered
+            uniq, inv = torch.unique(keys, return_inverse=True)
+            counts = self._slot_counts(inv, chosen, len(uniq), e)
+            mine = torch.cat([uniq[:, None].to(counts.dtype), counts], 1).cpu().numpy()
+            self.update_rows = len(mine)  # this rank's share of the step's update (rows of E + 2 integers)
+            rows = self._gather_to_first(mine)
+            if rows is not None:
+                self.table.apply(RoutingUpdate.unpack(rows), layers=self.num_moe_layers)
         if self.per_layer:
             k = len(self.contexts) - 1
             both = torch.from_numpy(np.concatenate([c.pairs.ravel() for c in self.contexts[1:]] +
                                                    [c.uses for c in self.contexts[1:]] + [np.zeros(1)]))
-            both = both.to(self.tokens.device)
+            both = both.to(device)
             dist.reduce(both, dst=0)  # each MoE layer's group solves on global rank 0 (pp = tp = 1)
             if self.rank == 0:
                 both = both.cpu().numpy()
@@ -172,12 +189,20 @@ class SamplePlacer:
             for c in self.contexts:
                 c.reset_pairs()
 
+    @staticmethod
+    def _slot_counts(rows: torch.Tensor, chosen: torch.Tensor, n: int, experts: int) -> torch.Tensor:
+        """(n, 1 + E) int32: occurrences (one per layer pass) and slots per expert of each row."""
+        k = chosen.shape[-1]
+        slots = torch.bincount(rows.repeat_interleave(k) * experts + chosen.reshape(-1), minlength=n * experts)
+        seen = torch.bincount(rows, minlength=n)
+        return torch.cat([seen[:, None], slots.view(n, experts)], 1).to(torch.int32)
+
     def _gather_to_first(self, rows: np.ndarray) -> np.ndarray | None:
         """Every rank's rows (padded with -1 to the longest) on rank 0; None elsewhere."""
         device = self.tokens.device
         n = torch.tensor([len(rows)], device=device)
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
-        padded = torch.full((int(n), rows.shape[1]), -1, dtype=torch.int64, device=device)
+        padded = torch.full((int(n), rows.shape[1]), -1, dtype=torch.int32, device=device)
         padded[:len(rows)] = torch.from_numpy(rows).to(device)
         out = [torch.empty_like(padded) for _ in range(dist.get_world_size())] if self.rank == 0 else None
         dist.gather(padded, out, dst=0)
