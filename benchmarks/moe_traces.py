@@ -3,7 +3,7 @@
 Two recordings, cached under the Tessera cache directory:
   v1  40 steps x 16 samples x 64 tokens of prose and Python, every step recorded (the first
       trace; its routing is still close to the random initialisation).
-  v2  tiny-moe trained for `steps` steps (default 800) x 8 samples x 128 tokens on four kinds of
+  v2  tiny-moe trained for `steps` steps (default 400) x 8 samples x 128 tokens on four kinds of
       text that ship with this Python environment: Shakespeare (the built-in corpus), the
       standard library's Python source, PyTorch's C++ headers and the reStructuredText
       documentation of the installed packages; the routing of the last `record` steps (200)
@@ -11,7 +11,7 @@ Two recordings, cached under the Tessera cache directory:
 A trace holds `tokens` (steps, N, S), `chosen` (steps, L, N, S, k) the experts of every MoE
 layer, `kind` (steps, N) each sample's text kind, and `loss` (the training loss of every step).
 
-    python benchmarks/moe_traces.py --steps 800   # record v2 (long: about 2 s a step on one core)
+    python benchmarks/moe_traces.py --steps 400   # record v2 (long: seconds a step on one core)
 """
 from __future__ import annotations
 
@@ -54,6 +54,29 @@ def _streams(kinds) -> list[np.ndarray]:
         else:
             out.append(encode_documents(_texts(kind, 3_000_000)).astype(np.int64))
     return out
+
+
+def streams() -> list[np.ndarray]:
+    """v2's four token streams (cached: tokenising takes a while)."""
+    from tessera.runtime.data import cache_dir
+
+    path = cache_dir() / "moe-trace-v2-streams.npz"
+    if path.is_file():
+        data = np.load(path)
+        return [data[k] for k in KINDS_V2]
+    out = _streams(KINDS_V2)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, **dict(zip(KINDS_V2, [s.astype(np.uint16) for s in out])))
+    tmp.replace(path)
+    return out
+
+
+def layer_slots(trace: dict, experts: int = 4) -> np.ndarray:
+    """(steps x layers, E) token-slots per expert of every step and layer."""
+    chosen = trace["chosen"].astype(np.int64)
+    flat = chosen.reshape(chosen.shape[0] * chosen.shape[1], -1)
+    return np.stack([np.bincount(row, minlength=experts) for row in flat]).astype(float)
 
 
 def _v1_streams() -> list[np.ndarray]:
@@ -141,12 +164,12 @@ def load(version: int, steps: int, retrace: bool) -> dict | None:
     print(f"routing trace v{version}: training tiny-moe to record it ({path})")
     if version == 1:
         return record(path, _v1_streams(), 40, 40, 16, 64, log_every=10)
-    return record(path, _streams(KINDS_V2), steps, min(200, steps), 8, 128)
+    return record(path, streams(), steps, min(200, steps), 8, 128)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=800)
+    ap.add_argument("--steps", type=int, default=400)
     args = ap.parse_args()
     load(2, args.steps, retrace=True)
 

@@ -158,11 +158,15 @@ class MoEContext:
         expert), in the same order."""
         return experts(x[token], counts.tolist())
 
-    # Tensor parallelism (runtime/expert_tp.py) replaces these five: the layer's input as it
-    # computes on it, the router's input, the shared expert's output, the weighted sum of the
+    # Tensor parallelism (runtime/expert_tp.py) replaces these: the layer's input as it computes on
+    # it, the block's norm, the router's input, the shared expert's output, the weighted sum of the
     # expert outputs (out_t = sum_j w_tj y_tj [+ gate_t shared_t]) and the layer's output.
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+    def block_norm(self, norm: nn.Module):
+        """The block's `ffn_norm` as the layer applies it (per-layer placement)."""
+        return norm
 
     def router_input(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -178,11 +182,10 @@ class MoEContext:
     def leave(self, out: torch.Tensor) -> torch.Tensor:
         return out
 
-    def place_block(self, moe: "MoE", h: torch.Tensor, x: torch.Tensor, routing: Routing, norm: nn.Module,
-                    shape, inject) -> torch.Tensor:
-        """h + the layer's output for x = norm(h) (flat (T, H) each), shaped `shape`, on the rows
-        the context places the samples on for the next layer (`carries_residual` contexts only);
-        `inject(t)` returns t carrying the aux loss's gradient, for a tensor of this rank's
+    def place_block(self, moe: "MoE", h: torch.Tensor, routing: Routing, norm, shape, inject) -> torch.Tensor:
+        """h + the layer's output for norm(h) (h flat (T, H)), shaped like the block's input, on the
+        rows the context places the samples on for the next layer (`carries_residual` contexts
+        only); `inject(t)` returns t carrying the aux loss's gradient, for a tensor of this rank's
         backward."""
         raise NotImplementedError
 
@@ -241,12 +244,14 @@ class MoE(nn.Module):
         """h + MoE(norm(h)) for a context that carries the residual (`MoEContext.carries_residual`:
         NetMoE per-layer placement): the context returns the sum with the residual, on the rows of
         the samples this rank runs next (runtime/moe_placement.py)."""
+        ctx = self.context
+        h = ctx.enter(h)
+        norm = ctx.block_norm(norm)
         shape = h.shape
         flat_h = h.reshape(-1, shape[-1])
-        flat = norm(h).reshape(-1, shape[-1])
-        r = self._route(flat, shape)
+        r = self._route(ctx.router_input(norm(flat_h)), shape)
         aux = self._record(r)
-        return self.context.place_block(self, flat_h, flat, r, norm, shape, lambda t: self._inject(t, aux))
+        return ctx.place_block(self, flat_h, r, norm, shape, lambda t: self._inject(t, aux))
 
     def shared(self, x: torch.Tensor) -> torch.Tensor:
         """The gated shared expert (Qwen-MoE): sigmoid(w_s . x) * shared_expert(x)."""

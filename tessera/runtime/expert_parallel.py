@@ -159,6 +159,9 @@ class ExpertParallelContext(MoEContext):
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.tp_io is None else self.tp_io.enter(x)
 
+    def block_norm(self, norm: nn.Module):
+        return norm if self.tp_io is None else self.tp_io.block_norm(norm)
+
     def router_input(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.tp_io is None else self.tp_io.router_input(x)
 

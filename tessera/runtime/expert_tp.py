@@ -196,6 +196,15 @@ class TPMoEIO:
     def mix(self, y, w, token, tokens, shared, gate):
         return _PartialMix.apply(y, w, token, tokens, shared, gate, self.group)
 
+    def block_norm(self, norm: nn.Module):
+        """The block's norm on whole-sequence rows: its weight (and bias) used through `_CopyToTP`,
+        whose backward sums the tp ranks' partial gradients of it (as Megatron SP's norms)."""
+        weight = _CopyToTP.apply(_local(norm.weight), self.group)
+        if isinstance(norm, nn.RMSNorm):
+            return lambda x: F.rms_norm(x, norm.normalized_shape, weight, norm.eps)
+        bias = _CopyToTP.apply(_local(norm.bias), self.group) if norm.bias is not None else None
+        return lambda x: F.layer_norm(x, norm.normalized_shape, weight, bias, norm.eps)
+
     def leave(self, out: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             return _ReduceScatterSeqTP.apply(out, self.group, self.tp)

@@ -25,8 +25,11 @@ residual rides the combine, so moving a sample costs no extra rows. Tokens whose
 was dropped by the capacity move by themselves in the same exchange. The model's later layers
 read the positions and document ids of the rows they now hold, and the loss the labels
 (`ParallelTransformer.placement`, `ParallelLoss.labels_hook`). Each micro-batch keeps its
-samples, so losses and gradients are again those without placement. Runs with MoE layers of
-tp = 1 without sequence parallelism, and without pipeline parallelism.
+samples, so losses and gradients are again those without placement. Under tensor parallelism
+(runtime/expert_tp.py) the tp ranks route alike, gather the sequence first under Megatron SP,
+exchange their partial sums (the residual counted on the first tp rank) and reduce the block's
+output once on arrival. Runs without Ulysses or context parallelism in the MoE layers and
+without pipeline parallelism.
 
 The crossing matrix of the step placement averages the MoE layers' (each with its strategy and
 its pipeline stage's ranks) over the layers: samples move once for all of them.
@@ -181,7 +184,7 @@ class SamplePlacer:
             both = torch.from_numpy(np.concatenate([c.pairs.ravel() for c in self.contexts[1:]] +
                                                    [c.uses for c in self.contexts[1:]] + [np.zeros(1)]))
             both = both.to(device)
-            dist.reduce(both, dst=0)  # each MoE layer's group solves on global rank 0 (pp = tp = 1)
+            dist.reduce(both, dst=0)  # every MoE layer solves on global rank 0 (pp = 1)
             if self.rank == 0:
                 both = both.cpu().numpy()
                 pairs, uses = both[:k * e * e].reshape(k, e, e), both[k * e * e:k * e * e + k * e].reshape(k, e)
@@ -218,16 +221,17 @@ class SamplePlacer:
         if parallel is None:
             raise TesseraError("moe_placement='layer' needs the parallelised model")
         for module, s, block in self.layers:
-            if s.tp > 1 or s.sp_degree > 1 or getattr(s, "cp", 1) > 1:
-                raise TesseraError(f"layers[{block + 1}]: moe_placement='layer' needs MoE layers with tp=1 and "
-                                   f"without sequence or context parallelism (moe_placement='step' runs them)")
+            if s.sp_degree > 1 or getattr(s, "cp", 1) > 1:
+                raise TesseraError(f"layers[{block + 1}]: moe_placement='layer' needs MoE layers without Ulysses "
+                                   f"or context parallelism (moe_placement='step' runs them)")
         self.transition = LayerTransition(len(self.layers), cfg.num_experts, cfg.top_k)
         self.contexts = []
         for index, (module, s, block) in enumerate(self.layers):
             group = token_mesh(self.dims, s).get_group("tokens") if s.dp > 1 else None
             geometry = LayerGeometry.of(s, cfg.num_experts, plan.cluster.gpus_per_node)
-            ctx = PlacingContext(module.context, self, index, geometry, group, s.dp,
-                                 self.dims.stage_rank(self.rank) // s.tp)
+            stage_rank = self.dims.stage_rank(self.rank)
+            ctx = PlacingContext(module.context, self, index, geometry, group, s.dp, stage_rank // s.tp,
+                                 stage_rank % s.tp)
             module.context = ctx
             self.contexts.append(ctx)
         self.block_of = {block: index for index, (_, _, block) in enumerate(self.layers)}
@@ -283,11 +287,11 @@ class PlacingContext(ExpertParallelContext):
     carries_residual = True
 
     def __init__(self, base: ExpertParallelContext, placer: SamplePlacer, index: int, geometry: LayerGeometry,
-                 group, dp: int, group_rank: int):
+                 group, dp: int, group_rank: int, tp_rank: int):
         self.__dict__.update(base.__dict__)
         self.placer, self.index, self.geometry = placer, index, geometry
         self.last = index == len(placer.layers) - 1
-        self.group, self.dp, self.group_rank = group, dp, group_rank
+        self.group, self.dp, self.group_rank, self.tp_rank = group, dp, group_rank, tp_rank
         self.decisions: dict[int, torch.Tensor] = {}
         self.prev: dict[int, torch.Tensor] = {}  # micro-batch -> (tokens, E) experts of the previous layer
         self.reset_pairs()
@@ -302,29 +306,29 @@ class PlacingContext(ExpertParallelContext):
 
     def _decide(self, r: Routing, rows: int, seq: int, unserved: torch.Tensor) -> torch.Tensor:
         """The next arrangement of the micro-batch's rows (new row j holds old row order[j]): this
-        layer's slots per row and expert all-gathered, solved on the group's first rank."""
+        layer's slots per row and expert all-gathered over the first tp rank's data ranks, solved
+        on global rank 0 and broadcast to the stage (tp ranks route alike)."""
         e = self.num_experts
         local = torch.zeros(rows, e + 1, dtype=torch.float64, device=r.token.device)
         local.index_put_((r.token // seq, r.expert), torch.ones_like(r.token, dtype=torch.float64), accumulate=True)
         local[:, e] = unserved.view(rows, seq).sum(1).double()
         total = rows * self.dp
         order = torch.empty(total, dtype=torch.int64, device=local.device)
-        if self.group is None:
-            gathered = local
-        else:
+        gathered = local
+        if self.group is not None and self.tp_rank == 0:
             gathered = torch.empty((total, e + 1), dtype=local.dtype, device=local.device)
             dist.all_gather_into_tensor(gathered, local, group=self.group)
-        if self.group_rank == 0:
+        if dist.get_rank() == 0:
             c = gathered.cpu().numpy()
             counts, rest = c[:, :e], c[:, e]
             nxt = None if self.last else self.placer.transition.predict(self.index, counts)
             placed = place_layer(self.geometry, counts, nxt, np.arange(total) // rows, rest)
             order.copy_(torch.as_tensor(placed.order()))
-        if self.group is not None:
-            dist.broadcast(order, src=dist.get_global_rank(self.group, 0), group=self.group)
+        if dist.get_world_size() > 1:
+            dist.broadcast(order, src=0)
         return order
 
-    def place_block(self, moe: MoE, h: torch.Tensor, x: torch.Tensor, r: Routing, norm: nn.Module, shape, inject):
+    def place_block(self, moe: MoE, h: torch.Tensor, r: Routing, norm, shape, inject):
         rows, seq = shape[0], shape[1]
         tokens, hidden = rows * seq, h.shape[-1]
         device = h.device
@@ -350,19 +354,15 @@ class PlacingContext(ExpertParallelContext):
         h_rows, w_rows = received[:, :hidden], received[:, hidden]
         n_rows = norm(h_rows)
         y = moe.experts(n_rows[order_e], counts)[_inverse(order_e)]
-        out_rows = y * w_rows[:, None].to(y.dtype)
+        every = torch.arange(len(y), device=device)
+        out_rows = self.mix(y, w_rows, every, len(y), None, None)
         carriers = torch.nonzero(meta[:, 1]).flatten()
-        extra = h_rows[carriers]
-        if moe.config.shared_expert_ffn:
-            extra = extra + moe.shared(n_rows[carriers])
+        extra = self._rest(moe, h_rows[carriers], n_rows[carriers])
         out_rows = out_rows.index_add(0, carriers, extra.to(out_rows.dtype))
         target, experts_of = meta[:, 0], meta[:, 2]
         if moe.config.capacity_factor is not None:  # tokens without a served slot move by themselves
             alone = torch.nonzero(unserved).flatten()
-            rest = h[alone]
-            if moe.config.shared_expert_ffn:
-                rest = rest + moe.shared(x[alone])
-            out_rows = torch.cat([out_rows, rest.to(out_rows.dtype)])
+            out_rows = torch.cat([out_rows, self._rest(moe, h[alone], norm(h[alone])).to(out_rows.dtype)])
             target = torch.cat([target, dest[alone]])
             experts_of = torch.cat([experts_of, torch.full_like(alone, -1)])
         out, idx, prev = self._combine(out_rows, target, experts_of, shape, inject)
@@ -371,7 +371,18 @@ class PlacingContext(ExpertParallelContext):
             keep = prev >= 0
             onehot[idx[keep], prev[keep]] = 1.0
             self.placer.contexts[self.index + 1].prev[mb] = onehot
-        return out
+        return self.leave(out)
+
+    def _rest(self, moe: MoE, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """What a token adds besides its experts: the residual h, and the gated shared expert of x =
+        norm(h). Under tensor parallelism a partial sum over the tp ranks like the experts' outputs:
+        the residual on the first tp rank only, the shared expert's slices."""
+        rest = h if self.tp_rank == 0 else torch.zeros_like(h)
+        if moe.config.shared_expert_ffn:
+            gate = torch.sigmoid(moe.shared_expert_gate(self.router_input(x)))
+            rest = rest + self.mix(h[:0], h.new_zeros(0), torch.zeros(0, dtype=torch.int64, device=h.device),
+                                   len(h), self.run_shared(moe.shared_expert, x), gate)
+        return rest
 
     def _note_pairs(self, r: Routing, mb: int, tokens: int) -> None:
         """Transition statistics: the experts of each token here against its experts in the layer

@@ -357,15 +357,18 @@ def check_checkpoint_across_ep(directory: str) -> None:
 
 def placement_plans():
     """NetMoE placement with one rank per node: every ep2 group spans two nodes. Per layer: Qwen-MoE
-    (shared expert), a capacity that drops slots, two micro-batches, full recompute, packed documents."""
+    (shared expert), a capacity that drops slots, two micro-batches, full recompute, packed documents;
+    and under tensor parallelism with Megatron SP."""
     plan = make_plan(MIXTRAL, 4, blocks(MIXTRAL, S(dp=4), S(dp=4, ep=2, zero=1)))
     one_per_node = plan.cluster.model_copy(update=dict(num_nodes=4, gpus_per_node=1))
     qwen = QWEN.model_copy(update=dict(name="ep-qwen-cap-layer", capacity_factor=1.0, norm_topk_prob=True))
     layered = make_plan(qwen, 4, blocks(qwen, S(dp=4, zero=2), S(dp=4, ep=2, zero=2, recompute="full")),
                         num_micro_batches=2)
+    tp_sp = make_plan(QWEN, 4, blocks(QWEN, S(dp=2, tp=2, sp="megatron"), S(dp=2, tp=2, sp="megatron", ep=2)))
     return [("ep2_dp2_netmoe_placement", MIXTRAL, plan.model_copy(update=dict(cluster=one_per_node)), True),
             ("ep2_dp4_netmoe_per_layer_qwen_capacity_recompute", qwen,
-             layered.model_copy(update=dict(cluster=one_per_node)), "layer")]
+             layered.model_copy(update=dict(cluster=one_per_node)), "layer"),
+            ("ep2_tp2_sp_netmoe_per_layer_qwen", QWEN, tp_sp.model_copy(update=dict(cluster=one_per_node)), "layer")]
 
 
 def offload_plans():
