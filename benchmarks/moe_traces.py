@@ -63,7 +63,7 @@ def streams() -> list[np.ndarray]:
     path = cache_dir() / "moe-trace-v2-streams.npz"
     if path.is_file():
         data = np.load(path)
-        return [data[k] for k in KINDS_V2]
+        return [data[k].astype(np.int64) for k in KINDS_V2]  # stored as uint16 (GPT-2 ids < 65536)
     out = _streams(KINDS_V2)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp.npz")
