@@ -1,7 +1,7 @@
 """The training loop: build everything from a Plan, then step, log, checkpoint.
 
     trainer = Trainer(TrainConfig(plan=plan, steps=100))   # process group, mesh, model, optimizer
-    trainer.train()                                         # resume; step; log; save
+    trainer.train()                                         # resume; step; log; evaluate; save
 
 Every rank loads its block of the global batch in the plan's data layout: the batch split over
 the gcd of the layers' dp (`data_rank`, `data_size`); every layer takes its sub-block of it
@@ -10,7 +10,9 @@ shards are allocated and initialised (`build_model`). A step runs the plan's mic
 (gradient accumulation with the plan's gradient synchronisation, or the pipeline schedule),
 rescales gradients of layers replicated over fewer or more ranks than the loss is split over,
 clips the global norm, and steps AdamW and the LR schedule (`compute_gradients` stops before
-clipping: the gradient oracle of the equivalence tests).
+clipping: the gradient oracle of the equivalence tests). Every `eval_every` steps the model's
+mean loss over `eval_batches` global batches of the held-out split is reported (`evaluate`).
+Saves, resumes and evaluations are reported to `on_event(kind, info)` beside the log.
 """
 from __future__ import annotations
 
@@ -65,6 +67,14 @@ class TrainConfig:
     # APTMoE (runtime/expert_offload.py): a cost.expert_offload.HostSpec (the cost model decides where
     # each expert computes) or an OffloadPlan; the MoE layers' experts live in host memory.
     expert_offload: object = None
+    # --- run records, evaluation, retention (tessera.config documents each) ---
+    run_id: str | None = None  # carried by every metrics line
+    wandb: dict | None = None  # wandb.init arguments (project, name, id, config, dir); None: off
+    checkpoint_keep: int = 3  # complete checkpoints kept; 0 keeps all
+    checkpoint_final: bool = True  # save after the last step
+    eval_every: int = 0  # evaluate on the held-out split every N steps and after the last; 0: never
+    eval_batches: int = 4  # global batches per evaluation
+    eval_fraction: float = 0.05  # share of the data held out (training never sees it when eval is on)
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -89,10 +99,12 @@ def _pipeline_available() -> bool:
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, on_step: Callable[[StepRecord], None] | None = None):
+    def __init__(self, config: TrainConfig, on_step: Callable[[StepRecord], None] | None = None,
+                 on_event: Callable[[str, dict], None] | None = None):
         self.config = config
         self.plan = config.plan
         self.on_step = on_step
+        self.on_event = on_event  # ("save" | "resume" | "eval", details), on rank 0
         self.step = 0
         self.build_distributed()
         self.build()
@@ -103,7 +115,7 @@ class Trainer:
         run's fake one at the plan's world size), computing in `dtype` on `device` whatever this
         machine has: the same build as training, without starting a process group."""
         self = cls.__new__(cls)
-        self.config, self.plan, self.on_step, self.step = config, config.plan, None, 0
+        self.config, self.plan, self.on_step, self.on_event, self.step = config, config.plan, None, None, 0
         self.device, self.dtype, self.owns_process_group = device, dtype, False
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dims = ParallelDims.from_plan(self.plan, self.world_size, self.device.type)
@@ -124,7 +136,9 @@ class Trainer:
                                        per_layer=config.moe_placement == "layer", parallel=self.parallel)
         self.loader = None
         self.data_iter = None
-        self.metrics = MetricsWriter(config.metrics_path, config.tensorboard_dir) if self.rank == 0 else None
+        self.eval_loader = None
+        self.metrics = (MetricsWriter(config.metrics_path, config.tensorboard_dir, config.run_id, config.wandb)
+                        if self.rank == 0 else None)
         # Read a logged step's figures after the next step is queued (`train`): on CUDA reading
         # them right away would leave the device idle while the host queues the next step.
         self.defer_records = self.device.type == "cuda"
@@ -250,12 +264,15 @@ class Trainer:
         """The optimizer of the first model part (all of them: `optimizers`)."""
         return self.optimizers[0]
 
-    def build_data(self):
-        """The batch iterator of this rank's data block (`data_rank` of `data_size`)."""
+    def build_data(self, split: str = "train"):
+        """The batch iterator of this rank's data block (`data_rank` of `data_size`); `split`
+        "eval": the held-out batches evaluation reads (the training stream leaves them out)."""
         w = self.plan.workload
-        if self.config.synthetic_data:
+        holdout = self.config.eval_fraction if self.config.eval_every else 0.0
+        if self.config.synthetic_data:  # held-out batches: another seed's stream
+            seed = self.config.seed if split == "train" else self.config.seed + 7_919
             return SyntheticLoader(self.plan.model.config.vocab_size, w.seq_len, w.global_batch,
-                                   self.data_rank, self.data_size, self.config.seed)
+                                   self.data_rank, self.data_size, seed)
         from .data import build_dataloader
 
         tokenizer = None
@@ -267,7 +284,7 @@ class Trainer:
         # An adaptive run hands every rank the whole global batch (the step plan splits it).
         rank, size = (0, 1) if self.adaptive is not None else (self.data_rank, self.data_size)
         loader = build_dataloader(self.config.data, w.seq_len, w.global_batch, rank, size,
-                                  self.config.seed, pack=True, tokenizer=tokenizer)
+                                  self.config.seed, pack=True, tokenizer=tokenizer, holdout=holdout, split=split)
         if loader.vocab_size > self.plan.model.config.vocab_size:
             raise TesseraError(f"the data's tokenizer has {loader.vocab_size} tokens, more than the model's "
                                f"vocabulary of {self.plan.model.config.vocab_size}")
@@ -427,6 +444,8 @@ class Trainer:
                 if not self.defer_records:
                     records.append(self.log_step(pending))
                     pending = None
+            if self.maybe_evaluate():
+                clock.restart()  # the evaluation is not the next step's time
             if self.maybe_checkpoint():
                 clock.restart()  # the save is not the next step's time
         if pending is not None:
@@ -468,12 +487,97 @@ class Trainer:
                 self.on_step(record)
         return record
 
+    # --- evaluation -------------------------------------------------------------------------------
+    def maybe_evaluate(self) -> bool:
+        """Evaluate when due (every `eval_every` steps and after the last); returns whether it did."""
+        every = self.config.eval_every
+        if not every or (self.step % every and self.step != self.config.steps):
+            return False
+        loss, tokens = self.evaluate()
+        from .runs import perplexity
+
+        if self.metrics is not None:
+            self.metrics.write_eval(self.step, loss, perplexity(loss), tokens)
+        self._event("eval", step=self.step, loss=loss, perplexity=perplexity(loss), tokens=tokens)
+        return True
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, int]:
+        """(mean cross-entropy in nats per target token, target tokens) over the first
+        `eval_batches` global batches of the held-out split, the same batches every time."""
+        if self.eval_loader is None:
+            self.eval_loader = self.build_data("eval")
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # summed loss, targets
+        for i in range(self.config.eval_batches):
+            batch = self.eval_loader.batch_at(i * self.plan.workload.global_batch)
+            total += self._eval_sums(batch)
+        dist.all_reduce(total)
+        self._reshard()
+        return float(total[0] / total[1].clamp(min=1)), int(total[1])
+
+    def _reshard(self) -> None:
+        """Free the parameters a forward without backward left gathered (FSDP2 units that do not
+        reshard after forward), so that the model's parameters are the optimizer's shards again."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for part in self.model_parts:
+            for module in part.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
+    def _eval_sums(self, batch) -> torch.Tensor:
+        """This rank's (summed loss, targets) of one held-out batch, forward only."""
+        from .parallel_model import IGNORE
+
+        packed = getattr(batch, "packed", False)
+        tokens, labels, positions, doc_ids = (self._to_device(t) for t in (
+            batch.tokens, batch.labels, batch.positions if packed else None, batch.doc_ids if packed else None))
+        targets = (labels != IGNORE).sum().double()
+        if self.adaptive is not None:  # the whole batch on every rank: each rank takes its rows
+            rows = slice(self.rank * len(tokens) // self.world_size, (self.rank + 1) * len(tokens) // self.world_size)
+            logits = self.model(tokens[rows], *(t[rows] if t is not None else None for t in (positions, doc_ids)))
+            part = labels[rows]
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), part.flatten(),
+                                                     ignore_index=IGNORE, reduction="sum")
+            return torch.stack([loss.double(), (part != IGNORE).sum().double()])
+        # The loss as the sum over this piece's targets, times pieces x micro-batches (ParallelLoss).
+        scale = self.loss_fn.target_scale
+        self.loss_fn.target_scale = self.loss_fn.pieces * self.plan.num_micro_batches
+        try:
+            self.loss_fn.real_seq_len = tokens.shape[1]
+            tokens, labels, positions, doc_ids = pad_sequences(self.seq_multiple, tokens, labels, positions, doc_ids)
+            if self.pipeline is not None:
+                mean = self.pipeline.evaluate(tokens, labels, positions, doc_ids)  # None off the last stage
+                loss = mean if mean is not None else torch.zeros((), dtype=torch.float64, device=self.device)
+            else:
+                loss = self._eval_forward(tokens, labels, positions, doc_ids)
+        finally:
+            self.loss_fn.target_scale = scale
+        # Each rank's value is pieces x its piece's sum; the loss's pieces are held by
+        # holders / pieces ranks each (the world, or a pipeline's last stage), so the all-reduced
+        # sum is holders x the batch's sum. Each data block is held by world / data_size ranks.
+        holders = self.world_size // self.plan.pipeline.degree if self.pipeline is not None else self.world_size
+        return torch.stack([loss.double() / holders, targets * self.data_size / self.world_size])
+
+    def _eval_forward(self, tokens, labels, positions, doc_ids) -> torch.Tensor:
+        n = self.plan.num_micro_batches
+        module = self.parallel.module
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        chunks = [t.chunk(n) if t is not None else [None] * n for t in (tokens, labels, positions, doc_ids)]
+        for i in range(n):
+            with self.loss_fn.context(), self.autocast:
+                logits = module(chunks[0][i], chunks[2][i], chunks[3][i])
+                loss = self.loss_fn(logits, chunks[1][i])
+            total += _plain(loss).detach().double() / n
+        return total
+
     # --- checkpoints ------------------------------------------------------------------------------
     def _checkpoint_manager(self, directory: str):
         from .checkpoint import CheckpointManager
         from .export import model_files
 
-        return CheckpointManager(directory, model_files=model_files(self.plan.model.config, self.config.init_from))
+        return CheckpointManager(directory, keep=self.config.checkpoint_keep,
+                                 model_files=model_files(self.plan.model.config, self.config.init_from))
 
     def extra_state(self) -> dict:
         state = {"step": self.step, "schedulers": [s.state_dict() for s in self.schedulers]}
@@ -485,9 +589,10 @@ class Trainer:
         """Save when due; returns whether it saved."""
         cfg = self.config
         every = cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
-        if cfg.checkpoint_dir and (every or self.step == cfg.steps):  # and always after the last step
-            self._checkpoint_manager(cfg.checkpoint_dir).save(self.step, self.model_parts, self.optimizers,
-                                                              self.extra_state())
+        if cfg.checkpoint_dir and (every or (cfg.checkpoint_final and self.step == cfg.steps)):
+            path = self._checkpoint_manager(cfg.checkpoint_dir).save(self.step, self.model_parts, self.optimizers,
+                                                                     self.extra_state())
+            self._event("save", step=self.step, path=str(path))
             return True
         return False
 
@@ -507,7 +612,13 @@ class Trainer:
         if "data" in extra and hasattr(self.loader, "load_state_dict"):
             self.loader.load_state_dict(extra["data"])
         self.data_iter = iter(self.loader)
+        dropped = self.metrics.truncate_after(self.step) if self.metrics is not None else 0
         log.info("resumed from %s at step %d", self.config.resume, self.step)
+        self._event("resume", step=self.step, path=str(resume), dropped_lines=dropped)
+
+    def _event(self, kind: str, **info) -> None:
+        if self.rank == 0 and self.on_event is not None:
+            self.on_event(kind, info)
 
     def close(self) -> None:
         if self.adaptive is not None:
@@ -550,8 +661,18 @@ class SyntheticLoader:
         return self
 
     def __next__(self) -> SyntheticBatch:
-        tokens, labels = self.global_batch_at(self.vocab, self.seq_len, self.global_batch, self.seed, self.step)
+        batch = self.batch_at(self.samples_seen)
         self.step += 1
+        return batch
+
+    @property
+    def samples_seen(self) -> int:
+        return self.step * self.global_batch
+
+    def batch_at(self, first_sample: int) -> SyntheticBatch:
+        """This rank's rows of the global batch starting at `first_sample` (a multiple of the batch)."""
+        step = first_sample // self.global_batch
+        tokens, labels = self.global_batch_at(self.vocab, self.seq_len, self.global_batch, self.seed, step)
         rows = self.global_batch // self.dp_size
         mine = slice(self.dp_rank * rows, (self.dp_rank + 1) * rows)
         return SyntheticBatch(tokens=tokens[mine], labels=labels[mine])

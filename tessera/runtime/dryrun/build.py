@@ -1,15 +1,13 @@
 """Build one rank of a plan with the trainer's own code, without its process group or data.
 
-`rank_trainer(plan, rank)` returns a `Trainer` whose model, pipeline and optimizers were
-built by `Trainer.build_model` / `Trainer.build_optimizer` (so `ParallelDims`, `parallelize`
-and `build_pipeline` apply the plan exactly as in training) and whose `train_step` is the
-training step. What `Trainer.__init__` does besides (initialising gloo or NCCL from the
-environment, choosing fp32 on a CPU) is replaced: the caller has initialised the fake process
-group, and the working dtype is the plan's, as on an accelerator (bf16 through FSDP2's
-MixedPrecisionPolicy, or autocast on the DDP path).
+`rank_trainer(plan, rank)` returns a `Trainer` built by `Trainer.on_process_group` on the
+caller's (fake) process group: the same `build_model` / `build_optimizer` as training (so
+`ParallelDims`, `parallelize` and `build_pipeline` apply the plan exactly as in training) and
+`train_step` is the training step. The working dtype is the plan's, as on an accelerator (bf16
+through FSDP2's MixedPrecisionPolicy, or autocast on the DDP path), not the fp32 a CPU run uses.
 
 Inside `world.fake_execution` every tensor the trainer creates is fake (any model size);
-outside, real (a small model: the trainer builds it whole, then shards it).
+outside, real (a small model; only the rank's shards are allocated).
 """
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ...plan import Plan
-from .counting import CollectiveCounter, CollectiveRecord
+from ..comm_count import CollectiveCounter, CollectiveRecord
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
