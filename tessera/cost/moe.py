@@ -73,7 +73,8 @@ def all_to_all_times(cluster: ClusterSpec, nbytes, size, stride, internode_scale
 
 def moe_times(layer: LayerSpec, t, cluster: ClusterSpec, tokens, act_elt: int, compute_fwd):
     """(forward, backward) extra seconds per micro-batch of a MoE layer under the strategies of
-    table `t` (cost/layer.py StrategyTable): its all-to-alls and the skewed expert compute.
+    table `t` (cost/layer.py StrategyTable): its all-to-alls, the skewed expert compute and, under
+    tensor parallelism, the all-reduce of the routing-weight gradients (`ep_collectives` lists them).
     `tokens`: the rank's tokens per micro-batch; `compute_fwd`: the layer's forward compute
     seconds, of which the experts' FLOP share runs (skew - 1) times longer on the busiest rank."""
     ep, tp = np.asarray(t.ep), np.asarray(t.tp)
@@ -83,7 +84,10 @@ def moe_times(layer: LayerSpec, t, cluster: ClusterSpec, tokens, act_elt: int, c
     forward = 2 * one + counts
     replay = np.where(np.asarray(t.recompute) > 0, forward, 0.0)  # selective and full replay them
     extra = (skew - 1.0) * expert_share(layer) * np.asarray(compute_fwd, dtype=float)
-    return forward + extra, 2 * one + replay + 2 * extra
+    weights = layer.top_k + (1 if has_shared_expert(layer) else 0)  # routing weights (and shared gate) per token
+    tp_grads = np.where(tp > 1, collective_times(cluster, "all_reduce", 4.0 * np.asarray(tokens, dtype=float) * weights,
+                                                 np.maximum(tp, 1), 1), 0.0)
+    return forward + extra, 2 * one + replay + 2 * extra + tp_grads
 
 
 def expert_share(layer: LayerSpec) -> float:
