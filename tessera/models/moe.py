@@ -32,6 +32,7 @@ injected at the layer output (no term is added to the runtime's loss).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -94,6 +95,34 @@ def route(logits: torch.Tensor, top_k: int, router: str, norm_topk_prob: bool):
     return chosen, weights, probs
 
 
+# Uniform routing (`uniform_routing`): the dry run on fake tensors, which have no values to route by.
+_UNIFORM = {"on": False}
+
+
+@contextlib.contextmanager
+def uniform_routing() -> Iterator[None]:
+    """Route every token of the MoE layers uniformly inside the block: token t's j-th slot goes to
+    expert (t k + j) mod E, so each expert gets N / E of the N = T k slots (the first N mod E one
+    more) and every split is known without reading a tensor (the cost model's mean routing). The
+    router still runs; every slot is served (a balanced load stays within any capacity >= 1)."""
+    saved = _UNIFORM["on"]
+    _UNIFORM["on"] = True
+    try:
+        yield
+    finally:
+        _UNIFORM["on"] = saved
+
+
+def uniform_counts(slots: int, num_experts: int) -> list[int]:
+    """Slots per expert of `uniform_routing` for `slots` token-slots."""
+    return [slots // num_experts + (e < slots % num_experts) for e in range(num_experts)]
+
+
+def split_sizes(counts) -> list[int]:
+    """Rows per expert as a list: the routing's own list (uniform routing), else read from the tensor."""
+    return counts if isinstance(counts, list) else counts.tolist()
+
+
 def capacity(config: TransformerConfig, seq_len: int) -> int:
     """Token-slots one expert serves per sequence of `seq_len` tokens (module docstring)."""
     return math.ceil(config.capacity_factor * seq_len * config.top_k / config.num_experts)
@@ -119,7 +148,8 @@ class Routing:
     """One forward call's routing: `chosen` (B, S, k) experts of every token, `slots` the served
     token-slots (flat index token * k + choice) grouped by expert (`counts` (E,) each, `expert`
     the expert of each), `token` and `weights` of each served slot; `routed` (E,) slots before
-    capacity drops; the router's logits and softmax."""
+    capacity drops; the router's logits and softmax; `sizes` the counts as a list when known
+    without reading the device (`uniform_routing`), else None."""
 
     logits: torch.Tensor
     probs: torch.Tensor
@@ -130,6 +160,7 @@ class Routing:
     expert: torch.Tensor
     counts: torch.Tensor
     weights: torch.Tensor
+    sizes: list[int] | None = None
 
 
 class MoEContext:
@@ -153,10 +184,10 @@ class MoEContext:
         """(counts of the rows' earlier sequence pieces, counts of the whole rows), each (B, k, E)."""
         return 0, per_choice
 
-    def dispatch(self, x: torch.Tensor, token: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
+    def dispatch(self, x: torch.Tensor, token: torch.Tensor, counts, experts: Experts) -> torch.Tensor:
         """Expert outputs for the routed copies x[token] (grouped by expert; counts (E,) per
-        expert), in the same order."""
-        return experts(x[token], counts.tolist())
+        expert, a tensor or, under uniform routing, a list), in the same order."""
+        return experts(x[token], split_sizes(counts))
 
     # Tensor parallelism (runtime/expert_tp.py) replaces these: the layer's input as it computes on
     # it, the block's norm, the router's input, the shared expert's output, the weighted sum of the
@@ -232,7 +263,7 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         router_in = ctx.router_input(flat)
         r = self._route(router_in, shape)
-        y = ctx.dispatch(flat, r.token, r.counts, self.experts)
+        y = ctx.dispatch(flat, r.token, r.counts if r.sizes is None else r.sizes, self.experts)
         shared = gate = None
         if self.config.shared_expert_ffn:
             gate = torch.sigmoid(self.shared_expert_gate(router_in))
@@ -261,6 +292,8 @@ class MoE(nn.Module):
         cfg, ctx = self.config, self.context
         logits = self.gate(flat)
         chosen, weights, probs = route(logits, self.top_k, cfg.router, cfg.norm_topk_prob)
+        if _UNIFORM["on"]:
+            return self._uniform_route(logits, probs, weights, shape)
         routed = torch.bincount(chosen.flatten(), minlength=self.num_experts)
         slots = torch.arange(chosen.numel(), device=flat.device)
         if cfg.capacity_factor is not None:
@@ -274,6 +307,20 @@ class MoE(nn.Module):
                        slots=slots, token=slots // self.top_k, expert=expert_of[order],
                        counts=torch.bincount(expert_of, minlength=self.num_experts),
                        weights=weights.flatten()[slots])
+
+    def _uniform_route(self, logits, probs, weights, shape) -> "Routing":
+        """`uniform_routing`'s routing of the T tokens: slot i = t k + j to expert i mod E, slots
+        grouped by expert with shape-only operations (no value of a tensor is read)."""
+        n, e, k = logits.shape[0] * self.top_k, self.num_experts, self.top_k
+        sizes = uniform_counts(n, e)
+        device = logits.device
+        # Expert e's slots are e, e + E, e + 2E, ...: grouped by expert in index order.
+        slots = torch.cat([torch.arange(c, device=device) * e + i for i, c in enumerate(sizes)])
+        chosen = (torch.arange(n, device=device) % e).view(shape[0], shape[1], k)
+        counts = torch.tensor(sizes, device=device)
+        expert = torch.cat([torch.full((c,), i, dtype=torch.long, device=device) for i, c in enumerate(sizes)])
+        return Routing(logits=logits, probs=probs, chosen=chosen, routed=counts, slots=slots, token=slots // k,
+                       expert=expert, counts=counts, weights=weights.flatten()[slots], sizes=sizes)
 
     def _record(self, r: "Routing") -> torch.Tensor | None:
         """The aux loss (kept in `aux_loss`, detached when its gradient is injected) and the

@@ -196,19 +196,28 @@ class ExpertParallelContext(MoEContext):
         others = sum(splits) - splits[self.ep_rank]
         self.moe_stats.a2a_bytes += others * x[0].numel() * x.element_size() if len(x) else 0
 
-    def dispatch(self, x: torch.Tensor, token: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
+    def dispatch(self, x: torch.Tensor, token: torch.Tensor, counts, experts: Experts) -> torch.Tensor:
         if self.ep == 1:
             return super().dispatch(x, token, counts, experts)
         per = self.num_experts // self.ep
-        send = counts.view(self.ep, per)
+        known = isinstance(counts, list)  # uniform routing (models/moe.py): every rank's counts are these
+        send = (torch.tensor(counts, device=x.device) if known else counts).view(self.ep, per)
         recv = torch.empty(send.shape, dtype=send.dtype, device=send.device)
         dist.all_to_all_single(recv, send.contiguous(), group=self.ep_group)  # recv[src, j]: slots for my j
-        send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        if known:
+            mine = counts[self.ep_rank * per:(self.ep_rank + 1) * per]
+            send_splits = [sum(counts[i * per:(i + 1) * per]) for i in range(self.ep)]
+            recv_splits, per_expert, received = [sum(mine)] * self.ep, [c * self.ep for c in mine], mine * self.ep
+        else:
+            send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+            per_expert, received = recv.sum(0).tolist(), recv.flatten()
         rows = _AllToAll.apply(x[token], recv_splits, send_splits, self.ep_group, self._count_sent)
         # Received rows are grouped by source, then expert: regroup them by expert.
-        expert_of_row = torch.repeat_interleave(torch.arange(per, device=x.device).repeat(self.ep), recv.flatten())
+        expert_of_row = torch.cat([torch.full((c,), j % per, dtype=torch.long, device=x.device)
+                                   for j, c in enumerate(received)]) if known else \
+            torch.repeat_interleave(torch.arange(per, device=x.device).repeat(self.ep), received)
         order = torch.argsort(expert_of_row, stable=True)
-        y = experts(rows[order], recv.sum(0).tolist())
+        y = experts(rows[order], per_expert)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(len(order), device=order.device)
         return _AllToAll.apply(y[inverse], send_splits, recv_splits, self.ep_group, self._count_sent)
