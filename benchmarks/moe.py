@@ -116,7 +116,7 @@ def placement_section(traces: dict, console: Console) -> dict:
     t = Table(title="NetMoE placement: inter-node all-to-all bytes per step (dispatch + combine of every MoE layer, "
                     "forward + backward) and the cut")
     for col in ("trace", "GPUs", "geometry", "samples", "none", "per step", "per layer", "per layer, next known",
-                "solve p50 / p99 wall, p99 CPU"):
+                "bound", "solve p50 / p99 wall, p99 CPU"):
         t.add_column(col)
     out = {"times": [], "cuts": {}}
     for label, pool, experts, s, gpus, gpn, per_rank, row, batches in _cases(traces):
@@ -124,6 +124,7 @@ def placement_section(traces: dict, console: Console) -> dict:
         rows = r["rows"]
         base = rows["none"]
         cut = {p: 100 * (1 - v / base) if base else 0.0 for p, v in rows.items()}
+        cut["bound"] = 100 * (1 - r["bound"] / base) if base else 0.0
         out["cuts"][(label, gpus, s.tp, per_rank)] = cut
         wall = r["times"]["step"] + r["times"]["layer"]
         cpu = r["cpu"]["step"] + r["cpu"]["layer"]
@@ -132,10 +133,12 @@ def placement_section(traces: dict, console: Console) -> dict:
             out.setdefault("cpu", []).extend(cpu)
         geometry = f"ep{s.ep} tp{s.tp}, {gpn}/node ({r['classes']} classes)"
         t.add_row(label, str(gpus), geometry, str(r["samples"]), f"{2 * base * row / GiB:.3f} GiB",
-                  f"{cut['step']:.1f}%", f"{cut['layer']:.1f}%", f"{cut['layer oracle']:.1f}%",
+                  f"{cut['step']:.1f}%", f"{cut['layer']:.1f}%", f"{cut['layer oracle']:.1f}%", f"{cut['bound']:.1f}%",
                   f"{1e3 * np.median(wall):.1f} / {1e3 * np.percentile(wall, 99):.1f}, "
                   f"{1e3 * np.percentile(cpu, 99):.1f} ms")
     console.print(t)
+    print("bound: the largest cut of any placement that keeps every rank's sample count in every layer, even "
+          "knowing every layer's routing in advance (moe_placement_eval.placement_bound, a Lagrangian bound)")
     for label, pool in traces.items():
         print(f"{label}: specialisation (std across samples of an expert's share, mean over layers and experts) "
               f"{specialisation(pool):.3f}")

@@ -101,6 +101,7 @@ def evaluate(pool: Pool, strategy: LayerStrategy, experts: int, gpus_per_node: i
     n = d * per_rank
     rng = np.random.default_rng(seed)
     rows = {p: 0.0 for p in POLICIES}
+    bound = 0.0
     times = {"step": [], "layer": []}
     cpu = {"step": [], "layer": []}
     for _ in range(batches):
@@ -126,7 +127,52 @@ def evaluate(pool: Pool, strategy: LayerStrategy, experts: int, gpus_per_node: i
             else:
                 r = simulate_layers(geometry, c, start, rest, predict=lambda layer, _, c=c: c[layer + 1])
             rows[policy] += (r["dispatch"] + r["combine"] + r["move"]) / batches
-    return {"rows": rows, "times": times, "cpu": cpu, "samples": n, "classes": _classes(geometry)}
+        bound += placement_bound(geometry, c, per_rank) / batches
+    return {"rows": rows, "bound": bound, "times": times, "cpu": cpu, "samples": n, "classes": _classes(geometry)}
+
+
+def placement_bound(geometry: LayerGeometry, counts: np.ndarray, per_rank: int, iterations: int = 200) -> float:
+    """A lower bound on the inter-node rows of one micro-batch's forward under ANY placement that
+    keeps every rank at `per_rank` samples in every layer, even knowing every layer's routing
+    (counts (L, N, E)) in advance: the bound on the cut that no predictor can beat.
+
+    Relaxation: a sample may take any data rank d at every position t = 0..L (before layer t's
+    dispatch; after layer t-1's combine), at cost X[d] . c_t (dispatch of layer t from d) +
+    Cmin[d] . c_{t-1} (layer t-1's combine into d from whichever expert group crosses least,
+    Cmin[d, e] = min_g C[g, e, d]); moves are free; ranks with equal rows are a class k, which
+    holds cap_k = per_rank x its ranks at every position. Dropping the capacities into the cost
+    with multipliers lambda (t, k) leaves a shortest path per sample; by weak duality
+        rows >= sum_i min_path_i(lambda) - sum_{t,k} lambda_tk cap_k   for every lambda,
+    maximised by subgradient steps (any iterate is a valid bound)."""
+    e = geometry.dispatch.shape[1]
+    rows = np.concatenate([geometry.dispatch, geometry.combine.min(0).T], 1)  # (D, 2E): X[d], Cmin[d]
+    classes, rank_class = np.unique(np.round(rows, 12), axis=0, return_inverse=True)
+    cap = np.bincount(rank_class.ravel(), minlength=len(classes)) * per_rank
+    c = np.asarray(counts, dtype=float)
+    layers, n = c.shape[:2]
+    pos = np.zeros((n, layers + 1, len(classes)))
+    pos[:, :layers] += np.einsum("lne,ke->nlk", c, classes[:, :e])
+    pos[:, 1:] += np.einsum("lne,ke->nlk", c, classes[:, e:])
+    lam = np.zeros((layers + 1, len(classes)))
+    best, scale = 0.0, pos.mean()
+    for it in range(iterations):
+        cost = pos + lam[None]
+        f = cost[:, 0]
+        for t in range(1, layers + 1):
+            f = f.min(1, keepdims=True) + cost[:, t]
+        best = max(best, float(f.min(1).sum() - (lam * cap[None]).sum()))
+        # Occupancy of the relaxed optimum (forward pass of the argmin path, back-tracked).
+        occupancy = np.zeros_like(lam)
+        g = [cost[:, 0]]
+        for t in range(1, layers + 1):
+            g.append(g[-1].min(1, keepdims=True) + cost[:, t])
+        k = g[-1].argmin(1)
+        occupancy[layers] = np.bincount(k, minlength=len(classes))
+        for t in range(layers - 1, -1, -1):
+            k = g[t].argmin(1)  # moves are free: the best prefix at t whatever comes next
+            occupancy[t] = np.bincount(k, minlength=len(classes))
+        lam += scale / np.sqrt(1 + it) * (occupancy - cap[None]) / n
+    return best
 
 
 def _classes(geometry: LayerGeometry) -> int:
