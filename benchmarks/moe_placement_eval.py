@@ -5,10 +5,12 @@ layers (dispatch and combine of every layer, and any moves; the backward mirrors
 is the step's) under four policies, `simulate_layers` from tessera.adapt.moe_placement:
   none          samples in loader order, never moved;
   step          placed once per micro-batch from the routing predicted per token id
-                (`RoutingTable`, trained on earlier steps of the trace), then never moved;
-  layer         the step placement, then re-placed in every MoE layer from the layer's routing
-                and the next layer's predicted (`LayerTransition`, from earlier steps): what
-                `moe_placement="layer"` runs;
+                (`RoutingTable` of every layer's routing, trained on earlier steps of the trace),
+                then never moved;
+  layer         placed for the first MoE layer from its routing predicted per token id (a
+                `RoutingTable` of that layer's routing), then re-placed in every MoE layer from the
+                layer's routing and the next layer's predicted (`LayerTransition`, from earlier
+                steps): what `moe_placement="layer"` runs;
   layer oracle  as layer with the next layer's routing known (a bound on the predictor).
 The residual rides the combine (runtime/moe_placement.py), so moves cost no rows (dropless).
 """
@@ -33,6 +35,7 @@ class Pool:
     tokens: np.ndarray | None
     table: RoutingTable | None
     predict: object  # (layer, counts (N, E)) -> next layer's (N, E)
+    first_table: RoutingTable | None = None  # the first MoE layer's routing only (per-layer placement)
 
 
 def layer_counts(chosen: np.ndarray, experts: int) -> np.ndarray:
@@ -50,13 +53,15 @@ def trace_pool(trace: dict, experts: int, top_k: int, vocab: int, warm_fraction:
     steps, layers = chosen.shape[:2]
     warm = int(steps * warm_fraction)
     table = RoutingTable(vocab, experts, buckets=buckets)
+    first = RoutingTable(vocab, experts, buckets=buckets)
     transition = LayerTransition(layers, experts, top_k)
     for s in range(warm):
         table.update(tokens[s], chosen[s])
+        first.update(tokens[s], chosen[s][:1])
         transition.update(*LayerTransition.observed(chosen[s], experts))
     counts = layer_counts(chosen[warm:], experts).transpose(0, 2, 1, 3).reshape(-1, layers, experts)
     return Pool(counts=counts.astype(float), tokens=tokens[warm:].reshape(-1, tokens.shape[-1]), table=table,
-                predict=transition.predict)
+                predict=transition.predict, first_table=first)
 
 
 def synthetic_pool(samples: int, layers: int, experts: int, top_k: int, tokens: int, seed: int) -> Pool:
@@ -115,17 +120,24 @@ def evaluate(pool: Pool, strategy: LayerStrategy, experts: int, gpus_per_node: i
         start = placed.dest()
         times["step"].append(placed.seconds)
         cpu["step"].append(placed.cpu_seconds)
+        if pool.first_table is not None:  # per layer: the step's placement serves the first MoE layer
+            first = place_samples(pool.first_table.predict(pool.tokens[idx]), geometry.dispatch)
+            first_start = first.dest()
+            times["step"].append(first.seconds)
+            cpu["step"].append(first.cpu_seconds)
+        else:
+            first_start = start
         for policy in POLICIES:
             if policy == "none":
                 r = simulate_layers(geometry, c, loader, rest, per_layer=False)
             elif policy == "step":
                 r = simulate_layers(geometry, c, start, rest, per_layer=False)
             elif policy == "layer":
-                r = simulate_layers(geometry, c, start, rest, predict=pool.predict)
+                r = simulate_layers(geometry, c, first_start, rest, predict=pool.predict)
                 times["layer"] += r["seconds"]
                 cpu["layer"] += r["cpu_seconds"]
             else:
-                r = simulate_layers(geometry, c, start, rest, predict=lambda layer, _, c=c: c[layer + 1])
+                r = simulate_layers(geometry, c, first_start, rest, predict=lambda layer, _, c=c: c[layer + 1])
             rows[policy] += (r["dispatch"] + r["combine"] + r["move"]) / batches
         bound += placement_bound(geometry, c, per_rank) / batches
     return {"rows": rows, "bound": bound, "times": times, "cpu": cpu, "samples": n, "classes": _classes(geometry)}

@@ -63,12 +63,12 @@ def test_large_batches_are_chunked_within_the_bound():
 
 
 def test_placement_solves_in_time_at_64_gpus():
-    """64 GPUs, ep64 over 8 nodes, 8 samples per rank. The bound is generous: timings on a shared
-    machine are noisy; benchmarks/moe.py reports the p99."""
+    """64 GPUs, ep64 over 8 nodes, 8 samples per rank. The solve's CPU time (a loaded shared machine's
+    wall time mostly waits for a core); benchmarks/moe.py reports the wall time's p99."""
     rng = np.random.default_rng(1)
     crossing = crossing_matrix(LayerStrategy(dp=64, ep=64), 64, 64, gpus_per_node=8)
     place_samples(rng.random((64, 64)), crossing)  # imports
-    times = [place_samples(rng.dirichlet(np.full(64, 0.3), size=512) * 512, crossing).seconds for _ in range(5)]
+    times = [place_samples(rng.dirichlet(np.full(64, 0.3), size=512) * 512, crossing).cpu_seconds for _ in range(5)]
     assert min(times) < 0.05, times
 
 

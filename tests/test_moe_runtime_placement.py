@@ -92,3 +92,22 @@ def test_the_routing_table_learns_the_same_hashed_or_exact(monkeypatch):
     np.add.at(slots, hashed.key(ids), exact.slots[ids] * exact.seen[ids, None])
     hit = seen > 0
     assert np.allclose(hashed.seen, seen) and np.allclose(hashed.slots[hit], slots[hit] / seen[hit, None])
+
+
+def test_per_layer_placement_learns_the_first_moe_layer_only():
+    """Per layer, the step's placement serves the first MoE layer (later ones are re-placed): its
+    table holds that layer's top-k slots per occurrence; the step placement's table every layer's."""
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, QWEN.vocab_size, (4, 16), generator=gen)
+    labels = torch.randint(0, QWEN.vocab_size, (4, 16), generator=gen)
+    plan = make_plan(QWEN, 1, LayerStrategy(), global_batch=4)
+    for mode, layers in (("step", QWEN.num_layers), ("layer", 1)):
+        trainer = Trainer(TrainConfig(plan=plan, steps=1, optim=OPTIM, seed=0, moe_placement=mode))
+        trainer.train_step(tokens, labels)
+        table = trainer.placer.table
+        trainer.close()
+        ids = np.unique(tokens.numpy())
+        assert table.seen.sum() == tokens.numel()
+        assert np.allclose(table.slots[ids].sum(1), QWEN.top_k * layers), mode

@@ -12,8 +12,9 @@ table on rank 0: each rank sends only the token ids it saw, with their slots per
 (`RoutingUpdate`: n (E + 2) integers for n distinct ids, not the vocabulary-sized table), or,
 for vocabularies above 65536 ids, the counts of a hashed table of 16384 rows.
 
-Per layer (`per_layer=True`, NetMoE's placement between layers; `PlacingContext`): in every MoE
-layer, once its routing is known, the layer's data ranks all-gather their rows' slots per
+Per layer (`per_layer=True`, NetMoE's placement between layers; `PlacingContext`): the step's
+placement serves the first MoE layer's dispatch (its table learns that layer's routing only); in
+every MoE layer, once its routing is known, the layer's data ranks all-gather their rows' slots per
 expert, the group's first rank solves where each sample runs the next layer (`place_layer`,
 the next layer's routing predicted by `LayerTransition` from this layer's) and broadcasts it.
 The dispatch all-to-all carries each slot's row h (the block's residual stream, not yet
@@ -67,13 +68,18 @@ class SamplePlacer:
         self.plan, self.dims, self.rank = plan, dims, rank
         self.data_ranks = min(s.dp for s in plan.layers)
         moe = [i for i, layer in enumerate(plan.model.layers) if layer.kind == LayerKind.MOE_DECODER]
+        # Per layer, the step's placement serves the first MoE layer's dispatch only (every later one
+        # is re-placed once the layer before has routed): its table predicts that layer's routing,
+        # which a token's id predicts best (measured on the traces of benchmarks/moe.py).
+        targets = moe[:1] if per_layer else moe
         self.crossing = np.mean([crossing_matrix(plan.layers[i], self.data_ranks, cfg.num_experts,
                                                  plan.cluster.gpus_per_node,
                                                  plan.pipeline.rank_of_chunk(plan.stage_of_layer(i)) * plan.stage_size)
-                                 for i in moe], axis=0)
+                                 for i in targets], axis=0)
         big = cfg.vocab_size > EXACT_UP_TO_IDS  # hashed: bounded memory and update (adapt/moe_routing.py)
         self.table = RoutingTable(cfg.vocab_size, cfg.num_experts, buckets=HASHED_BUCKETS if big else None)
         self.num_moe_layers = len(moe)
+        self.table_layers = len(targets)  # the MoE layers whose routing the table learns (the first ones)
         self.ctx = StageContext.build(plan, dims, rank)
         self.layers = []  # (MoE module, its plan layer's strategy)
         for part in parts:
@@ -154,7 +160,7 @@ class SamplePlacer:
         chunks = self.tokens.chunk(self.plan.num_micro_batches)
         for index, (module, s, _) in enumerate(self.layers):
             log_, module.routing_log = module.routing_log, []
-            if self.dims.stage_rank(self.rank) % s.tp:  # tp replicas route the same tokens
+            if self.dims.stage_rank(self.rank) % s.tp or index >= self.table_layers:  # tp replicas route alike
                 continue
             want = ActLayout(dp=s.dp, sp=s.sp_degree, tp=s.tp, seq_over_tp=False)
             for j, c in enumerate(log_):
@@ -170,7 +176,7 @@ class SamplePlacer:
             dist.reduce(counts, dst=0)
             if self.rank == 0:
                 counts = counts.cpu().numpy()
-                self.table.apply_dense(counts[:, 1:], counts[:, 0], layers=self.num_moe_layers)
+                self.table.apply_dense(counts[:, 1:], counts[:, 0], layers=self.table_layers)
         else:  # the step's distinct ids, gathered
             uniq, inv = torch.unique(keys, return_inverse=True)
             counts = self._slot_counts(inv, chosen, len(uniq), e)
@@ -178,7 +184,7 @@ class SamplePlacer:
             self.update_rows = len(mine)  # this rank's share of the step's update (rows of E + 2 integers)
             rows = self._gather_to_first(mine)
             if rows is not None:
-                self.table.apply(RoutingUpdate.unpack(rows), layers=self.num_moe_layers)
+                self.table.apply(RoutingUpdate.unpack(rows), layers=self.table_layers)
         if self.per_layer:
             k = len(self.contexts) - 1
             both = torch.from_numpy(np.concatenate([c.pairs.ravel() for c in self.contexts[1:]] +
