@@ -7,7 +7,7 @@
     block's, and APTMoE offload in a 4-stage pipeline.
 (a) NetMoE placement on routing traces (benchmarks/moe_placement_eval.py): tiny-moe trained here on
     mixed text, recorded twice (benchmarks/moe_traces.py: v1, 40 steps from initialisation; v2,
-    400 steps on four kinds of text, experts specialised); synthetic skewed routing (64 experts,
+    240 steps on four kinds of text, experts specialised); synthetic skewed routing (64 experts,
     top-8, layer-to-layer structure). Inter-node all-to-all bytes per step without placement,
     placed once per step (predicted per token id), placed per layer (what moe_placement="layer"
     runs: next layer predicted from this one's routing) and per layer with the next layer's
@@ -72,6 +72,7 @@ EXACT_CHECKS = ("ep2_dp2_zero2_mixtral", "ep4_zero1_qwen", "ep2_tp2_sp_qwen", "e
                 "tp_sp_collectives_as_priced",
                 "aptmoe_offload_pp4")
 GiB = 2**30
+V2 = f"tiny-moe v2 ({moe_traces.V2_STEPS} steps)"
 TINY_ROW = 256 * 2  # tiny-moe's hidden size in bf16
 SYNTH_ROW = 3584 * 2  # a Qwen2-57B-shaped hidden size in bf16
 
@@ -148,7 +149,7 @@ def placement_section(traces: dict, console: Console) -> dict:
 def load_traces(retrace: bool) -> tuple[dict, dict]:
     """({label: pool}, {label: raw trace}) of the recorded traces."""
     raw = {"tiny-moe v1 (40 steps)": moe_traces.load(1, 40, retrace),
-           "tiny-moe v2 (400 steps)": moe_traces.load(2, 400, retrace)}
+           V2: moe_traces.load(2, moe_traces.V2_STEPS, retrace)}
     raw = {k: v for k, v in raw.items() if v is not None}
     return {k: trace_pool(v, 4, 2, 50257) for k, v in raw.items()}, raw
 
@@ -190,7 +191,7 @@ def table_section(raw: dict, console: Console) -> None:
     print(f"distinct ids per rank (GPT-2 tokenizer on trace v2's text): median {int(np.median(distinct))}, "
           f"max {distinct.max()}; a rank's sparse update of random routing in numpy: {1e3 * build:.0f} ms wall "
           f"(the runtime builds it on the device)")
-    name = "tiny-moe v2 (400 steps)" if "tiny-moe v2 (400 steps)" in raw else "tiny-moe v1 (40 steps)"
+    name = V2 if V2 in raw else "tiny-moe v1 (40 steps)"
     trace = raw[name]
     cuts = []
     for buckets in (None, HASHED_BUCKETS, 1024):
@@ -263,7 +264,7 @@ def main() -> None:
         print(f"  exact: {bool(exact)}")
     pools, raw = load_traces(args.retrace)
     placed = placement_section(pools, console)
-    headline = "tiny-moe v2 (400 steps)" if "tiny-moe v2 (400 steps)" in pools else "tiny-moe v1 (40 steps)"
+    headline = V2 if V2 in pools else "tiny-moe v1 (40 steps)"
     cut = placed["cuts"][(headline, 64, 1, 1)]["layer"]
     p99 = 1e3 * np.percentile(placed["times"], 99)
     print(f"solves at 64 GPUs: p99 {p99:.1f} ms wall, {1e3 * np.percentile(placed['cpu'], 99):.1f} ms CPU")

@@ -3,15 +3,15 @@
 Two recordings, cached under the Tessera cache directory:
   v1  40 steps x 16 samples x 64 tokens of prose and Python, every step recorded (the first
       trace; its routing is still close to the random initialisation).
-  v2  tiny-moe trained for `steps` steps (default 400) x 8 samples x 128 tokens on four kinds of
+  v2  tiny-moe trained for `steps` steps (default 240) x 8 samples x 128 tokens on four kinds of
       text that ship with this Python environment: Shakespeare (the built-in corpus), the
       standard library's Python source, PyTorch's C++ headers and the reStructuredText
-      documentation of the installed packages; the routing of the last `record` steps (200)
+      documentation of the installed packages; the routing of the last 2/3 of the steps (160)
       is kept: trained long enough for experts to specialise.
 A trace holds `tokens` (steps, N, S), `chosen` (steps, L, N, S, k) the experts of every MoE
 layer, `kind` (steps, N) each sample's text kind, and `loss` (the training loss of every step).
 
-    python benchmarks/moe_traces.py --steps 400   # record v2 (long: seconds a step on one core)
+    python benchmarks/moe_traces.py   # record v2 (long: seconds a step on one core)
 """
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 
 KINDS_V2 = ("prose", "python", "c++", "rst")
+# v2's length: 240 steps (about 2 s of CPU each), the routing of the last 160 kept.
+V2_STEPS, V2_KEEP = 240, 160
 
 
 def _texts(kind: str, limit_chars: int) -> list[str]:
@@ -164,12 +166,12 @@ def load(version: int, steps: int, retrace: bool) -> dict | None:
     print(f"routing trace v{version}: training tiny-moe to record it ({path})")
     if version == 1:
         return record(path, _v1_streams(), 40, 40, 16, 64, log_every=10)
-    return record(path, streams(), steps, min(200, steps), 8, 128)
+    return record(path, streams(), steps, V2_KEEP * steps // V2_STEPS, 8, 128)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--steps", type=int, default=V2_STEPS)
     args = ap.parse_args()
     load(2, args.steps, retrace=True)
 
