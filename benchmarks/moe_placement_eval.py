@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tessera.adapt.moe_placement import LayerGeometry, place_layer, place_samples, simulate_layers
+from tessera.adapt.moe_placement import LayerGeometry, place_samples, simulate_layers
 from tessera.adapt.moe_routing import LayerTransition, RoutingTable
 from tessera.plan import LayerStrategy
 
@@ -98,10 +98,9 @@ def synthetic_pool(samples: int, layers: int, experts: int, top_k: int, tokens: 
 def evaluate(pool: Pool, strategy: LayerStrategy, experts: int, gpus_per_node: int, per_rank: int, batches: int,
              seed: int = 0) -> dict:
     """Mean inter-node rows per micro-batch forward under each policy, and the solve times."""
+    import scipy.optimize  # noqa: F401  (the solver's import, once per process: not a solve's time)
+
     geometry = LayerGeometry.of(strategy, experts, gpus_per_node)
-    warm = np.ones((8, experts))
-    place_layer(LayerGeometry.of(LayerStrategy(dp=4, ep=4), experts, 1), warm, warm, np.arange(8) // 2,
-                np.zeros(8))  # imports (scipy's solver), not timed
     d = strategy.dp
     n = d * per_rank
     rng = np.random.default_rng(seed)

@@ -89,6 +89,8 @@ class SamplePlacer:
                     block = int(path[path.index("layers") + 1])
                     module.routing_log = []
                     self.layers.append((module, plan.layers[block + 1], block))
+        import scipy.optimize  # noqa: F401  (the solver's import here, not in the first step's solve)
+
         self.last = None  # the placement of the last step
         self.per_layer = per_layer
         self.mb = -1  # the micro-batch running (per-layer placement)
