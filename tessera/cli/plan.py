@@ -25,7 +25,7 @@ DEFAULT_GPU = "h100-80gb"
 
 # Flags that make a hand-made plan; None means "not given".
 MANUAL_FLAGS = ("dp", "tp", "pp", "sp", "sp_degree", "zero", "dp_shard", "recompute", "offload",
-                "ep", "schedule", "virtual_stages", "micro_batch_size")
+                "ep", "schedule", "virtual_stages", "micro_batch_size", "cp")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,6 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help=f"preset name (e.g. llama3-70b) or a Hugging Face config.json (file or directory) "
                            f"(default: {DEFAULT_MODEL})")
     what.add_argument("--model-profile", metavar="JSON", help="measured model profile (tessera profile model)")
+    what.add_argument("--tasks", metavar="YAML", help="multi-task workload of a vision-language model (see "
+                                                      "examples/tasks.yaml): plans Spindle waves")
+    what.add_argument("--encoder-gpus", type=int, metavar="N", default=None,
+                      help="vision-language model: put the encoder on N GPUs (N = all: colocated)")
     what.add_argument("--global-batch", type=int, metavar="N", default=None,
                       help="sequences per step (default: 8 for models under 100M parameters, else 512)")
     what.add_argument("--seq-len", type=int, metavar="N", default=None,
@@ -69,6 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     manual.add_argument("--recompute", choices=("none", "selective", "full"), help="activation recompute")
     manual.add_argument("--offload", action="store_true", default=None, help="offload optimizer state")
     manual.add_argument("--ep", type=int, metavar="N", help="expert-parallel degree")
+    manual.add_argument("--cp", type=int, metavar="N",
+                        help="context-parallel degree (ring attention over N ranks, load-balanced causal split)")
     manual.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"),
                         help="pipeline schedule")
     manual.add_argument("--virtual-stages", type=int, metavar="N", help="model chunks per pipeline rank")
@@ -176,12 +182,12 @@ def check_batch_divides(workload, cluster, opts: dict) -> None:
     """The global batch must split into dp replicas of micro-batches: say by what it does not divide."""
     if opts.get("sp") == "ulysses" and opts.get("sp_degree", 1) < 2:
         raise TesseraError("--sp ulysses needs --sp-degree N with N >= 2 (the ranks a sequence is split over)")
-    tp, pp = opts.get("tp", 1), opts.get("pp", 1)
+    tp, pp, cp = opts.get("tp", 1), opts.get("pp", 1), opts.get("cp", 1)
     sp_degree = opts.get("sp_degree", 1)
-    per_stage, rest = divmod(cluster.num_gpus, pp * tp * sp_degree)
+    per_stage, rest = divmod(cluster.num_gpus, pp * tp * sp_degree * cp)
     if rest or per_stage == 0:
-        raise TesseraError(f"pp {pp} x tp {tp} x sp {sp_degree} = {pp * tp * sp_degree} does not "
-                           f"divide {cluster.num_gpus} GPUs")
+        degrees = f"pp {pp} x tp {tp} x sp {sp_degree}" + (f" x cp {cp}" if cp > 1 else "")
+        raise TesseraError(f"{degrees} = {pp * tp * sp_degree * cp} does not divide {cluster.num_gpus} GPUs")
     dp = opts.get("dp") or per_stage
     mbs = opts.get("micro_batch_size", 1)
     if workload.global_batch % (dp * mbs):
@@ -240,6 +246,12 @@ def run(args: argparse.Namespace) -> int:
     out = make_console(stderr=args.json)
     status = make_console(stderr=True)
     manual_options(args)  # refuse bad flags before printing anything
+    from ..spec.multimodal import is_vlm
+
+    if args.tasks or is_vlm(args.model):
+        from .plan_multimodal import run_multimodal
+
+        return run_multimodal(args, build_cluster(args), out)
     model = build_model(args)
     cluster = build_cluster(args)
     workload = build_workload(args, model, default_dtype(args, cluster))
@@ -263,6 +275,11 @@ def run(args: argparse.Namespace) -> int:
         out.print(comparison_table(plan, baselines))
     if args.expert_offload is not None:
         out.print(expert_offload_summary(plan, args.expert_offload))
+    from ..search.explain import bubble_warning
+
+    warning = bubble_warning(plan)
+    if warning and warning not in plan.search.explanation:  # a searched plan's explanation says it already
+        out.print(f"[bold yellow]{warning}[/bold yellow]")
     out.print(f"[dim]planned in {elapsed:.2f} s[/dim]")
     if args.output:
         out.print(f"wrote {args.output} (show it with: tessera show {args.output})")
