@@ -4,7 +4,7 @@
     tessera train --config run.toml --steps 20 --lr 1e-3     # a flag overrides one field
 
 A config is TOML (`.toml`) or YAML (`.yaml`, `.yml`) with the sections of `RunConfig`: [model],
-[data], [plan], [train], [optim], [eval], [checkpoint], [log], [run]. Each field is typed
+[data], [plan], [train], [moe], [optim], [eval], [checkpoint], [log], [run]. Each field is typed
 (pydantic, strict: `steps = "10"` is refused, not read as 10), an unknown key is named with the
 keys its section knows, and each field has one flag (`flag_table` lists them; `tessera train
 --help` prints every flag with its default and its config field). Fields that exclude each
@@ -90,6 +90,21 @@ class TrainSection(Section):
     compile: bool = option(False, "torch.compile each block")
 
 
+class MoESection(Section):
+    placement: Literal["off", "step", "layer"] = option(
+        "off", "NetMoE sample placement: 'step' puts each step's samples on the data-parallel ranks whose "
+        "nodes hold most of their experts (routing predicted per token id), 'layer' also moves them between MoE "
+        "layers through the combine all-to-all; losses and gradients are unchanged", flag="--moe-placement")
+    expert_offload: bool = option(False, "APTMoE: keep the MoE layers' experts in host memory and run each on "
+                                  "the GPU (weights prefetched) or on the host, as the cost model decides for "
+                                  "the plan's micro-batch; MoE layers must run on one rank each (no dp/tp/ep)")
+    host_tflops: float = option(1.0, "the host compute one GPU's share of the CPU gives host experts, TFLOP/s "
+                                "(for the expert-offload decision)", metavar="TFLOPS", gt=0)
+    host_bandwidth: float | None = option(None, "the host link of one GPU, GB/s each way (for the "
+                                          "expert-offload decision)", metavar="GB_S", gt=0,
+                                          default_text="the plan's cluster figure")
+
+
 class OptimSection(Section):
     lr: float = option(3e-4, "peak learning rate", gt=0)
     weight_decay: float = option(0.1, "AdamW weight decay of matrices (norms and biases never decay)", ge=0)
@@ -151,6 +166,7 @@ class RunConfig(Section):
     data: DataSection = Field(default_factory=DataSection)
     plan: PlanSection = Field(default_factory=PlanSection)
     train: TrainSection = Field(default_factory=TrainSection)
+    moe: MoESection = Field(default_factory=MoESection)
     optim: OptimSection = Field(default_factory=OptimSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
@@ -369,6 +385,7 @@ def flag_table() -> list[Flag]:
 
 
 SECTION_TITLES = {"model": "model", "data": "data", "plan": "plan and launch", "train": "training",
+                  "moe": "mixture of experts (NetMoE placement, APTMoE expert offload)",
                   "optim": "optimizer and learning rate", "eval": "evaluation on held-out data",
                   "checkpoint": "checkpoints", "log": "logging", "run": "run directory"}
 

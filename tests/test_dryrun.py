@@ -162,6 +162,25 @@ def test_cli(tmp_path):
     assert bad.stderr.strip() == "tessera dryrun: error: --ranks: rank 8 is outside the plan's world of 8 ranks"
 
 
+def test_expert_parallel_collectives_match_the_cost_model():
+    """A MoE plan on fake tensors (uniform routing): every all-to-all and every MoE collective the
+    runtime issues is one the cost model lists (cost/moe.py `ep_collectives`), with its bytes and
+    count: tokens x top_k x hidden x 2 bytes per dispatch, combine and their gradients."""
+    model = get_model("tiny-qwen-moe")
+    plan = manual_plan(model, make_cluster("h100-80gb", 8), Workload(global_batch=16, seq_len=64), ep=4, tp=2,
+                       sp="megatron", zero=1, recompute="full", micro_batch_size=2)  # dp4 ep4 tp2 + SP, 2 micro-batches
+    (r,) = dry_run(plan, [5], materialize=False).ranks
+    moe = [row for row in r.comparison.collectives
+           if row.kind == "all_to_all" or row.why.startswith(("expert parallel", "experts:"))]
+    assert moe and all(row.matches for row in moe), [row for row in moe if not row.matches]
+    layer = model.layers[1]
+    tokens = 16 // 4 // plan.num_micro_batches * 64  # a rank's tokens per micro-batch (gathered under SP)
+    dispatch = tokens * layer.top_k * layer.hidden * 2
+    # 4 MoE layers x 2 micro-batches x (dispatch, combine, 2 gradients, 2 replayed by recompute)
+    assert {(row.bytes, row.measured) for row in moe if row.kind == "all_to_all" and row.bytes > 1000} == \
+        {(dispatch, 4 * plan.num_micro_batches * 6)}
+
+
 def test_context_parallel_ring_against_the_cost_model():
     # tiny-llama (8 heads, 4 K/V heads of 32) on 32 ranks: dp2 tp2 cp2 Ulysses 4, ZeRO-3 over
     # dp x cp, selective recompute, 2 micro-batches of one 512-token sequence. A tensor-parallel

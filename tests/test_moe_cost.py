@@ -91,6 +91,17 @@ def test_bad_moe_input_is_one_line(tmp_path, capsys):
     assert cli_main(["plan", "--model", str(tmp_path / "config.json"), "--gpus", "8"]) == 2
     err = capsys.readouterr().err.strip()
     assert "top_k=6 must be in 1..num_experts=4" in err and len(err.splitlines()) == 1
+    # A capacity factor <= 0 in a config that names one (and the z-loss read beside it).
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_experts_per_tok": 2, "capacity_factor": 0}))
+    assert cli_main(["plan", "--model", str(tmp_path / "config.json"), "--gpus", "8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "capacity_factor=0.0 must be > 0 (or null for dropless routing)" in err and len(err.splitlines()) == 1
+    from tessera.spec.hf_config import resolve_model_config
+
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_experts_per_tok": 2, "capacity_factor": 1.25,
+                                                      "router_z_loss_coef": 1e-3}))
+    named = resolve_model_config(str(tmp_path / "config.json"))
+    assert (named.capacity_factor, named.router_z_loss_coef) == (1.25, 1e-3)
     # A capacity factor <= 0, in a plan file.
     plan = manual_plan(get_model("tiny-moe"), make_cluster("h100-80gb", 8), Workload(global_batch=8, seq_len=128),
                        dp=8, ep=4, micro_batch_size=1)

@@ -12,8 +12,11 @@ SCRIPT = Path(__file__).parent / "dist" / "moe_equivalence.py"
 
 EXPECTED = {"aux_loss_visible", "ep2_dp2_zero2_mixtral", "ep4_zero1_qwen", "ep2_tp2_sp_qwen", "ep2_pp2_1f1b_mixtral",
             "ep2_pp2_gpipe_tp2_qwen", "ep2_pp2_zero_bubble_mixtral", "ep2_dp2_capacity_microbatch2_full_recompute",
-            "ep2_ulysses2_capacity_selective", "ep2_dp2_netmoe_placement", "train_reports_routing",
-            "ep_collectives_as_priced", "checkpoint_ep4_resume_ep2"}
+            "ep2_ulysses2_capacity_selective", "ep2_dp2_netmoe_placement",
+            "ep2_dp4_netmoe_per_layer_qwen_capacity_recompute", "ep2_tp2_sp_netmoe_per_layer_qwen",
+            "train_reports_routing", "ep_collectives_as_priced",
+            "tp_sp_collectives_as_priced", "aptmoe_offload_pp4",
+            "checkpoint_ep4_resume_ep2"}
 
 
 def test_expert_parallel_plans_match_one_process(tmp_path, monkeypatch):

@@ -121,6 +121,41 @@ def test_bad_input_answers_in_one_line(tmp_path, capsys):
         _one_line(capsys, ["validate", "--plan", str(one_gpu)])
 
 
+def test_moe_options_are_config_fields(tmp_path, capsys):
+    """NetMoE placement and APTMoE expert offload are [moe] fields with flags; what the plan cannot
+    run is refused in one line before a rank starts; the trainer gets what the fields say."""
+    from tessera.cli.train import Job, train_config
+    from tessera.cost.expert_offload import HostSpec
+    from tessera.runtime.runs import resolve_run
+    from tessera.search import manual_plan
+    from tessera.spec.presets import get_model
+    from tessera.spec.presets.clusters import local_cpu_cluster
+    from tessera.spec.workload import Workload
+
+    c = parse_config({"moe": {"placement": "layer", "host_tflops": 2.0}})
+    assert (c.moe.placement, c.moe.expert_offload, c.moe.host_tflops) == ("layer", False, 2.0)
+    with pytest.raises(TesseraError, match=r"^moe.placement: Input should be 'off', 'step' or 'layer', got 'x'$"):
+        parse_config({"moe": {"placement": "x"}})
+    base = ["train", "--cluster", "builtin", "--steps", "1"]
+    assert _one_line(capsys, base + ["--model", "tiny-llama", "--moe-placement", "step"]) == \
+        "tessera train: error: moe.placement = 'step' needs a model with experts; tiny-llama has none"
+    assert "MoE layers need dp=sp=tp=ep=1 without ZeRO" in \
+        _one_line(capsys, base + ["--model", "tiny-moe", "--nproc", "2", "--ep", "2", "--expert-offload"])
+    assert "give one of them" in \
+        _one_line(capsys, base + ["--model", "tiny-moe", "--moe-placement", "layer", "--expert-offload"])
+
+    work = Workload(global_batch=8, seq_len=64, dtype="fp32")
+    plan = manual_plan(get_model("tiny-moe"), local_cpu_cluster(1), work, dp=1, micro_batch_size=8)
+    for moe, placement, host in (({}, False, None), ({"placement": "layer"}, "layer", None),
+                                 ({"expert_offload": True, "host_tflops": 2.0, "host_bandwidth": 16.0}, False,
+                                  HostSpec(flops=2e12, link_bandwidth=16e9)),
+                                 ({"expert_offload": True}, False,
+                                  HostSpec(flops=1e12, link_bandwidth=plan.cluster.host_bandwidth))):
+        config, paths = resolve_run(parse_config({"moe": moe, "run": {"out": f"{tmp_path}/{{id}}"}}), "tiny-moe")
+        t = train_config(Job(config=config, plan=plan, paths=paths, world=1, note=""))
+        assert (t.moe_placement, t.expert_offload) == (placement, host)
+
+
 def _cpu_cluster(tmp_path: Path, ranks: int) -> Path:
     from tessera.spec.presets.clusters import local_cpu_cluster
 

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 EPILOG = """\
 Every flag overrides the config field named in its help; `--config` files are TOML or YAML with the
-sections [model] [data] [plan] [train] [optim] [eval] [checkpoint] [log] [run] (examples/demo.toml).
+sections [model] [data] [plan] [train] [moe] [optim] [eval] [checkpoint] [log] [run] (examples/demo.toml).
 
 Each run keeps its records in runs/<name>/<run-id>/ (--out): config.toml (the resolved config:
 `tessera train --config` of it reruns the run, planned again for the machine it runs on),
@@ -249,6 +249,7 @@ def _validate(plan, world: int, config) -> None:
     from ..runtime.trainer import _pipeline_available
 
     check_plan_supported(plan, world, pipeline_available=_pipeline_available())
+    _check_moe(plan, config)
     if config.model.init_from is not None:
         from ..models.hf_load import hf_model_config, same_architecture
 
@@ -259,6 +260,24 @@ def _validate(plan, world: int, config) -> None:
     for package, asked in (("tensorboard", config.log.tensorboard), ("wandb", config.log.wandb)):
         if asked and not _installed(package) and int(os.environ.get("RANK", "0")) == 0 and not _under_torchrun():
             print(f"log.{package} is on, but {package} is not installed: logging to metrics.jsonl only", flush=True)
+
+
+def _check_moe(plan, config) -> None:
+    """[moe] options the plan cannot run, refused before any rank starts (one line each)."""
+    m = config.moe
+    if (m.placement != "off" or m.expert_offload) and not any(layer.num_experts for layer in plan.model.layers):
+        what = f"moe.placement = {m.placement!r}" if m.placement != "off" else "moe.expert_offload"
+        raise TesseraError(f"{what} needs a model with experts; {plan.model.name} has none")
+    if m.placement != "off" and m.expert_offload:
+        raise TesseraError("moe.placement moves samples between data-parallel ranks and moe.expert_offload "
+                           "needs MoE layers on one rank each; give one of them")
+    if m.placement == "layer" and plan.pipeline.degree > 1:
+        raise TesseraError(f"moe.placement = 'layer' does not run under pipeline parallelism (the plan has "
+                           f"pp{plan.pipeline.degree}); 'step' does")
+    if m.expert_offload:
+        from ..runtime.expert_offload import check_expert_offload
+
+        check_expert_offload(plan)
 
 
 def _installed(package: str) -> bool:
@@ -347,7 +366,17 @@ def train_config(job: Job):
         compile=c.train.compile, checkpoint_dir=str(paths.checkpoints), checkpoint_every=c.checkpoint.every,
         resume=resume, adaptive=c.plan.adaptive, long_documents=c.plan.long_documents, init_from=c.model.init_from, run_id=paths.run_id, wandb=wandb,
         checkpoint_keep=c.checkpoint.keep, checkpoint_final=c.checkpoint.final, eval_every=c.eval.every,
-        eval_batches=c.eval.batches, eval_fraction=c.eval.fraction)
+        eval_batches=c.eval.batches, eval_fraction=c.eval.fraction,
+        moe_placement=False if c.moe.placement == "off" else c.moe.placement,
+        expert_offload=host_spec(c, job.plan) if c.moe.expert_offload else None)
+
+
+def host_spec(config, plan):
+    """The host side of a GPU for the expert-offload decision ([moe] host_tflops, host_bandwidth)."""
+    from ..cost.expert_offload import HostSpec
+
+    bandwidth = config.moe.host_bandwidth * 1e9 if config.moe.host_bandwidth else plan.cluster.host_bandwidth
+    return HostSpec(flops=config.moe.host_tflops * 1e12, link_bandwidth=bandwidth)
 
 
 def _train_here(job: Job) -> int:

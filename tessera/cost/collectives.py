@@ -28,7 +28,12 @@ Per micro-batch (count m):
                        the next cp rank and received from the previous one cp - 1 times forward
                        and cp - 1 times backward, and the fp32 dK/dV accumulator (kv * 4 / ab)
                        cp times backward; full or selective recompute replays the forward's.
-    ZeRO-3             all-gather pb*P forward and backward, reduce-scatter pb*P backward, over S.
+    MoE layers         `cost/moe.py` `ep_collectives`: routing counts, dispatch and combine
+                       all-to-alls over ep (and their gradients, replayed under recompute), the
+                       load-balancing counts over dp*u, the routing-weight gradients over tp.
+    ZeRO-3             all-gather pb*P forward and backward, reduce-scatter pb*P backward, over S;
+                       under ep the experts (P_e = expert params / (tp ep)) follow every ZeRO rule
+                       over their replicas R_e = dp*u/ep, sharded over gcd(S, R_e), the rest as P.
     ZeRO-2             reduce-scatter pb*P over S.
     re-sharding        two adjacent layers of a chunk with different (dp, tp, u, SP, cp) layouts:
                        one all-gather forward and one backward of the larger per-device share,
@@ -62,6 +67,8 @@ from dataclasses import dataclass
 
 from ..plan import LayerStrategy, Plan, Recompute, SPKind
 from ..spec.model import LayerKind, LayerSpec
+from .memory import expert_shard
+from .moe import ep_collectives
 from .layer import kv_repeats
 
 @dataclass(frozen=True)
@@ -109,6 +116,24 @@ class _Rank:
         base = self.pp_rank * self.plan.stage_size
         return tuple(base + ((d_rep * shard_dp + k) * cp + (j if shard_cp > 1 else c)) * u * tp + rest
                      for k in range(shard_dp) for j in range(shard_cp))
+
+    def expert_groups(self, s: LayerStrategy) -> tuple[tuple[int, ...], ...]:
+        """The groups an expert gradient of this rank is summed over for the gradient norm: its
+        ZeRO shard group (es > 1), its tp group (tp > 1), its expert-parallel group; the expert
+        mesh of runtime/expert_parallel.py: stage rank ((j_rep es + j_shard) ep + i) tp + t."""
+        es = expert_shard(s.shard_degree, s.dp, s.sp_degree, s.ep)
+        base = self.pp_rank * self.plan.stage_size
+        q, t = divmod(self.stage_rank, s.tp)
+        j, i = divmod(q, s.ep)
+        j_rep, j_shard = divmod(j, es)
+        rank = lambda js, i_, t_: base + ((j_rep * es + js) * s.ep + i_) * s.tp + t_  # noqa: E731
+        out = []
+        if es > 1:
+            out.append(tuple(rank(k, i, t) for k in range(es)))
+        if s.tp > 1:
+            out.append(tuple(rank(j_shard, i, k) for k in range(s.tp)))
+        out.append(tuple(rank(j_shard, k, t) for k in range(s.ep)))
+        return tuple(out)
 
     def tp_group(self, s: LayerStrategy) -> tuple[int, ...]:
         first = self.rank - self.stage_rank % s.tp
@@ -166,23 +191,41 @@ def _layer_collectives(r: _Rank, i: int, add) -> None:
         for kind in ("send", "recv"):
             add(kind, 2, kv, blocks, name, "ring attention: K/V blocks")
             add(kind, 2, kv * 4 / r.ab, m * s.cp, name, "ring attention: dK/dV accumulators (fp32)")
-    # Data parallel / ZeRO on the parameters (P = params / tp).
-    p = r.pb * layer.params / s.tp
-    z, shard = s.zero, s.shard_degree
-    replicas = s.dp * s.cp * s.sp_degree // shard
+    # Expert parallelism: the MoE layer's own collectives per micro-batch (cost/moe.py).
+    if layer.num_experts:
+        aux = r.plan.model.config is not None and bool(r.plan.model.config.router_aux_loss_coef)
+        for c in ep_collectives(layer, s, tokens, r.ab, aux):
+            add(c.op, c.group, c.nbytes, m, name, f"expert parallel: {c.what}")
+    # Data parallel / ZeRO on the parameters (P = params / tp); under expert parallelism the
+    # experts (params / (tp ep)) sync over their dp * cp * u / ep replicas, sharded over
+    # es = gcd(S, dp * u / ep) (runtime/expert_parallel.py), the rest as a dense layer's.
+    group = s.dp * s.cp * s.sp_degree
+    parts = [(layer.params, s.shard_degree, group, "")]
+    if layer.num_experts and s.ep > 1:
+        replicas = group // s.ep
+        parts = [(layer.params - layer.expert_params, s.shard_degree, group, ""),
+                 (layer.expert_params / s.ep, expert_shard(s.shard_degree, s.dp, s.sp_degree, s.ep), replicas,
+                  "experts: ")]
+    for params, shard, over, label in parts:
+        _zero_collectives(add, s.zero, r.pb * params / s.tp, shard, over, m, name, label)
+
+
+def _zero_collectives(add, z: int, p: float, shard: int, group: int, m: int, name: str, label: str) -> None:
+    """Gradient sync of p bytes of parameters with ZeRO stage z over `group` ranks, sharded over
+    `shard` of them (the runtime / cost-model contract)."""
     if z == 0:
-        add("all_reduce", s.dp * s.cp * s.sp_degree, p, 1, name, "gradient all-reduce (ZeRO-0), once per step")
+        add("all_reduce", group, p, 1, name, f"{label}gradient all-reduce (ZeRO-0), once per step")
     elif z == 1:
-        add("reduce_scatter", shard, p, 1, name, "gradient reduce-scatter (ZeRO-1), once per step")
-        add("all_gather", shard, p, 1, name, "parameter all-gather (ZeRO-1), once per step")
+        add("reduce_scatter", shard, p, 1, name, f"{label}gradient reduce-scatter (ZeRO-1), once per step")
+        add("all_gather", shard, p, 1, name, f"{label}parameter all-gather (ZeRO-1), once per step")
     elif z == 2:
-        add("reduce_scatter", shard, p, m, name, "gradient reduce-scatter (ZeRO-2), every micro-batch")
-        add("all_gather", shard, p, 1, name, "parameter all-gather (ZeRO-2), once per step")
+        add("reduce_scatter", shard, p, m, name, f"{label}gradient reduce-scatter (ZeRO-2), every micro-batch")
+        add("all_gather", shard, p, 1, name, f"{label}parameter all-gather (ZeRO-2), once per step")
     else:
-        add("all_gather", shard, p, 2 * m, name, "parameter all-gather (ZeRO-3), forward and backward")
-        add("reduce_scatter", shard, p, m, name, "gradient reduce-scatter (ZeRO-3), every micro-batch")
+        add("all_gather", shard, p, 2 * m, name, f"{label}parameter all-gather (ZeRO-3), forward and backward")
+        add("reduce_scatter", shard, p, m, name, f"{label}gradient reduce-scatter (ZeRO-3), every micro-batch")
     if z >= 1:
-        add("all_reduce", replicas, p / shard, 1, name, "HSDP replica all-reduce of the gradient shard")
+        add("all_reduce", group // shard, p / shard, 1, name, f"{label}HSDP replica all-reduce of the gradient shard")
 
 
 def _kv_repeats(layer: LayerSpec, s: LayerStrategy) -> int:
@@ -245,6 +288,8 @@ def _bookkeeping(r: _Rank, layers: list[int], add) -> None:
         candidates = [shard] if plain else []
         if s.tp > 1:
             candidates.append(shard + (r.tp_group(s),))
+        if layer.num_experts and s.ep > 1:  # experts: their shard and tp axes, then the ep group (optim.grad_norm)
+            candidates.append(r.expert_groups(s))
         for key in candidates:
             if key and key not in keys:
                 keys.append(key)

@@ -6,7 +6,10 @@ an expert-parallel group of p = ep ranks (stride tp in the rank layout):
               dispatch: an all-to-all of n bytes;  combine: an all-to-all of n bytes back;
               [router load-balancing loss on] an all-reduce of E integers over the dp * sp ranks;
     backward  the two token all-to-alls again (gradients, splits swapped);
-              full or selective recompute replays the forward's three all-to-alls first.
+              full or selective recompute replays the forward's three all-to-alls first;
+              [tp > 1] an all-reduce over tp of the routing weights' gradients, t (k + 1 with a
+              shared expert) fp32 values (runtime/expert_tp.py: the expert outputs stay partial
+              until the layer's output is reduced, with the block's tensor-parallel collectives).
 n = t * k * h * b: the token-slots of the rank's t tokens (t = its (batch, sequence) piece; under
 tensor parallelism every tp rank of the group routes the same tokens), k experts per token, h the
 hidden size, b bytes per activation element. Dropless routing sends k slots per token on average;
@@ -70,7 +73,8 @@ def all_to_all_times(cluster: ClusterSpec, nbytes, size, stride, internode_scale
 
 def moe_times(layer: LayerSpec, t, cluster: ClusterSpec, tokens, act_elt: int, compute_fwd):
     """(forward, backward) extra seconds per micro-batch of a MoE layer under the strategies of
-    table `t` (cost/layer.py StrategyTable): its all-to-alls and the skewed expert compute.
+    table `t` (cost/layer.py StrategyTable): its all-to-alls, the skewed expert compute and, under
+    tensor parallelism, the all-reduce of the routing-weight gradients (`ep_collectives` lists them).
     `tokens`: the rank's tokens per micro-batch; `compute_fwd`: the layer's forward compute
     seconds, of which the experts' FLOP share runs (skew - 1) times longer on the busiest rank."""
     ep, tp = np.asarray(t.ep), np.asarray(t.tp)
@@ -80,7 +84,10 @@ def moe_times(layer: LayerSpec, t, cluster: ClusterSpec, tokens, act_elt: int, c
     forward = 2 * one + counts
     replay = np.where(np.asarray(t.recompute) > 0, forward, 0.0)  # selective and full replay them
     extra = (skew - 1.0) * expert_share(layer) * np.asarray(compute_fwd, dtype=float)
-    return forward + extra, 2 * one + replay + 2 * extra
+    weights = layer.top_k + (1 if has_shared_expert(layer) else 0)  # routing weights (and shared gate) per token
+    tp_grads = np.where(tp > 1, collective_times(cluster, "all_reduce", 4.0 * np.asarray(tokens, dtype=float) * weights,
+                                                 np.maximum(tp, 1), 1), 0.0)
+    return forward + extra, 2 * one + replay + 2 * extra + tp_grads
 
 
 def expert_share(layer: LayerSpec) -> float:
@@ -118,9 +125,18 @@ def ep_collectives(layer: LayerSpec, strategy, tokens: float, act_elt: int, aux_
                     Collective("all_to_all", n, s.ep, s.tp, "forward", "combine")]
         out += [Collective("all_to_all", n, s.ep, s.tp, "backward", "combine gradient"),
                 Collective("all_to_all", n, s.ep, s.tp, "backward", "dispatch gradient")]
+    if s.tp > 1:  # the partial routing-weight (and shared-gate) gradients (runtime/expert_tp.py)
+        weights = layer.top_k + (1 if has_shared_expert(layer) else 0)
+        out.append(Collective("all_reduce", 4.0 * tokens * weights, s.tp, 1, "backward",
+                              "routing-weight gradients (tensor parallel)"))
     replay = [Collective(c.op, c.nbytes, c.group, c.stride, "backward", f"{c.what} (recompute)")
               for c in forward] if str(getattr(s.recompute, "value", s.recompute)) != "none" else []
     return forward + replay + out
+
+
+def has_shared_expert(layer: LayerSpec) -> bool:
+    """Whether a MoE layer has a gated shared expert (Qwen-MoE): its gate is the h -> 1 GEMM."""
+    return any(m.n == 1 and m.k == layer.hidden for m in layer.matmuls)
 
 
 def routing_skew(counts, ep: int) -> float:

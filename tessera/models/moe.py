@@ -32,8 +32,10 @@ injected at the layer output (no term is added to the runtime's loss).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +95,34 @@ def route(logits: torch.Tensor, top_k: int, router: str, norm_topk_prob: bool):
     return chosen, weights, probs
 
 
+# Uniform routing (`uniform_routing`): the dry run on fake tensors, which have no values to route by.
+_UNIFORM = {"on": False}
+
+
+@contextlib.contextmanager
+def uniform_routing() -> Iterator[None]:
+    """Route every token of the MoE layers uniformly inside the block: token t's j-th slot goes to
+    expert (t k + j) mod E, so each expert gets N / E of the N = T k slots (the first N mod E one
+    more) and every split is known without reading a tensor (the cost model's mean routing). The
+    router still runs; every slot is served (a balanced load stays within any capacity >= 1)."""
+    saved = _UNIFORM["on"]
+    _UNIFORM["on"] = True
+    try:
+        yield
+    finally:
+        _UNIFORM["on"] = saved
+
+
+def uniform_counts(slots: int, num_experts: int) -> list[int]:
+    """Slots per expert of `uniform_routing` for `slots` token-slots."""
+    return [slots // num_experts + (e < slots % num_experts) for e in range(num_experts)]
+
+
+def split_sizes(counts) -> list[int]:
+    """Rows per expert as a list: the routing's own list (uniform routing), else read from the tensor."""
+    return counts if isinstance(counts, list) else counts.tolist()
+
+
 def capacity(config: TransformerConfig, seq_len: int) -> int:
     """Token-slots one expert serves per sequence of `seq_len` tokens (module docstring)."""
     return math.ceil(config.capacity_factor * seq_len * config.top_k / config.num_experts)
@@ -113,6 +143,26 @@ def capacity_keep(chosen: torch.Tensor, num_experts: int, limit: int, context: "
     return (place * onehot).sum(-1) < limit
 
 
+@dataclass
+class Routing:
+    """One forward call's routing: `chosen` (B, S, k) experts of every token, `slots` the served
+    token-slots (flat index token * k + choice) grouped by expert (`counts` (E,) each, `expert`
+    the expert of each), `token` and `weights` of each served slot; `routed` (E,) slots before
+    capacity drops; the router's logits and softmax; `sizes` the counts as a list when known
+    without reading the device (`uniform_routing`), else None."""
+
+    logits: torch.Tensor
+    probs: torch.Tensor
+    chosen: torch.Tensor
+    routed: torch.Tensor
+    slots: torch.Tensor
+    token: torch.Tensor
+    expert: torch.Tensor
+    counts: torch.Tensor
+    weights: torch.Tensor
+    sizes: list[int] | None = None
+
+
 class MoEContext:
     """How a MoE layer runs on one process; `tessera.runtime.expert_parallel` subclasses it.
 
@@ -124,6 +174,7 @@ class MoEContext:
     token_pieces: int = 1
     seq_pieces: int = 1  # ranks a sequence is split over (Ulysses)
     aux_grad_scale: float | None = None
+    carries_residual: bool = False  # the block calls `MoE.forward_block` (`place_block`)
 
     def reduce_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """Routing counts (E,) of the whole micro-batch from this rank's."""
@@ -133,10 +184,41 @@ class MoEContext:
         """(counts of the rows' earlier sequence pieces, counts of the whole rows), each (B, k, E)."""
         return 0, per_choice
 
-    def dispatch(self, x: torch.Tensor, token: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
+    def dispatch(self, x: torch.Tensor, token: torch.Tensor, counts, experts: Experts) -> torch.Tensor:
         """Expert outputs for the routed copies x[token] (grouped by expert; counts (E,) per
-        expert), in the same order."""
-        return experts(x[token], counts.tolist())
+        expert, a tensor or, under uniform routing, a list), in the same order."""
+        return experts(x[token], split_sizes(counts))
+
+    # Tensor parallelism (runtime/expert_tp.py) replaces these: the layer's input as it computes on
+    # it, the block's norm, the router's input, the shared expert's output, the weighted sum of the
+    # expert outputs (out_t = sum_j w_tj y_tj [+ gate_t shared_t]) and the layer's output.
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def block_norm(self, norm: nn.Module):
+        """The block's `ffn_norm` as the layer applies it (per-layer placement)."""
+        return norm
+
+    def router_input(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def run_shared(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return mlp(x)
+
+    def mix(self, y, w, token, tokens: int, shared, gate) -> torch.Tensor:
+        out = torch.zeros((tokens, y.shape[-1]), dtype=y.dtype, device=y.device)
+        out.index_add_(0, token, y * w.to(y.dtype)[:, None])
+        return out if shared is None else out + gate * shared
+
+    def leave(self, out: torch.Tensor) -> torch.Tensor:
+        return out
+
+    def place_block(self, moe: "MoE", h: torch.Tensor, routing: Routing, norm, shape, inject) -> torch.Tensor:
+        """h + the layer's output for norm(h) (h flat (T, H)), shaped like the block's input, on the
+        rows the context places the samples on for the next layer (`carries_residual` contexts
+        only); `inject(t)` returns t carrying the aux loss's gradient, for a tensor of this rank's
+        backward."""
+        raise NotImplementedError
 
 
 LOCAL = MoEContext()
@@ -175,13 +257,45 @@ class MoE(nn.Module):
         self.routing_log: list[torch.Tensor] | None = None  # a list: each forward appends its choices
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cfg, ctx = self.config, self.context
+        ctx = self.context
+        x = ctx.enter(x)
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
+        router_in = ctx.router_input(flat)
+        r = self._route(router_in, shape)
+        y = ctx.dispatch(flat, r.token, r.counts if r.sizes is None else r.sizes, self.experts)
+        shared = gate = None
+        if self.config.shared_expert_ffn:
+            gate = torch.sigmoid(self.shared_expert_gate(router_in))
+            shared = ctx.run_shared(self.shared_expert, flat)
+        out = ctx.mix(y, r.weights, r.token, flat.shape[0], shared, gate)
+        return ctx.leave(self._inject(out, self._record(r)).view(shape))
+
+    def forward_block(self, h: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """h + MoE(norm(h)) for a context that carries the residual (`MoEContext.carries_residual`:
+        NetMoE per-layer placement): the context returns the sum with the residual, on the rows of
+        the samples this rank runs next (runtime/moe_placement.py)."""
+        ctx = self.context
+        h = ctx.enter(h)
+        norm = ctx.block_norm(norm)
+        shape = h.shape
+        flat_h = h.reshape(-1, shape[-1])
+        r = self._route(ctx.router_input(norm(flat_h)), shape)
+        aux = self._record(r)
+        return ctx.place_block(self, flat_h, r, norm, shape, lambda t: self._inject(t, aux))
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The gated shared expert (Qwen-MoE): sigmoid(w_s . x) * shared_expert(x)."""
+        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+    def _route(self, flat: torch.Tensor, shape) -> "Routing":
+        cfg, ctx = self.config, self.context
         logits = self.gate(flat)
         chosen, weights, probs = route(logits, self.top_k, cfg.router, cfg.norm_topk_prob)
+        if _UNIFORM["on"]:
+            return self._uniform_route(logits, probs, weights, shape)
         routed = torch.bincount(chosen.flatten(), minlength=self.num_experts)
-        slots = torch.arange(chosen.numel(), device=x.device)
+        slots = torch.arange(chosen.numel(), device=flat.device)
         if cfg.capacity_factor is not None:
             seq = shape[1] * ctx.seq_pieces
             keep = capacity_keep(chosen.view(shape[0], shape[1], -1), self.num_experts, capacity(cfg, seq), ctx)
@@ -189,23 +303,41 @@ class MoE(nn.Module):
         expert_of = chosen.flatten()[slots]
         order = torch.argsort(expert_of, stable=True)
         slots = slots[order]
-        token = slots // self.top_k
-        counts = torch.bincount(expert_of, minlength=self.num_experts)
-        y = ctx.dispatch(flat, token, counts, self.experts)
-        w = weights.flatten()[slots].to(y.dtype)
-        out = torch.zeros_like(flat).index_add_(0, token, y * w[:, None])
-        if cfg.shared_expert_ffn:
-            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-        aux = self._aux_loss(logits, probs, routed, flat.shape[0])
-        if aux is not None and ctx.aux_grad_scale is not None:
-            out = _InjectAux.apply(out, aux, ctx.aux_grad_scale)
-            aux = aux.detach()
-        self.aux_loss = aux
+        return Routing(logits=logits, probs=probs, chosen=chosen.view(shape[0], shape[1], -1), routed=routed,
+                       slots=slots, token=slots // self.top_k, expert=expert_of[order],
+                       counts=torch.bincount(expert_of, minlength=self.num_experts),
+                       weights=weights.flatten()[slots])
+
+    def _uniform_route(self, logits, probs, weights, shape) -> "Routing":
+        """`uniform_routing`'s routing of the T tokens: slot i = t k + j to expert i mod E, slots
+        grouped by expert with shape-only operations (no value of a tensor is read)."""
+        n, e, k = logits.shape[0] * self.top_k, self.num_experts, self.top_k
+        sizes = uniform_counts(n, e)
+        device = logits.device
+        # Expert e's slots are e, e + E, e + 2E, ...: grouped by expert in index order.
+        slots = torch.cat([torch.arange(c, device=device) * e + i for i, c in enumerate(sizes)])
+        chosen = (torch.arange(n, device=device) % e).view(shape[0], shape[1], k)
+        counts = torch.tensor(sizes, device=device)
+        expert = torch.cat([torch.full((c,), i, dtype=torch.long, device=device) for i, c in enumerate(sizes)])
+        return Routing(logits=logits, probs=probs, chosen=chosen, routed=counts, slots=slots, token=slots // k,
+                       expert=expert, counts=counts, weights=weights.flatten()[slots], sizes=sizes)
+
+    def _record(self, r: "Routing") -> torch.Tensor | None:
+        """The aux loss (kept in `aux_loss`, detached when its gradient is injected) and the
+        statistics; returns the loss for `_inject`."""
+        aux = self._aux_loss(r.logits, r.probs, r.routed, r.logits.shape[0])
+        self.aux_loss = aux.detach() if aux is not None and self.context.aux_grad_scale is not None else aux
         if torch._C._current_graph_task_id() == -1:  # not a recompute inside the backward
-            self.stats.add(routed, len(slots), aux)
+            self.stats.add(r.routed, len(r.slots), self.aux_loss)
             if self.routing_log is not None:
-                self.routing_log.append(chosen.detach().view(shape[0], shape[1], -1))
-        return out.view(shape)
+                self.routing_log.append(r.chosen.detach())
+        return aux
+
+    def _inject(self, out: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+        """`out` carrying the aux loss's gradient (injecting contexts), else `out`."""
+        if aux is None or self.context.aux_grad_scale is None:
+            return out
+        return _InjectAux.apply(out, aux, self.context.aux_grad_scale)
 
     def _aux_loss(self, logits, probs, routed, tokens: int) -> torch.Tensor | None:
         """This rank's share of the layer's aux loss: shares of all ranks add up to the loss of the

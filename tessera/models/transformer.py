@@ -113,6 +113,8 @@ class Block(nn.Module):
 
     def forward(self, x, freqs=None, docs=None):
         x = x + self.attention(self.attention_norm(x), freqs, docs)
+        if hasattr(self, "moe") and self.moe.context.carries_residual:  # NetMoE per-layer placement
+            return self.moe.forward_block(x, self.ffn_norm)
         mlp = self.moe if hasattr(self, "moe") else self.feed_forward
         return x + mlp(self.ffn_norm(x))
 

@@ -10,15 +10,23 @@ plan decided (tessera/cost/expert_offload.py).
 Both paths compute the same function as the model without offload; on a machine without an
 accelerator the host is the device and only the mechanism is exercised (the speed is the cost
 model's prediction).
+
+In the trainer (`TrainConfig.expert_offload`: a `HostSpec`, whose decision the cost model makes
+for the plan's micro-batch, or an `OffloadPlan`): every MoE layer's experts are kept on the host of
+the one rank that holds the layer, so a MoE layer must run on one rank of its pipeline stage
+(dp = sp = tp = ep = 1, no ZeRO: APTMoE's memory-poor GPU, or a pipeline of them); the optimizer
+steps the host experts on the host (AdamW's foreach path groups parameters by device).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ..cost.expert_offload import GPU, HOST, OffloadPlan
+from ..cost.expert_offload import GPU, HOST, HostSpec, OffloadPlan, plan_expert_offload
 from ..errors import TesseraError
 from ..models.moe import Experts, MoE
+from ..plan import Plan
+from ..spec.model import LayerKind
 
 
 class HostExperts(Experts):
@@ -54,8 +62,9 @@ class HostExperts(Experts):
             if self.where[e] == GPU:
                 weights = self.prefetched.pop(e, None) or self._copy(expert)
                 outs.append(torch.func.functional_call(expert, weights, (part,)))
-            else:
-                outs.append(expert(part.to(self.host)).to(x.device, non_blocking=True))
+            else:  # in the experts' own dtype on the host (no autocast there)
+                dtype = next(expert.parameters()).dtype
+                outs.append(expert(part.to(self.host, dtype)).to(x.device, x.dtype, non_blocking=True))
         self.prefetched = {}
         return torch.cat(outs) if outs else x[:0]
 
@@ -69,14 +78,21 @@ class _nullcontext:
 
 
 def apply_expert_offload(model: nn.Module, plan: OffloadPlan, device: torch.device | str) -> list[HostExperts]:
-    """Move every MoE layer's experts to host memory and run them as `plan` decides (its layers in
-    model order); the blocks prefetch their device experts when they start."""
+    """Move the MoE layers' experts of `model` (a whole model, or a chunk holding some of its blocks)
+    to host memory and run them as `plan` decides (its layers: the model's MoE layers in order); the
+    blocks prefetch their device experts when they start."""
     device = torch.device(device)
-    blocks = [(block, block.moe) for block in model.modules() if isinstance(getattr(block, "moe", None), MoE)]
-    if len(blocks) != len(plan.layers):
-        raise TesseraError(f"the offload plan has {len(plan.layers)} MoE layers, the model {len(blocks)}")
+    blocks = [(name, block) for name, block in model.named_modules() if isinstance(block._modules.get("moe"), MoE)]
+    if not blocks:  # a pipeline chunk without MoE layers
+        return []
+    config = blocks[0][1].moe.config
+    moe_index = {b: j for j, b in enumerate(i for i in range(config.num_layers) if config.is_moe_layer(i))}
+    if len(moe_index) != len(plan.layers):
+        raise TesseraError(f"the offload plan has {len(plan.layers)} MoE layers, the model {len(moe_index)}")
     out = []
-    for (block, moe), layer in zip(blocks, plan.layers):
+    for name, block in blocks:
+        moe = block.moe
+        layer = plan.layers[moe_index[_block_index(name)]]
         if len(layer.where) != moe.num_experts:
             raise TesseraError(f"the offload plan places {len(layer.where)} experts, the layer has {moe.num_experts}")
         experts = {e: moe.experts[e].to("cpu") for e in moe.experts.indices}
@@ -89,3 +105,28 @@ def apply_expert_offload(model: nn.Module, plan: OffloadPlan, device: torch.devi
         block.register_forward_pre_hook(lambda module, args, host=host: host.prefetch())
         out.append(host)
     return out
+
+
+def _block_index(name: str) -> int:
+    """The model block of a module name (`layers.<i>`, through wrappers' prefixes)."""
+    path = name.split(".")
+    return int(path[path.index("layers") + 1])
+
+
+def offload_plan_for(plan: Plan, spec: HostSpec | OffloadPlan) -> OffloadPlan:
+    """The decision to execute: given, or the cost model's for the plan's micro-batch on a host."""
+    if isinstance(spec, OffloadPlan):
+        return spec
+    return plan_expert_offload(plan.model, plan.cluster, plan.workload, spec,
+                               plan.micro_batch_size * plan.workload.seq_len, micro_batches=plan.num_micro_batches)
+
+
+def check_expert_offload(plan: Plan) -> None:
+    """Refuse, naming the field, a plan whose MoE layers do not run on one rank each."""
+    for i, (layer, s) in enumerate(zip(plan.model.layers, plan.layers)):
+        if layer.kind != LayerKind.MOE_DECODER:
+            continue
+        if s.dp * s.sp_degree * s.tp * s.ep > 1 or s.zero or s.offload_optimizer:
+            raise TesseraError(f"plan.layers[{i}] ({layer.name}): expert offload keeps a layer's experts in one "
+                               f"host's memory, so MoE layers need dp=sp=tp=ep=1 without ZeRO (one GPU, or a "
+                               f"pipeline of them), not {s.describe()}")

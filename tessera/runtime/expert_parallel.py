@@ -17,8 +17,9 @@ Per forward call (micro-batch) of a layer, on each rank of an ep group (`ExpertP
   3. the local experts on their rows, regrouped by expert (every expert runs, also on zero rows);
   4. combine: the all-to-all back, splits swapped; the model weighs and sums (models/moe.py).
 The backward runs the two token all-to-alls again with the splits swapped. Under tensor
-parallelism the tp ranks of an ep group route the same tokens and each runs its slice of the
-experts (DTensor column/row parallel on the expert mesh's tp axis).
+parallelism the tp ranks of an ep group route the same tokens, each runs its slice of the
+experts (DTensor parameters on the expert mesh's tp axis) and of the shared expert, and the
+layer's output is reduced over tp once each way (runtime/expert_tp.py).
 
 Gradients. Tokens of every dp * sp piece reach an expert, so on one rank its gradient is the sum
 over the pieces of its group; FSDP2 averages it over the R replicas (the "edp" axes) and the
@@ -48,8 +49,9 @@ from torch import nn
 
 from ..errors import TesseraError
 from ..models.moe import Experts, MoE, MoEContext, moe_layers
-from ..plan import LayerStrategy, Plan
+from ..plan import LayerStrategy, Plan, SPKind
 from ..spec.model import LayerKind
+from .expert_tp import TPMoEIO, partial_mlp, tp_experts
 from .mesh import Axis, LayerLayout, ParallelDims, layer_coords
 
 log = logging.getLogger(__name__)
@@ -152,6 +154,27 @@ class ExpertParallelContext(MoEContext):
         self.ep_group, self.ep, self.ep_rank = ep_group, ep, ep_rank
         self.aux_grad_scale = aux_grad_scale
         self.tp = tp
+        self.tp_io: TPMoEIO | None = None  # tp > 1: one reduction of the layer's output (runtime/expert_tp.py)
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.tp_io is None else self.tp_io.enter(x)
+
+    def block_norm(self, norm: nn.Module):
+        return norm if self.tp_io is None else self.tp_io.block_norm(norm)
+
+    def router_input(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.tp_io is None else self.tp_io.router_input(x)
+
+    def run_shared(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return mlp(x) if self.tp_io is None else partial_mlp(mlp, x)
+
+    def mix(self, y, w, token, tokens: int, shared, gate) -> torch.Tensor:
+        if self.tp_io is None:
+            return super().mix(y, w, token, tokens, shared, gate)
+        return self.tp_io.mix(y, w, token, tokens, shared, gate)
+
+    def leave(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.tp_io is None else self.tp_io.leave(out)
 
     def reduce_counts(self, counts: torch.Tensor) -> torch.Tensor:
         if self.token_pieces == 1:
@@ -173,19 +196,28 @@ class ExpertParallelContext(MoEContext):
         others = sum(splits) - splits[self.ep_rank]
         self.moe_stats.a2a_bytes += others * x[0].numel() * x.element_size() if len(x) else 0
 
-    def dispatch(self, x: torch.Tensor, token: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
+    def dispatch(self, x: torch.Tensor, token: torch.Tensor, counts, experts: Experts) -> torch.Tensor:
         if self.ep == 1:
             return super().dispatch(x, token, counts, experts)
         per = self.num_experts // self.ep
-        send = counts.view(self.ep, per)
+        known = isinstance(counts, list)  # uniform routing (models/moe.py): every rank's counts are these
+        send = (torch.tensor(counts, device=x.device) if known else counts).view(self.ep, per)
         recv = torch.empty(send.shape, dtype=send.dtype, device=send.device)
         dist.all_to_all_single(recv, send.contiguous(), group=self.ep_group)  # recv[src, j]: slots for my j
-        send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        if known:
+            mine = counts[self.ep_rank * per:(self.ep_rank + 1) * per]
+            send_splits = [sum(counts[i * per:(i + 1) * per]) for i in range(self.ep)]
+            recv_splits, per_expert, received = [sum(mine)] * self.ep, [c * self.ep for c in mine], mine * self.ep
+        else:
+            send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+            per_expert, received = recv.sum(0).tolist(), recv.flatten()
         rows = _AllToAll.apply(x[token], recv_splits, send_splits, self.ep_group, self._count_sent)
         # Received rows are grouped by source, then expert: regroup them by expert.
-        expert_of_row = torch.repeat_interleave(torch.arange(per, device=x.device).repeat(self.ep), recv.flatten())
+        expert_of_row = torch.cat([torch.full((c,), j % per, dtype=torch.long, device=x.device)
+                                   for j, c in enumerate(received)]) if known else \
+            torch.repeat_interleave(torch.arange(per, device=x.device).repeat(self.ep), received)
         order = torch.argsort(expert_of_row, stable=True)
-        y = experts(rows[order], recv.sum(0).tolist())
+        y = experts(rows[order], per_expert)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(len(order), device=order.device)
         return _AllToAll.apply(y[inverse], send_splits, recv_splits, self.ep_group, self._count_sent)
@@ -232,92 +264,8 @@ def parallelize_moe(moe: MoE, s: LayerStrategy, plan: Plan, dims: ParallelDims, 
     moe.context = ExpertParallelContext(moe, **kwargs)
     if s.tp > 1:
         dense_tp = dims.layer_mesh(LayerLayout.of(s))[Axis.TP]
-        _tp_experts(moe, mesh["tp"] if mesh is not None else dense_tp, dense_tp)
-
-
-def _tp_experts(moe: MoE, tp_mesh, dense_tp_mesh) -> None:
-    """The experts sliced over the tp ranks (`TensorParallelExperts`); the shared expert column-
-    parallel in, row-parallel out, like a dense MLP (DTensor)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    def mlp_plan(mlp: nn.Module) -> dict:
-        plan = {"w1": ColwiseParallel(), "w2": RowwiseParallel()}
-        if hasattr(mlp, "w3"):
-            plan["w3"] = ColwiseParallel()
-        return plan
-
-    if any(m.bias is not None for e in moe.experts for m in e.modules() if isinstance(m, nn.Linear)):
-        for e in moe.experts.indices:  # biased experts (no preset has them): DTensor per expert
-            parallelize_module(moe.experts[e], tp_mesh, mlp_plan(moe.experts[e]))
-    else:
-        moe.experts = TensorParallelExperts({e: moe.experts[e] for e in moe.experts.indices}, tp_mesh)
-    if hasattr(moe, "shared_expert"):
-        parallelize_module(moe.shared_expert, dense_tp_mesh, mlp_plan(moe.shared_expert))
-
-
-class _CopyToTP(torch.autograd.Function):
-    """Identity forward; backward sums the tp ranks' partial input gradients (one all-reduce)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """Sum of the tp ranks' partial outputs (one all-reduce); identity backward."""
-
-    @staticmethod
-    def forward(ctx, y, group):
-        y = y.contiguous().clone()
-        dist.all_reduce(y, group=group)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def _local(w: torch.Tensor) -> torch.Tensor:
-    return w.to_local() if hasattr(w, "to_local") else w
-
-
-class TensorParallelExperts(Experts):
-    """Experts sliced over the tp ranks as Megatron slices an MLP: w1 and w3 by rows, w2 by columns
-    (DTensor parameters on the tp mesh, so FSDP2 and checkpoints see whole experts). Every tp rank
-    routes the same tokens; each runs its slices of all its experts, and the tp ranks exchange once
-    each way for all of them: the partial outputs summed by one all-reduce in the forward, the
-    partial input gradients by one in the backward."""
-
-    def __init__(self, experts: dict[int, nn.Module], tp_mesh):
-        from torch.distributed.tensor import Shard, distribute_tensor
-
-        super().__init__(experts)
-        self.group = tp_mesh.get_group()
-        for expert in self:
-            for name, dim in (("w1", 0), ("w3", 0), ("w2", 1)):
-                lin = getattr(expert, name, None)
-                if lin is not None:
-                    lin.weight = nn.Parameter(distribute_tensor(lin.weight, tp_mesh, [Shard(dim)], src_data_rank=None),
-                                              requires_grad=lin.weight.requires_grad)
-
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        x = _CopyToTP.apply(x, self.group)
-        outs = []
-        for expert, part in zip(self, x.split(counts)):
-            if expert.swiglu:
-                h = F.silu(F.linear(part, _local(expert.w1.weight))) * F.linear(part, _local(expert.w3.weight))
-            else:
-                h = F.gelu(F.linear(part, _local(expert.w1.weight)), approximate="tanh")
-            outs.append(F.linear(h, _local(expert.w2.weight)))
-        y = torch.cat(outs) if outs else x[:0]
-        return _ReduceFromTP.apply(y, self.group)
+        tp_experts(moe, mesh["tp"] if mesh is not None else dense_tp, dense_tp)
+        moe.context.tp_io = TPMoEIO(dense_tp.get_group(), s.tp, s.sp == SPKind.MEGATRON)
 
 
 def shard_experts(module: nn.Module, s: LayerStrategy, plan: Plan, dims: ParallelDims, mp_policy, result) -> bool:

@@ -131,7 +131,9 @@ def grad_norm(params, pp_group=None) -> torch.Tensor:
     total = None
     for process_groups, grads in groups.values():
         local = [_local(g) for g in grads]
-        sq = torch.stack([n.float() for n in torch._foreach_norm(local)]).pow(2).sum()
+        # Host-resident gradients (APTMoE experts) join the device's sum.
+        device = next((g.device for g in local if g.device.type != "cpu"), local[0].device)
+        sq = torch.stack([n.float().to(device) for n in torch._foreach_norm(local)]).pow(2).sum()
         for group in process_groups:
             dist.all_reduce(sq, group=group)
         total = sq if total is None else total + sq.to(total.device)

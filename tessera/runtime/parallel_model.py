@@ -97,6 +97,7 @@ class ParallelTransformer(nn.Module):
         self.output = model.output if self.has_head else None
         if self.config.position != "learned":
             self.register_buffer("freqs", model.freqs, persistent=False)
+        self.placement = None  # NetMoE per-layer placement (runtime/moe_placement.py): rows move in MoE blocks
 
     def _positions(self, positions, act: ActLayout, seq: int, device) -> torch.Tensor:
         """Position ids of this rank's (batch, seq) block, shape (B_l, S_l) or (S_l,)."""
@@ -145,6 +146,9 @@ class ParallelTransformer(nn.Module):
             freqs = self._freqs(positions, act, seq, h.device, cache) if self.config.position != "learned" else None
             h = block(h, freqs, self._documents(doc_ids, act, cache))
             prev = act
+            if self.placement is not None:  # the block moved samples: later layers read their rows
+                positions, doc_ids, moved = self.placement.after_block(int(key), positions, doc_ids)
+                cache = {} if moved else cache
         if not self.has_head:
             return h
         h = reshard(h, prev, acts[-1], ctx.stage_rank, ctx.group)
@@ -173,6 +177,7 @@ class ParallelLoss:
         # (a piece without targets then adds 0, not NaN). None: the mean over the piece.
         self.target_scale: float | None = None
         self.real_seq_len: int | None = None
+        self.labels_hook = None  # the labels of the rows the head holds (NetMoE per-layer placement)
 
     def context(self):
         if self.vocab_parallel:
@@ -185,6 +190,8 @@ class ParallelLoss:
 
     def __call__(self, logits, labels: torch.Tensor) -> torch.Tensor:
         seq = labels.shape[1]
+        if self.labels_hook is not None:
+            labels = self.labels_hook(labels)
         labels = self.ctx.data_block(labels, self.act)
         # fp32 logits (bf16 runs): the log-softmax over the vocabulary loses too much in bf16. The
         # vocabulary-sharded DTensor of loss parallelism casts its shards alike.

@@ -111,8 +111,7 @@ def _tp_block(block: nn.Module, s: LayerStrategy, tp_mesh) -> None:
     reduces them once (one all-reduce, or one reduce-scatter under sequence parallelism), as
     Megatron does, instead of once per projection."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                                   PrepareModuleOutput, RowwiseParallel,
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
 
     sp = s.sp == SPKind.MEGATRON
@@ -126,9 +125,9 @@ def _tp_block(block: nn.Module, s: LayerStrategy, tp_mesh) -> None:
     if sp:
         plan["attention_norm"] = SequenceParallel()
         plan["ffn_norm"] = SequenceParallel()
-    if hasattr(block, "moe"):  # experts and the shared expert: runtime/expert_parallel.py
+    if hasattr(block, "moe"):  # the MoE layer gathers and reduces over tp itself (runtime/expert_tp.py)
         if sp:
-            plan["moe"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+            plan["moe"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
                                              use_local_output=True)
     else:
         plan["feed_forward.w1"] = ColwiseParallel()
@@ -138,10 +137,6 @@ def _tp_block(block: nn.Module, s: LayerStrategy, tp_mesh) -> None:
         plan["feed_forward"] = PrepareModuleInput(input_layouts=(inp,), desired_input_layouts=(Replicate(),),
                                                   use_local_output=False)
     parallelize_module(block, tp_mesh, plan)
-    if sp and hasattr(block, "moe"):
-        # Experts return replicated rows; the residual stream is sequence-sharded.
-        parallelize_module(block.moe, tp_mesh, PrepareModuleOutput(
-            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True))
 
 
 def _tp_embedding_and_head(model: ParallelTransformer, first: LayerStrategy | None,

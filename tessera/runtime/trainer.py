@@ -61,7 +61,12 @@ class TrainConfig:
     resume: str | None = None
     adaptive: bool = False  # per-step sequence-parallel groups for the batch's documents
     adaptive_time_budget_s: float = 0.1
-    moe_placement: bool = False  # NetMoE: place each step's samples on data ranks (runtime/moe_placement.py)
+    # NetMoE (runtime/moe_placement.py): "step" (or True) places each step's samples on data ranks,
+    # "layer" also moves them between MoE layers.
+    moe_placement: bool | str = False
+    # APTMoE (runtime/expert_offload.py): a cost.expert_offload.HostSpec (the cost model decides where
+    # each expert computes) or an OffloadPlan; the MoE layers' experts live in host memory.
+    expert_offload: object = None
     # --- run records, evaluation, retention (tessera.config documents each) ---
     run_id: str | None = None  # carried by every metrics line
     wandb: dict | None = None  # wandb.init arguments (project, name, id, config, dir); None: off
@@ -77,6 +82,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.steps < 0:
             raise TesseraError(f"steps must be >= 0, got {self.steps}")
+        if self.moe_placement not in (False, True, "step", "layer"):
+            raise TesseraError(f"moe_placement must be 'step' or 'layer', not {self.moe_placement!r}")
         generated = self.data is not None and self.data.split(":")[0] == "synthetic-shapes"  # image_data.py
         if self.data is not None and not generated and not Path(self.data).exists():
             raise TesseraError(f"data directory {self.data} does not exist")
@@ -144,7 +151,8 @@ class Trainer:
         if config.moe_placement:
             from .moe_placement import SamplePlacer
 
-            self.placer = SamplePlacer(self.plan, self.dims, self.rank, self.model_parts)
+            self.placer = SamplePlacer(self.plan, self.dims, self.rank, self.model_parts,
+                                       per_layer=config.moe_placement == "layer", parallel=self.parallel)
         self.loader = None
         self.data_iter = None
         self.eval_loader = None
@@ -197,6 +205,7 @@ class Trainer:
         self.parallel: Parallelized = parallelize(self.model, self.plan, self.dims, self.rank,
                                                   compile=self.config.compile, mp_policy=mp_policy)
         self.materialize(self.parallel.chunk)
+        self.offload_experts(self.parallel.chunk)
         self.parallel.wrap_ddp()
         self.model_parts = [self.parallel.module]
         self.loss_fn = self.parallel.loss
@@ -214,6 +223,7 @@ class Trainer:
             parts.append(parallelize(chunk, self.plan, self.dims, self.rank, layers, compile=self.config.compile,
                                      mp_policy=mp_policy))
             self.materialize(parts[-1].chunk)  # before the pipeline stage sees it
+            self.offload_experts(parts[-1].chunk)
             return parts[-1]
 
         self.loss_fn = ParallelLoss(StageContext.build(self.plan, self.dims, self.rank))
@@ -253,6 +263,17 @@ class Trainer:
             load_hf_shards(part, self.config.init_from, self.plan.model.config, self.device)
         else:
             materialize(part, self.plan.model.config, self.config.seed, self.device)
+
+    def offload_experts(self, part) -> None:
+        """APTMoE: the MoE experts of `part` to host memory, each computing where the decision says."""
+        if self.config.expert_offload is None:
+            return
+        from .expert_offload import apply_expert_offload, check_expert_offload, offload_plan_for
+
+        check_expert_offload(self.plan)
+        self.offload_plan = offload_plan_for(self.plan, self.config.expert_offload)
+        self.host_experts = getattr(self, "host_experts", []) + apply_expert_offload(part, self.offload_plan,
+                                                                                     self.device)
 
     def build_optimizer(self) -> None:
         """AdamW and its LR schedule per model part (pipeline chunks checkpoint one pair each)."""

@@ -163,7 +163,21 @@ def _llama_like_fields(d: dict[str, Any], model_type: str, source: str) -> dict[
                       router_aux_loss_coef=float(d.get("router_aux_loss_coef", _ROUTER_AUX_LOSS_COEF)))
     if model_type == "qwen2_moe":
         fields.update(_qwen2_moe_fields(d, source))
+    if model_type in ("mixtral", "qwen2_moe"):
+        fields.update(_routing_options(d))
     return fields
+
+
+def _routing_options(d: dict[str, Any]) -> dict[str, Any]:
+    """Training options of the routing that Tessera reads when a config names them (HF's Mixtral
+    and Qwen2-MoE have neither): `capacity_factor` (absent or null: dropless) and
+    `router_z_loss_coef` (the ST-MoE z-loss, as Switch Transformers' configs name it)."""
+    out: dict[str, Any] = {}
+    if d.get("capacity_factor") is not None:
+        out["capacity_factor"] = float(d["capacity_factor"])
+    if d.get("router_z_loss_coef") is not None:
+        out["router_z_loss_coef"] = float(d["router_z_loss_coef"])
+    return out
 
 
 def _qwen2_moe_fields(d: dict[str, Any], source: str) -> dict[str, Any]:

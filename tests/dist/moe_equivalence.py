@@ -63,10 +63,11 @@ def reference(config: TransformerConfig, plan, batches, aux_out: list | None = N
     sched = build_scheduler(opt, OPTIM)
     data_ranks, m = min(s.dp for s in plan.layers), plan.num_micro_batches
     losses, grads, norm = [], None, None
-    for step, (tokens, labels) in enumerate(batches):
+    for step, (tokens, labels, *docs) in enumerate(batches):
         total = aux_total = 0.0
-        for t, l in zip(micro_batches(tokens, data_ranks, m), micro_batches(labels, data_ranks, m)):
-            lm = F.cross_entropy(model(t).flatten(0, 1), l.flatten())
+        pieces = [micro_batches(x, data_ranks, m) for x in docs]
+        for t, l, *extra in zip(micro_batches(tokens, data_ranks, m), micro_batches(labels, data_ranks, m), *pieces):
+            lm = F.cross_entropy(model(t, *extra).flatten(0, 1), l.flatten())
             aux = moe_aux_loss(model)
             ((lm + aux) / m).backward()
             total += lm.item() / m
@@ -96,10 +97,27 @@ def full_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
     return out
 
 
-def check(name: str, config: TransformerConfig, plan, placement: bool = False) -> None:
+def packed(batches, seed: int = 5):
+    """The batches as packed documents: every row cut in two at a random point (positions restart,
+    attention stays inside each document)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for tokens, labels in batches:
+        cut = torch.randint(1, tokens.shape[1], (tokens.shape[0], 1), generator=gen)
+        pos = torch.arange(tokens.shape[1]).expand_as(tokens)
+        doc_ids = (pos >= cut).long()
+        out.append((tokens, labels, torch.where(pos >= cut, pos - cut, pos), doc_ids))
+    return out
+
+
+def check(name: str, config: TransformerConfig, plan, placement: bool | str = False, docs: bool = False,
+          offload=None) -> None:
     batches = global_batches(config)
+    if docs:
+        batches = packed(batches)
     want_losses, want_grads, want_norm = reference(config, plan, batches)
-    trainer = Trainer(TrainConfig(plan=plan, steps=STEPS, optim=OPTIM, seed=0, moe_placement=placement))
+    trainer = Trainer(TrainConfig(plan=plan, steps=STEPS, optim=OPTIM, seed=0, moe_placement=placement,
+                                  expert_offload=offload))
     moved = []
     if placement:  # note each step's placement (rank 0 solves it)
         place = trainer.placer.place
@@ -122,7 +140,7 @@ def check(name: str, config: TransformerConfig, plan, placement: bool = False) -
         captured.setdefault("__norm__", float(trainer.grad_norm))
 
     trainer.optimizer_step = optimizer_step
-    losses = [trainer.train_step(trainer.local_rows(t), trainer.local_rows(lab)) for t, lab in batches]
+    losses = [trainer.train_step(*(trainer.local_rows(x) for x in batch)) for batch in batches]
     trainer.close()
     rank = dist.get_rank()
     norm = captured.pop("__norm__")
@@ -147,8 +165,17 @@ def check(name: str, config: TransformerConfig, plan, placement: bool = False) -
     for step, (got, want) in enumerate(zip(losses, want_losses)):
         if abs(got - want) > LOSS_RTOL * abs(want):
             raise AssertionError(f"{name}: step {step} loss {got:.8f} != one-process {want:.8f}")
+    if offload is not None:  # APTMoE: every expert of this stage ran where the decision put it
+        assert all(h.prefetches for h in trainer.host_experts), name
+        for host in trainer.host_experts:
+            assert all(host.ran[e][place] > 0 for e, place in host.where.items()), (name, host.ran)
     if placement and rank == 0 and not any(moved[1:]):
         raise AssertionError(f"{name}: the placement never moved a sample ({moved})")
+    if placement == "layer":  # samples moved between layers too
+        between = [bool((order != torch.arange(len(order))).any()) for c in trainer.placer.contexts
+                   for order in c.decisions.values()]
+        if not any(between):
+            raise AssertionError(f"{name}: no MoE layer moved a sample")
     if rank == 0:
         print(f"  {name}: worst gradient error {worst[0]:.1e} ({worst[1]})", flush=True)
         print(f"CHECK {name} ok", flush=True)
@@ -269,6 +296,43 @@ def check_collectives_as_priced() -> None:
         print("CHECK ep_collectives_as_priced ok", flush=True)
 
 
+def check_tp_collectives_as_priced() -> None:
+    """Tensor parallel with Megatron SP: a MoE block issues a dense block's tp collectives (per
+    micro-batch an all-gather + reduce-scatter pair each way for each half, of the sequence's
+    activation, as cost/collectives.py prices a block), and besides them only the all-reduce of
+    the routing-weight gradients that cost/moe.py lists (the experts' outputs are reduced once,
+    with the layer's, not as all-reduces of their token-slots)."""
+    from collections import Counter
+
+    from tessera.cost.moe import ep_collectives
+    from tessera.runtime.comm_count import count_collectives
+
+    moe_plan = dict((name, p) for name, _, p in plans())["ep2_tp2_sp_qwen"]
+    dense = QWEN.model_copy(update=dict(name="tp-qwen-dense", family="qwen2", num_experts=0, top_k=0,
+                                        shared_expert_ffn=0, router="topk_softmax", router_aux_loss_coef=0.0,
+                                        router_z_loss_coef=0.0))
+    dense_plan = make_plan(dense, 4, S(dp=2, tp=2, sp="megatron"))
+    msg = 8 // 2 * SEQ * QWEN.hidden * 4  # a rank's (whole-sequence) activation, fp32
+    counts = []
+    for plan, config in ((moe_plan, QWEN), (dense_plan, dense)):
+        trainer = Trainer(TrainConfig(plan=plan, steps=1, optim=OPTIM, seed=0))
+        tokens, labels = global_batches(config)[0]
+        with count_collectives() as records:
+            trainer.train_step(trainer.local_rows(tokens), trainer.local_rows(labels))
+        trainer.close()
+        counts.append((Counter((r.kind, r.group_size) for r in records if r.bytes == msg), records))
+    (moe, records), (dense_counts, _) = counts
+    assert moe == dense_counts, (sorted(moe.items()), sorted(dense_counts.items()))
+    layer, s = moe_plan.model.layers[1], moe_plan.layers[1]
+    tiny = [c for c in ep_collectives(layer, s, 8 // s.dp * SEQ, 4, aux_loss=True) if "tensor parallel" in c.what]
+    assert len(tiny) == 1 and tiny[0].op == "all_reduce" and tiny[0].phase == "backward", tiny
+    small = [r for r in records if r.kind == "all_reduce" and r.group_size == s.tp and r.bytes == tiny[0].nbytes]
+    assert len(small) == QWEN.num_layers, ([(r.bytes, r.group_size) for r in records if r.kind == "all_reduce"],
+                                           tiny[0].nbytes)
+    if dist.get_rank() == 0:
+        print("CHECK tp_sp_collectives_as_priced ok", flush=True)
+
+
 def check_checkpoint_across_ep(directory: str) -> None:
     """Save under ep4 after two steps, resume under ep2 (experts on other ranks): the third step's
     loss is the one of an uninterrupted one-process run."""
@@ -292,10 +356,30 @@ def check_checkpoint_across_ep(directory: str) -> None:
 
 
 def placement_plans():
-    """NetMoE placement with one rank per node: every ep2 group spans two nodes."""
+    """NetMoE placement with one rank per node: every ep2 group spans two nodes. Per layer: Qwen-MoE
+    (shared expert), a capacity that drops slots, two micro-batches, full recompute, packed documents;
+    and under tensor parallelism with Megatron SP."""
     plan = make_plan(MIXTRAL, 4, blocks(MIXTRAL, S(dp=4), S(dp=4, ep=2, zero=1)))
-    two_nodes = plan.cluster.model_copy(update=dict(num_nodes=4, gpus_per_node=1))
-    return [("ep2_dp2_netmoe_placement", MIXTRAL, plan.model_copy(update=dict(cluster=two_nodes)))]
+    one_per_node = plan.cluster.model_copy(update=dict(num_nodes=4, gpus_per_node=1))
+    qwen = QWEN.model_copy(update=dict(name="ep-qwen-cap-layer", capacity_factor=1.0, norm_topk_prob=True))
+    layered = make_plan(qwen, 4, blocks(qwen, S(dp=4, zero=2), S(dp=4, ep=2, zero=2, recompute="full")),
+                        num_micro_batches=2)
+    tp_sp = make_plan(QWEN, 4, blocks(QWEN, S(dp=2, tp=2, sp="megatron"), S(dp=2, tp=2, sp="megatron", ep=2)))
+    return [("ep2_dp2_netmoe_placement", MIXTRAL, plan.model_copy(update=dict(cluster=one_per_node)), True),
+            ("ep2_dp4_netmoe_per_layer_qwen_capacity_recompute", qwen,
+             layered.model_copy(update=dict(cluster=one_per_node)), "layer"),
+            ("ep2_tp2_sp_netmoe_per_layer_qwen", QWEN, tp_sp.model_copy(update=dict(cluster=one_per_node)), "layer")]
+
+
+def offload_plans():
+    """APTMoE: a pipeline of four single-rank stages, each MoE layer's experts on its rank's host,
+    two brought to the device and two computed on the host."""
+    from tessera.cost.expert_offload import GPU, HOST, LayerOffload, OffloadPlan
+
+    plan = make_plan(MIXTRAL, 4, blocks(MIXTRAL, S(), S()), num_micro_batches=4,
+                     stages=((0, 1), (1, 2), (2, 3), (3, 4)))
+    where = LayerOffload(where=(GPU, HOST, HOST, GPU), seconds=0.0, offload_all_s=0.0, host_all_s=0.0)
+    return [("aptmoe_offload_pp4", MIXTRAL, plan, OffloadPlan(layers=(where,) * 2, micro_batches=4))]
 
 
 if __name__ == "__main__":
@@ -306,13 +390,18 @@ if __name__ == "__main__":
     for name, config, plan in plans() + capacity_plans():
         if not only or name in only:
             check(name, config, plan)
-    for name, config, plan in placement_plans():
+    for name, config, plan, how in placement_plans():
         if not only or name in only:
-            check(name, config, plan, placement=True)
+            check(name, config, plan, placement=how, docs=how == "layer")
+    for name, config, plan, offload in offload_plans():
+        if not only or name in only:
+            check(name, config, plan, offload=offload)
     if not only or "train_reports_routing" in only:
         check_train_report()
     if not only or "ep_collectives_as_priced" in only:
         check_collectives_as_priced()
+    if not only or "tp_sp_collectives_as_priced" in only:
+        check_tp_collectives_as_priced()
     if os.environ.get("MOE_CHECKPOINT_DIR") and (not only or "checkpoint_ep4_resume_ep2" in only):
         check_checkpoint_across_ep(os.environ["MOE_CHECKPOINT_DIR"])
     dist.destroy_process_group()

@@ -11,8 +11,9 @@ fake tensors (`FakeTensorMode`: a shape, a dtype and a device, no data) at the p
 and in no memory:
 - a scalar read (`float(loss)`, the gradient norm, a pipeline vote) gives 1.0 for a floating
   tensor (AdamW's step count divides by 1 - beta^step) and 0 for an integer one;
-- row selection by value (MoE routing) assumes uniform routing: each of E experts gets
-  tokens * top_k / E rows;
+- MoE layers route uniformly (`models.moe.uniform_routing`: each of E experts gets
+  tokens * top_k / E slots, the splits known without data, the cost model's mean routing), and
+  any other row selection by value (`nonzero`) keeps numel / E rows;
 - device meshes and process groups are built from real rank tensors (outside the mode);
 - the checks that read parameter values are lifted: FSDP2's refusal of meta parameters, DDP's
   cross-rank shape check and initial broadcast.
@@ -197,5 +198,7 @@ def fake_execution(plan: Plan) -> Iterator[FakeWorld]:
     """Run the runtime on fake tensors (see the module docstring) inside the block."""
     cfg = plan.model.config
     _routing["experts"] = max(cfg.num_experts, 1) if cfg is not None else 1
-    with _no_data_checks(), _real_device_meshes(), FakeWorld() as mode:
+    from ...models.moe import uniform_routing
+
+    with _no_data_checks(), _real_device_meshes(), uniform_routing(), FakeWorld() as mode:
         yield mode
