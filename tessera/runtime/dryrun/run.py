@@ -100,8 +100,12 @@ def _child(plan: Plan, rank: int, materialize: bool, step: bool, conn) -> None:
 
 
 def measure_in_child(plan: Plan, rank: int, materialize: bool, step: bool = True) -> RankMeasurement:
-    """`measure_rank` in a forked process (a fresh fake world per rank)."""
-    ctx = multiprocessing.get_context("fork")
+    """`measure_rank` in a child process (a fresh fake world per rank). Children fork from a
+    forkserver that imported the runtime once and runs no thread: forking this process instead
+    can deadlock a child on a lock that one of its threads (a process group's, a thread pool's)
+    held at the fork."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child, args=(plan, rank, materialize, step, child))
     proc.start()
