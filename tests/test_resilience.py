@@ -1,0 +1,153 @@
+"""One-process parts of recovery: safe checkpoint loading (nothing unpickled as an arbitrary
+object), falling back past a corrupt checkpoint, the non-finite policies, the hang watchdog, RNG
+state in a checkpoint. The multi-process parts are in test_resilience_dist.py."""
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tessera.errors import TesseraError
+from tessera.models.transformer import build_model
+from tessera.runtime.checkpoint import CheckpointManager
+from tessera.runtime.resilience import (NonFiniteGuard, ResilienceConfig, TrainingDiverged, parse_faults)
+from tests.dist.pipeline_checkpoint_common import TINY_LLAMA, make_optimizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class _Payload:
+    """Unpickling this runs a command (what a tampered checkpoint would carry)."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _saved(tmp_path, step=1, extra=None):
+    model = build_model(TINY_LLAMA)
+    opt = make_optimizer(model.parameters())
+    return CheckpointManager(tmp_path).save(step, [model], [opt], extra or {"step": step}), model, opt
+
+
+def _rehash(ckpt):
+    """Recompute the manifest, as an attacker who can write the directory would."""
+    import hashlib
+    import json
+
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    for rel in manifest["files"]:
+        data = (ckpt / rel).read_bytes()
+        manifest["files"][rel] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("target", [".metadata", "extra/rank-00000.pt"])
+def test_a_tampered_checkpoint_runs_nothing(tmp_path, target):
+    ckpt, model, opt = _saved(tmp_path / "ckpt")
+    marker = tmp_path / "pwned"
+    if target == ".metadata":
+        (ckpt / target).write_bytes(pickle.dumps(_Payload(str(marker))))
+    else:
+        torch.save({"step": 1, "x": _Payload(str(marker))}, ckpt / target)
+    _rehash(ckpt)
+    with pytest.raises(TesseraError, match="is refused"):
+        CheckpointManager(tmp_path / "ckpt").load([model], [opt])
+    assert not marker.exists()
+
+
+def test_export_reads_metadata_safely(tmp_path):
+    from tessera.runtime.safe_dcp import read_metadata
+
+    ckpt, _, _ = _saved(tmp_path / "ckpt")
+    assert "model.tok_embeddings.weight" in read_metadata(ckpt).state_dict_metadata
+    (ckpt / ".metadata").write_bytes(pickle.dumps(_Payload(str(tmp_path / "pwned"))))
+    with pytest.raises(TesseraError, match="holds something other than checkpoint metadata"):
+        read_metadata(ckpt)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_latest_valid_falls_back_past_a_corrupt_checkpoint(tmp_path, caplog):
+    model = build_model(TINY_LLAMA)
+    opt = make_optimizer(model.parameters())
+    manager = CheckpointManager(tmp_path)
+    for step in (2, 4):
+        manager.save(step, [model], [opt], {"step": step})
+    victim = next((tmp_path / "step-4").glob("*.distcp"))
+    victim.write_bytes(victim.read_bytes()[:-3] + b"xyz")
+    assert manager.latest().name == "step-4"
+    assert manager.latest_valid().name == "step-2"
+    assert "step-4 is corrupt" in caplog.text
+    victim2 = next((tmp_path / "step-2").glob("*.distcp"))
+    victim2.write_bytes(b"")
+    assert manager.latest_valid() is None
+
+
+def test_rng_state_round_trips_through_a_checkpoint(tmp_path):
+    """The trainer's RNG state (torch, numpy, python) saves as tensors and loads with weights_only."""
+    import random
+
+    import numpy as np
+
+    from tessera.runtime.rng import restore_rng_state, rng_state
+
+    torch.manual_seed(3)
+    np.random.seed(4)
+    random.seed(5)
+    state = rng_state()
+    want = (torch.rand(3), np.random.rand(3), random.random())
+    _, model, opt = _saved(tmp_path, 1, {"step": 1, "rng": state})
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    extra = CheckpointManager(tmp_path).load([model], [opt])
+    restore_rng_state(extra["rng"])
+    got = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(want[0], got[0]) and np.array_equal(want[1], got[1]) and want[2] == got[2]
+
+
+def test_nonfinite_policies():
+    skip = NonFiniteGuard(ResilienceConfig(on_nonfinite="skip", max_bad_steps=2))
+    assert skip.bad_step(5, float("nan"), float("nan"), "step-4") == "skip"
+    skip.good_step()
+    assert skip.bad_step(7, float("nan"), 1.0, "step-4") == "skip"
+    with pytest.raises(TrainingDiverged, match="2 non-finite steps in a row: stopped; the last checkpoint, "
+                                               "step-4, holds only finite values"):
+        skip.bad_step(8, float("inf"), float("inf"), "step-4")
+    with pytest.raises(TrainingDiverged, match=r"the loss is nan .* at step 3: stopped \(--on-nonfinite stop\)"):
+        NonFiniteGuard(ResilienceConfig(on_nonfinite="stop")).bad_step(3, float("nan"), 0.0, None)
+    back = NonFiniteGuard(ResilienceConfig(on_nonfinite="rollback", max_bad_steps=1))
+    assert back.bad_step(3, float("nan"), 0.0, "step-2") == "rollback"
+    with pytest.raises(TrainingDiverged, match="rollbacks in a row did not help"):
+        back.bad_step(3, float("nan"), 0.0, "step-2")
+    with pytest.raises(TrainingDiverged, match="no checkpoint to roll back to"):
+        NonFiniteGuard(ResilienceConfig(on_nonfinite="rollback")).bad_step(1, float("nan"), 0.0, None)
+    for bad, msg in (({"hang_timeout_s": 0}, "--hang-timeout"), ({"on_nonfinite": "ignore"}, "--on-nonfinite"),
+                     ({"max_bad_steps": 0}, "--max-bad-steps"), ({"hang_timeout_s": float("inf")}, "--hang-timeout")):
+        with pytest.raises(TesseraError, match=msg):
+            ResilienceConfig(**bad)
+
+
+def test_watchdog_exits_a_rank_that_makes_no_progress(tmp_path):
+    """A rank whose steps stop for longer than the hang timeout exits with EXIT_HUNG and says why."""
+    code = ("import time; from tessera.runtime.resilience import Watchdog\n"
+            "w = Watchdog(0.5, rank=3); w.start(); w.kick(1); time.sleep(0.3); w.kick(2); time.sleep(30)")
+    env = {**os.environ, "PYTHONPATH": ROOT, "TESSERA_STATUS_DIR": str(tmp_path), "RANK": "3"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 4, proc.stderr
+    status = (tmp_path / "rank-00003.json").read_text()
+    assert '"kind": "hung"' in status and "no progress for" in status and "after step 2" in status
+
+
+def test_fault_specs():
+    faults = parse_faults("kill@rank=3,step=6,corrupt=latest;stop@rank=1,step=9,attempt=1")
+    assert [(f.action, f.rank, f.step, f.attempt, f.corrupt) for f in faults] == [
+        ("kill", 3, 6, 0, "latest"), ("stop", 1, 9, 1, "")]
+    with pytest.raises(TesseraError, match="unknown fault"):
+        parse_faults("explode@rank=1,step=1")
