@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -59,8 +58,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--out", default=None, help="run directory for plan.json and metrics.jsonl (default runs/<model>)")
     out.add_argument("--checkpoint-dir", default=None)
     out.add_argument("--checkpoint-every", type=int, default=0)
-    out.add_argument("--resume", default=None, help="checkpoint directory to continue from")
+    out.add_argument("--resume", default=None,
+                     help="checkpoint directory to continue from (its latest valid checkpoint), a step-N "
+                          "directory in it, or 'auto': --checkpoint-dir's latest valid one if there is one")
     out.add_argument("--log-every", type=int, default=1)
+    from . import launch
+
+    launch.add_arguments(p)
 
 
 def _under_torchrun() -> bool:
@@ -73,28 +77,37 @@ def _workload(args):
     return Workload(global_batch=args.global_batch, seq_len=args.seq_len, dtype="fp32")
 
 
-def make_local_plan(model_name: str, nproc: int, workload):
-    """The searched plan for `nproc` local ranks of this machine."""
+def _local_cluster(nproc: int, nodes: int = 1):
+    """`nproc` CPU ranks of this machine, as `nodes` nodes of nproc / nodes ranks."""
+    from ..spec.presets.clusters import local_cpu_cluster
+
+    cluster = local_cpu_cluster(nproc)
+    if nodes > 1:
+        cluster = cluster.model_copy(update={"num_nodes": nodes, "gpus_per_node": nproc // nodes,
+                                             "name": f"local cpu {nodes}x{nproc // nodes}"})
+    return cluster
+
+
+def make_local_plan(model_name: str, nproc: int, workload, nodes: int = 1):
+    """The searched plan for `nproc` ranks of this machine (as `nodes` nodes)."""
     from ..search import search
     from ..spec.hf_config import resolve_model_config
     from ..spec.model import ModelSpec
-    from ..spec.presets.clusters import local_cpu_cluster
 
     model = ModelSpec.from_config(resolve_model_config(model_name))
-    return search(model, local_cpu_cluster(nproc), workload)
+    return search(model, _local_cluster(nproc, nodes), workload)
 
 
-def make_replicated_plan(model_name: str, nproc: int, workload):
+def make_replicated_plan(model_name: str, nproc: int, workload, nodes: int = 1):
     """Plain data parallelism over `nproc` local ranks (what `--adaptive` runs on)."""
     from ..search import manual_plan
     from ..spec.hf_config import resolve_model_config
     from ..spec.model import ModelSpec
-    from ..spec.presets.clusters import local_cpu_cluster
 
     if workload.global_batch % nproc:
         raise TesseraError(f"--global-batch {workload.global_batch} is not divisible by --nproc {nproc}")
     model = ModelSpec.from_config(resolve_model_config(model_name))
-    return manual_plan(model, local_cpu_cluster(nproc), workload, dp=nproc,
+    return manual_plan(model, _local_cluster(nproc, nodes), workload, dp=nproc,
                        micro_batch_size=workload.global_batch // nproc, name="data-parallel")
 
 
@@ -107,8 +120,13 @@ def _validate(plan, world: int, args) -> None:
         raise TesseraError(f"data directory {args.data} does not exist")
     if args.init_from is not None:
         _check_init_from(plan, args)
-    if args.resume is not None and not Path(args.resume).exists():
+    if args.resume not in (None, "auto") and not Path(args.resume).exists():
         raise TesseraError(f"checkpoint directory {args.resume} does not exist")
+    if args.resume == "auto" and not args.checkpoint_dir:
+        raise TesseraError("--resume auto needs --checkpoint-dir (where the checkpoints are)")
+    from . import launch
+
+    launch.check(args)
 
 
 def _child_argv(args, plan_path: Path, metrics: Path) -> list[str]:
@@ -123,17 +141,28 @@ def _child_argv(args, plan_path: Path, metrics: Path) -> list[str]:
         argv += ["--checkpoint-every", str(args.checkpoint_every)]
     argv += [flag for flag, on in (("--compile", args.compile), ("--synthetic-data", args.synthetic_data),
                                    ("--adaptive", args.adaptive)) if on]
-    return argv
+    from . import launch
+
+    return argv + launch.child_flags(args)
 
 
 def run(args) -> int:
+    if _under_torchrun():  # a rank: die with the agent, report how it ended (runtime/resilience.py)
+        from ..runtime.resilience import bind_to_parent, run_worker
+
+        bind_to_parent()
+        return run_worker(lambda: _run(args))
+    return _run(args)
+
+
+def _run(args) -> int:
     from ..plan import Plan
 
     if args.plan and args.model:
         raise TesseraError("give either --plan or --model (a plan already names its model)")
     if args.init_from and args.model:
         raise TesseraError("give either --init-from or --model (the checkpoint's config.json is the model)")
-    world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else (args.nproc or 1)
+    world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else (args.nproc or 1) * args.nnodes
     model = args.init_from or args.model or DEFAULT_MODEL
     if args.init_from:
         from ..models.hf_load import hf_model_config
@@ -142,9 +171,9 @@ def run(args) -> int:
     if args.plan:
         plan = Plan.load(args.plan)
     elif args.adaptive:
-        plan = make_replicated_plan(model, world, _workload(args))
+        plan = make_replicated_plan(model, world, _workload(args), args.nnodes)
     else:
-        plan = make_local_plan(model, world, _workload(args))
+        plan = make_local_plan(model, world, _workload(args), args.nnodes)
     if args.adaptive:
         from ..runtime.adaptive import check_adaptive_plan
 
@@ -152,7 +181,7 @@ def run(args) -> int:
     _validate(plan, world, args)
     out = Path(args.out or Path("runs") / plan.model.name)
     if world > 1 and not _under_torchrun():
-        return _launch(args, plan, world, out)
+        return _launch(args, plan, args.nproc or 1, out)
     return _train_here(args, plan, out)
 
 
@@ -176,20 +205,21 @@ def _check_init_from(plan, args) -> None:
 
 
 def _launch(args, plan, nproc: int, out: Path) -> int:
-    """Start `nproc` local ranks with torchrun, each running `tessera train --plan`."""
+    """Start `nproc` local ranks under torchrun's elastic agent, each running `tessera train --plan`
+    (`cli/launch.py`: restarts, rendezvous across nodes, one-line errors)."""
+    from . import launch
+
     out.mkdir(parents=True, exist_ok=True)
     plan_path = out / "plan.json"
     plan.save(plan_path)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "tessera", *_child_argv(args, plan_path, out / "metrics.jsonl")]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    print(f"plan '{plan.name}' for {nproc} ranks written to {plan_path}; launching torchrun", flush=True)
-    return subprocess.call(cmd, env=env)
+    print(f"plan '{plan.name}' for {plan.world_size} ranks written to {plan_path}; launching {nproc} local ranks "
+          f"(restarts: {args.max_restarts})", flush=True)
+    return launch.launch(args, nproc, out, _child_argv(args, plan_path, out / "metrics.jsonl"))
 
 
 def _train_here(args, plan, out: Path) -> int:
     from ..runtime.optim import OptimConfig
+    from . import launch
     from ..runtime.trainer import TrainConfig, Trainer
 
     logging.basicConfig(level=logging.WARNING)
@@ -199,7 +229,7 @@ def _train_here(args, plan, out: Path) -> int:
         metrics_path=str(out / "metrics.jsonl"), tensorboard_dir=str(out / "tensorboard"),
         log_every=args.log_every, compile=args.compile, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume, adaptive=args.adaptive,
-        init_from=args.init_from)
+        init_from=args.init_from, **launch.runtime_options(args, out))
     progress = _Progress(args.steps) if int(os.environ.get("RANK", 0)) == 0 else None
     trainer = Trainer(config, on_step=progress.update if progress else None)
     try:

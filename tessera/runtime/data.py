@@ -379,6 +379,7 @@ class TokenLoader:
                                f"{global_batch} x {seq_len}")
         self.samples_seen = 0
         self._perm_epoch, self._perm = -1, np.empty(0, dtype=np.int64)
+        self.rows: slice | None = None  # this rank's rows when replicas take uneven shares (Plan.batch_shares)
 
     @property
     def local_batch(self) -> int:
@@ -410,7 +411,7 @@ class TokenLoader:
     def batch_at(self, first_sample: int, rows: slice | None = None) -> Batch:
         """The batch of global samples [first_sample, first_sample + global_batch), rows `rows`
         (default: this rank's rows). Does not move the data position."""
-        rows = rows or slice(self.dp_rank * self.local_batch, (self.dp_rank + 1) * self.local_batch)
+        rows = rows or self.rows or slice(self.dp_rank * self.local_batch, (self.dp_rank + 1) * self.local_batch)
         samples = first_sample + np.arange(self.global_batch)[rows]
         s = self.seq_len
         tokens = np.empty((len(samples), s + 1), dtype=np.int64)

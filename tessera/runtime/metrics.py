@@ -38,6 +38,13 @@ class StepRecord:
     predicted_step_time_s: float | None = None
     # Adaptive runs: the sequence-parallel group sizes of each micro-batch of the step plan.
     sp_groups: list[list[int]] | None = None
+    # Per rank (runtime/steptime.py): seconds in data loading, compute, communication and pipeline
+    # bubble, and MFU; None where not measured (compute and communication on CUDA).
+    data_s: list[float] | None = None
+    compute_s: list[float] | None = None
+    comm_s: list[float] | None = None
+    bubble_s: list[float] | None = None
+    rank_mfu: list[float] | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -71,8 +78,8 @@ class PendingRecord:
     grad_norm: torch.Tensor | float
     lr: float
     span: StepSpan
-    peaks: list[torch.Tensor]
-    work: object  # the peak-memory all-gather in flight
+    peaks: list[torch.Tensor]  # per rank: [peak memory, data, compute, comm, bubble seconds]
+    work: object  # the all-gather in flight
     step_plan: object = None  # an adaptive run's step plan
 
 
@@ -118,6 +125,22 @@ class StepClock:
         end.record()
         span, self.last = StepSpan(events=(self.last, end)), end
         return span
+
+
+class EventWriter:
+    """Append one JSON line per event of the run (resume, restart, non-finite step, rollback,
+    probe, re-plan, stop) to `events.jsonl`; `tessera diagnose` reads it with the metrics."""
+
+    def __init__(self, path: str | Path | None):
+        self.path = Path(path) if path is not None else None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, event: str, step: int, **fields) -> None:
+        if self.path is None:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps({"event": event, "step": step, "time": time.time(), **fields}) + "\n")
 
 
 class MetricsWriter:

@@ -6,12 +6,13 @@ launcher is `tessera/cli/launch.py`); what each rank adds:
 - **Resume from the latest valid checkpoint** when the agent restarts it (`TORCHELASTIC_RESTART_COUNT`
   > 0) or when asked (`--resume auto`): the newest checkpoint whose files match their manifest,
   else the one before it (`CheckpointManager.latest_valid`).
-- **Hang detection**: a watchdog thread exits the rank (code `EXIT_HUNG`) when no step has
-  finished for `hang_timeout_s` (three times the slowest step so far, if that is longer; twice the
-  timeout before the first step, which builds and loads). A rank stopped or stuck anywhere leaves
-  the others waiting in a collective; their watchdogs fire, the agent sees the failure, stops
-  every rank and restarts. The process groups get the same deadline (`process_group_timeout`), so
-  a collective that waits longer raises on gloo and aborts on NCCL.
+- **Hang detection**: once the first step is done, a watchdog thread exits the rank (code
+  `EXIT_HUNG`) when no step has finished for `hang_timeout_s` (three times the slowest step after
+  the first, if that is longer). A rank stopped or stuck anywhere leaves the others waiting in a
+  collective; their watchdogs fire, the agent sees the failure, stops every rank and restarts.
+  Before the first step (imports, build, checkpoint load, which can take long), the process
+  groups' timeout catches a rank that never arrives: twice the hang timeout, at least 10 minutes
+  (`process_group_timeout`); a collective that waits longer raises on gloo and aborts on NCCL.
 - **Preemption**: SIGTERM sets a flag; at the end of the step the ranks agree (one all-reduce of a
   flag on the control group), save a checkpoint and exit 0.
 - **No orphans**: each rank asks the kernel to kill it when its parent (the agent) dies
@@ -81,19 +82,40 @@ class ResilienceConfig:
 
     @property
     def process_group_timeout(self) -> timedelta:
-        """The collectives' deadline: twice the hang timeout (start-up waits longer than a step)."""
-        return timedelta(seconds=2 * self.hang_timeout_s)
+        """The collectives' deadline (module docstring): start-up waits far longer than a step."""
+        return timedelta(seconds=max(2 * self.hang_timeout_s, 600.0))
 
 
 def restart_count() -> int:
-    """How many times torchrun's agent has restarted this job (0 on the first attempt)."""
+    """How many times this node's ranks were restarted (0 on the first attempt): Tessera's launcher
+    counts every restart (`TESSERA_ATTEMPT`); torchrun's own count leaves out the restarts a node
+    makes because another node failed (a membership change), so across nodes it may differ."""
     try:
-        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        return int(os.environ.get("TESSERA_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     except ValueError:
         return 0
 
 
 # --- the rank's process ---------------------------------------------------------------------------
+
+
+def process_group_store(timeout: timedelta):
+    """The store `init_process_group` should use, or None for torchrun's own (env://).
+
+    torchrun's c10d rendezvous shares the agent's TCPStore with the ranks, and that store outlives
+    a restart: the ranks of the next attempt would read the previous attempt's addresses and fail
+    to connect (pytorch/pytorch#135712). Restarted ranks on a shared store therefore use it under
+    a prefix of their attempt on one node (Tessera's launcher instead turns the sharing off; across
+    nodes, set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun)."""
+    single_node = os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
+    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or restart_count() == 0
+            or "TESSERA_ATTEMPT" in os.environ or not single_node):  # counts may differ across nodes
+        return None
+    import torch.distributed as dist
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"tessera/attempt-{restart_count()}", store)
 
 
 def bind_to_parent() -> None:
@@ -147,22 +169,21 @@ class Watchdog(threading.Thread):
         self.on_fire = on_fire
         self.last = time.monotonic()
         self.slowest_step = 0.0
-        self.started_steps = False
+        self.kicks = 0
         self.step = 0
         self.relaxed = 0
         self._halt = threading.Event()
 
     @property
     def deadline_s(self) -> float:
-        if not self.started_steps:
-            return 2 * self.timeout
         return max(self.timeout, 3 * self.slowest_step)
 
     def kick(self, step: int) -> None:
+        """A step is done: the watchdog is armed from the first one on."""
         now = time.monotonic()
-        if self.started_steps:
+        if self.kicks >= 2:  # the first steps warm up (lazy imports, first collectives): not a measure
             self.slowest_step = max(self.slowest_step, now - self.last)
-        self.started_steps = True
+        self.kicks += 1
         self.step = step
         self.last = now
 
@@ -182,7 +203,7 @@ class Watchdog(threading.Thread):
 
     def run(self) -> None:
         while not self._halt.wait(min(1.0, self.timeout / 10)):
-            if self.relaxed:
+            if self.relaxed or not self.kicks:
                 continue
             waited = time.monotonic() - self.last
             if waited > self.deadline_s:

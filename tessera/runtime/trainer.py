@@ -30,12 +30,15 @@ from ..plan import Plan
 from .grad_sync import settle_gradients
 from .materialize import materialize
 from .mesh import ParallelDims
-from .metrics import (MetricsWriter, PendingRecord, StepClock, StepRecord, model_flops_utilisation,
+from .metrics import (EventWriter, MetricsWriter, PendingRecord, StepClock, StepRecord, model_flops_utilisation,
                       peak_memory_bytes)
 from .optim import OptimConfig, build_optimizer, build_scheduler, clip_grad_norm_
 from .parallel_model import data_parallel_size, pad_sequences, sequence_multiple
 from .parallelize import Parallelized, check_plan_supported, parallelize, uses_ddp
 from .precision import autocast, compute_dtype, configure_matmul, fsdp_mixed_precision, peak_dtype
+from .resilience import ResilienceConfig, all_finite, process_group_store
+from .steptime import StepTimer, rank_mfu
+from .stragglers import StragglerConfig
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,12 @@ class TrainConfig:
     resume: str | None = None
     adaptive: bool = False  # per-step sequence-parallel groups for the batch's documents
     adaptive_time_budget_s: float = 0.1
+    # Recovery (runtime/resilience.py): hang timeout, non-finite policy; async checkpoints;
+    # stragglers (runtime/stragglers.py); `events_path`: the run's events.jsonl.
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
+    checkpoint_async: bool = True
+    stragglers: StragglerConfig = field(default_factory=StragglerConfig)
+    events_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -92,6 +101,10 @@ class Trainer:
         self.loader = None
         self.data_iter = None
         self.metrics = MetricsWriter(config.metrics_path, config.tensorboard_dir) if self.rank == 0 else None
+        self.events = EventWriter(config.events_path if self.rank == 0 else None)
+        self.timer = StepTimer(self.device, self.rank)
+        self.bad_step = False  # the last step's loss or gradient norm was not finite (not applied)
+        self.guard = None  # `train` starts it (runtime/guard.py)
         # Read a logged step's figures after the next step is queued (`train`): on CUDA reading
         # them right away would leave the device idle while the host queues the next step.
         self.defer_records = self.device.type == "cuda"
@@ -107,8 +120,14 @@ class Trainer:
             backend = "gloo"
         self.owns_process_group = False
         if not dist.is_initialized():
-            if "RANK" in os.environ:
-                dist.init_process_group(backend)
+            if "RANK" in os.environ:  # a collective waiting past the hang deadline raises (gloo) or aborts (NCCL)
+                timeout = self.config.resilience.process_group_timeout
+                store = process_group_store(timeout)
+                if store is None:
+                    dist.init_process_group(backend, timeout=timeout)
+                else:  # a restart on torchrun's shared store (resilience.process_group_store)
+                    dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
             else:  # one process without torchrun: an in-memory store, no port to collide on
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
                 self.owns_process_group = True  # `close` ends it: nothing else in the process uses it
@@ -208,8 +227,10 @@ class Trainer:
         """The batch iterator of this rank's data block (`data_rank` of `data_size`)."""
         w = self.plan.workload
         if self.config.synthetic_data:
-            return SyntheticLoader(self.plan.model.config.vocab_size, w.seq_len, w.global_batch,
-                                   self.data_rank, self.data_size, self.config.seed)
+            loader = SyntheticLoader(self.plan.model.config.vocab_size, w.seq_len, w.global_batch,
+                                     self.data_rank, self.data_size, self.config.seed)
+            loader.rows = self.data_rows()
+            return loader
         from .data import build_dataloader
 
         tokenizer = None
@@ -225,6 +246,8 @@ class Trainer:
         if loader.vocab_size > self.plan.model.config.vocab_size:
             raise TesseraError(f"the data's tokenizer has {loader.vocab_size} tokens, more than the model's "
                                f"vocabulary of {self.plan.model.config.vocab_size}")
+        if self.adaptive is None:
+            loader.rows = self.data_rows()
         return loader
 
     # --- data placement ---------------------------------------------------------------------------
@@ -236,8 +259,19 @@ class Trainer:
     def data_rank(self) -> int:
         return self.dims.stage_rank(self.rank) // (self.plan.stage_size // self.data_size)
 
+    def data_rows(self) -> slice | None:
+        """This rank's rows of the global batch when replicas take uneven shares (`Plan.batch_shares`);
+        None: the equal block `data_rank` of `data_size`."""
+        if not self.plan.batch_shares:
+            return None
+        shares = self.plan.batch_shares
+        start = sum(shares[:self.data_rank])
+        return slice(start, start + shares[self.data_rank])
+
     def local_rows(self, global_batch: torch.Tensor) -> torch.Tensor:
         """This rank's block of a global-batch tensor (tests feed the same global batch everywhere)."""
+        if self.plan.batch_shares:
+            return global_batch[self.data_rows()]
         rows = global_batch.shape[0] // self.data_size
         return global_batch[self.data_rank * rows:(self.data_rank + 1) * rows]
 
@@ -254,8 +288,10 @@ class Trainer:
         """`train_step` queued on the device without waiting for it: the global batch's mean loss
         as a 0-dim tensor, which `float()` reads once the step is done. `num_targets`: the labels
         that are not -100 in the whole global batch, when some are (the loss is then their mean)."""
+        if num_targets is None and self.plan.batch_shares:  # uneven rows: the global count weighs them
+            num_targets = self.plan.workload.global_batch * tokens.shape[1]
         loss = self.compute_gradients(tokens, labels, positions, doc_ids, num_targets)
-        self.optimizer_step()
+        self.optimizer_step(loss)
         return torch.as_tensor(loss)
 
     def compute_gradients(self, tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None,
@@ -307,16 +343,22 @@ class Trainer:
         peek = getattr(self.loader, "batch_at", None)
         next_batch = peek(self.loader.samples_seen) if peek is not None else None
         loss = self.adaptive.forward_backward(self.step, batch, next_batch)
-        self.optimizer_step()
+        self.optimizer_step(loss)
         return loss
 
-    def optimizer_step(self) -> None:
-        """Clip the global gradient norm, step every optimizer and LR schedule."""
+    def optimizer_step(self, loss=None) -> None:
+        """Clip the global gradient norm, step every optimizer and LR schedule. Given the step's
+        (global) loss, a step whose loss or gradient norm is not finite is not applied: its
+        gradients are dropped and `bad_step` is set (the loop decides what follows, see
+        runtime/resilience.py); the LR schedule still advances, as the step counter does."""
         pp_group = self.dims.mesh.get_group("pp") if self.plan.pipeline.degree > 1 else None
         self.grad_norm = clip_grad_norm_(self.params, self.config.optim.grad_clip, pp_group,
                                          skip_in_norm=self.tied_copies)
+        # Loss and norm are the same on every rank (reduced), so every rank decides alike.
+        self.bad_step = loss is not None and not all_finite(loss, self.grad_norm)
         for opt, sched in zip(self.optimizers, self.schedulers):
-            opt.step()
+            if not self.bad_step:
+                opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
 
@@ -350,16 +392,31 @@ class Trainer:
 
     # --- the loop ---------------------------------------------------------------------------------
     def train(self) -> list[StepRecord]:
-        """Resume if asked; then step, log and checkpoint until `steps`. Returns the logged records."""
-        self.maybe_resume()
-        if self.data_iter is None:
-            self.loader = self.build_data()
-            self.data_iter = iter(self.loader)
+        """Resume if asked (or after a restart: the latest valid checkpoint); then step, log and
+        checkpoint until `steps`, or until a SIGTERM (checkpoint, stop). Returns the logged records.
+        Around each step, `runtime/guard.py`: non-finite steps, hangs, stragglers."""
+        from .guard import TrainingGuard
+
+        self.guard = TrainingGuard(self)
+        try:
+            path = self.guard.resume_path()
+            if path is not None:
+                self.guard.load(path)
+            if self.data_iter is None:
+                self.loader = self.build_data()
+                self.data_iter = iter(self.loader)
+            return self._steps()
+        finally:
+            self.guard.close()
+
+    def _steps(self) -> list[StepRecord]:
         records = []
         clock = StepClock(self.device)
         pending: PendingRecord | None = None
         while self.step < self.config.steps:
-            batch = next(self.data_iter)
+            self.timer.start()
+            with self.timer.data():
+                batch = next(self.data_iter)
             packed = getattr(batch, "packed", False)
             clock.start()
             if self.adaptive is not None:
@@ -369,24 +426,39 @@ class Trainer:
                                      batch.doc_ids if packed else None, getattr(batch, "num_targets", None))
             self.step += 1
             span = clock.stop()
+            times = self.timer.stop(self.step)
             if pending is not None:  # the previous step's, now that this one is queued
                 records.append(self.log_step(pending))
                 pending = None
+            if self.bad_step:  # not applied: skip it, roll back, or stop (raises)
+                self.guard.on_bad_step(loss)
+                clock.restart()
+                continue
+            self.guard.good_step()
             if self.step % self.config.log_every == 0 or self.step == self.config.steps:
-                pending = self.pending_record(loss, span)
+                pending = self.pending_record(loss, span, times)
                 if not self.defer_records:
                     records.append(self.log_step(pending))
                     pending = None
             if self.maybe_checkpoint():
                 clock.restart()  # the save is not the next step's time
+            if self.guard.end_of_step(clock):
+                break
         if pending is not None:
             records.append(self.log_step(pending))
+        self.guard.finish()
         return records
 
-    def pending_record(self, loss, span) -> PendingRecord:
+    def pending_record(self, loss, span, times=None) -> PendingRecord:
         """What `log_step` will report about the step just queued, without waiting for it: its
-        loss and norm as device tensors, and every rank's peak memory being gathered (collective)."""
-        mine = torch.full((1,), peak_memory_bytes(self.device), dtype=torch.float64, device=self.device)
+        loss and norm as device tensors, and every rank's peak memory and step times being
+        gathered (collective)."""
+        nan = float("nan")
+        values = [peak_memory_bytes(self.device)]
+        values += [nan] * 4 if times is None else [
+            times.data_s, nan if times.compute_s is None else times.compute_s,
+            nan if times.comm_s is None else times.comm_s, times.bubble_s]
+        mine = torch.tensor(values, dtype=torch.float64, device=self.device)
         peaks = [torch.empty_like(mine) for _ in range(self.world_size)]
         work = dist.all_gather(peaks, mine, async_op=True)
         step_plan = self.adaptive.last_plan if self.adaptive is not None else None
@@ -399,16 +471,22 @@ class Trainer:
         pending.work.wait()
         elapsed = pending.span.seconds()
         tokens_per_s = self.plan.workload.tokens_per_step / elapsed
+        gathered = [t.tolist() for t in pending.peaks]
+        column = (lambda i: None if any(x[i] != x[i] for x in gathered) else [x[i] for x in gathered])  # NaN: not measured
+        peak = peak_dtype(self.dtype, self.device.type)
         record = StepRecord(
             step=pending.step, loss=float(pending.loss), lr=pending.lr, grad_norm=float(pending.grad_norm),
             step_time_s=elapsed, tokens_per_s=tokens_per_s,
-            mfu=model_flops_utilisation(self.plan, tokens_per_s, self.world_size,
-                                        peak_dtype(self.dtype, self.device.type)),
-            peak_memory_bytes=[float(t) for t in pending.peaks],
-            predicted_step_time_s=self.plan.prediction.step_time_s if self.plan.prediction else None)
+            mfu=model_flops_utilisation(self.plan, tokens_per_s, self.world_size, peak),
+            peak_memory_bytes=[x[0] for x in gathered],
+            predicted_step_time_s=self.plan.prediction.step_time_s if self.plan.prediction else None,
+            data_s=column(1), compute_s=column(2), comm_s=column(3), bubble_s=column(4),
+            rank_mfu=rank_mfu(self.plan, self.world_size, elapsed, self.plan.cluster.device.peak_flops.get(peak)))
         if pending.step_plan is not None:
             record.predicted_step_time_s = pending.step_plan.predicted_time_s
             record.sp_groups = [[g.degree for g in mb.groups] for mb in pending.step_plan.micro_batches]
+        if self.guard is not None:
+            self.guard.observe(record)
         if self.rank == 0:
             log.info("step %d loss %.4f %.0f tok/s", record.step, record.loss, record.tokens_per_s)
             if self.metrics is not None:
@@ -425,38 +503,78 @@ class Trainer:
         return CheckpointManager(directory, model_files=model_files(self.plan.model.config, self.config.init_from))
 
     def extra_state(self) -> dict:
-        state = {"step": self.step, "schedulers": [s.state_dict() for s in self.schedulers]}
+        """What a checkpoint holds beside the model and optimizer: step, LR schedule, data
+        position and this rank's RNG states (tensors and plain values only)."""
+        from .rng import rng_state
+
+        state = {"step": self.step, "schedulers": [s.state_dict() for s in self.schedulers], "rng": rng_state()}
         if self.loader is not None and hasattr(self.loader, "state_dict"):
             state["data"] = self.loader.state_dict()
         return state
 
     def maybe_checkpoint(self) -> bool:
-        """Save when due; returns whether it saved."""
+        """Save when due (only finite parameters, written in the background); returns whether it saved."""
         cfg = self.config
         every = cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
         if cfg.checkpoint_dir and (every or self.step == cfg.steps):  # and always after the last step
+            if self.guard is not None:
+                return self.guard.save_checkpoint()
             self._checkpoint_manager(cfg.checkpoint_dir).save(self.step, self.model_parts, self.optimizers,
                                                               self.extra_state())
             return True
         return False
 
-    def maybe_resume(self) -> None:
-        if not self.config.resume:
-            return
-        resume = Path(self.config.resume)
-        # Either a checkpoint directory (its latest step) or one `step-N` inside it.
-        is_step = resume.name.startswith("step-") and (resume / "manifest.json").exists()
-        manager = self._checkpoint_manager(str(resume.parent if is_step else resume))
-        extra = manager.load(self.model_parts, self.optimizers, path=resume if is_step else None)
+    def load_checkpoint(self, path, keep_data_position: bool = False) -> None:
+        """Load checkpoint `path` (a `step-N` directory) into the model, optimizers, schedules, RNG and
+        data position (kept as it is with `keep_data_position`: a rollback skips the bad batches)."""
+        from .rng import restore_rng_state
+
+        path = Path(path)
+        manager = self._checkpoint_manager(str(path.parent))
+        extra = manager.load(self.model_parts, self.optimizers, path=path)
         self.step = int(extra["step"])
         # The schedule depends on the step only; another plan may have other chunk counts.
         for sched in self.schedulers:
             sched.load_state_dict(extra["schedulers"][0])
-        self.loader = self.build_data()
-        if "data" in extra and hasattr(self.loader, "load_state_dict"):
-            self.loader.load_state_dict(extra["data"])
-        self.data_iter = iter(self.loader)
-        log.info("resumed from %s at step %d", self.config.resume, self.step)
+        if extra.get("_own_rank") and "rng" in extra:
+            restore_rng_state(extra["rng"])
+        if not keep_data_position or self.loader is None:
+            self.loader = self.build_data()
+            if "data" in extra and hasattr(self.loader, "load_state_dict"):
+                self.loader.load_state_dict(extra["data"])
+            self.data_iter = iter(self.loader)
+        log.info("loaded %s: at step %d", path, self.step)
+
+    # --- switching plans (stragglers) -------------------------------------------------------------
+    def switch_plan(self, plan: Plan) -> str:
+        """Run `plan` from the next step, losing none. When only the data shares (and device speeds)
+        differ, the ranks take their new rows ("rebalanced"); otherwise the state goes through a DCP
+        checkpoint, the model is rebuilt under the new plan and loads it ("resharded")."""
+        check_plan_supported(plan, self.world_size, pipeline_available=_pipeline_available())
+        same_layout = (plan.layers == self.plan.layers and plan.pipeline == self.plan.pipeline
+                       and plan.num_micro_batches == self.plan.num_micro_batches)
+        if same_layout:
+            self.plan = plan
+            if self.loader is not None and hasattr(self.loader, "rows"):
+                self.loader.rows = self.data_rows()
+            return "rebalanced"
+        from .checkpoint import CheckpointManager
+
+        where = Path(self.config.checkpoint_dir or Path(self.config.metrics_path or "runs").parent) / "replan"
+        manager = CheckpointManager(where, keep=1)
+        path = manager.save(self.step, self.model_parts, self.optimizers, self.extra_state())
+        self.plan = plan
+        self.dims = ParallelDims.from_plan(plan, self.world_size, self.device.type)
+        self.build_model()
+        self.build_optimizer()
+        self.load_checkpoint(path, keep_data_position=True)
+        if self.loader is not None and hasattr(self.loader, "rows"):
+            self.loader.rows = self.data_rows()
+        if self.pipeline is not None:
+            from .steptime import hook_pipeline_waits
+
+            hook_pipeline_waits()
+        return "resharded"
 
     def close(self) -> None:
         if self.adaptive is not None:
@@ -488,6 +606,7 @@ class SyntheticLoader:
         self.vocab, self.seq_len, self.global_batch = vocab, seq_len, global_batch
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         self.step = 0
+        self.rows: slice | None = None  # uneven replica shares (Plan.batch_shares)
 
     @staticmethod
     def global_batch_at(vocab: int, seq_len: int, global_batch: int, seed: int, step: int):
@@ -502,7 +621,7 @@ class SyntheticLoader:
         tokens, labels = self.global_batch_at(self.vocab, self.seq_len, self.global_batch, self.seed, self.step)
         self.step += 1
         rows = self.global_batch // self.dp_size
-        mine = slice(self.dp_rank * rows, (self.dp_rank + 1) * rows)
+        mine = self.rows or slice(self.dp_rank * rows, (self.dp_rank + 1) * rows)
         return SyntheticBatch(tokens=tokens[mine], labels=labels[mine])
 
     def state_dict(self) -> dict:

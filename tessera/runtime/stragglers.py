@@ -1,0 +1,160 @@
+"""Find the slowest rank, confirm it with a matmul probe, and re-plan around it (Malleus).
+
+Every logged step each rank gets every rank's compute seconds (`steptime.py`, gathered with the
+step's record). Over the last `window` logged steps, rank r's speed is
+
+    v_r = median_q(c_q / w_q) / (c_r / w_r)
+
+with c the compute seconds and w the rank's share of the step's FLOPs (`steptime.rank_shares`):
+the time a unit of work takes on the median rank over the time it takes on r. A rank whose speed
+stays below `threshold` (0.8) for `patience` logged steps in a row is a suspect; every rank then
+runs the same matmuls (`matmul_probe`, as Malleus profiles devices) and a suspect whose matmul
+rate is also below `threshold` of the median is a confirmed straggler. With `replan` on, rank 0
+re-plans with the measured speeds (`search.replan`: layers per stage and sequences per replica,
+the strategies unchanged), broadcasts the plan, and if it predicts a step at least `min_gain`
+shorter than the current plan at those speeds, every rank switches to it at the step boundary
+(`Trainer.switch_plan`). Speeds are measured per unit of work, so they stay comparable after the
+switch; when they move again by more than `threshold` from what the plan assumed (the device
+recovered, or another slowed), the job re-plans again. Every probe and re-plan is an event in the
+run's `events.jsonl` (what `tessera diagnose` shows as evidence).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .resilience import SlowDevice
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StragglerConfig:
+    replan: bool = True
+    threshold: float = 0.8  # below this fraction of the median speed: slow
+    window: int = 4  # logged steps averaged per speed estimate
+    patience: int = 3  # logged steps in a row before probing
+    min_gain: float = 0.05  # predicted step reduction that makes a switch worth it
+    cooldown: int = 5  # logged steps after a probe or switch before the next
+
+
+def speeds_from_compute(compute_s: list[list[float]], shares: list[float]) -> list[float] | None:
+    """Per-rank speed over several steps' per-rank compute seconds (module docstring)."""
+    if not compute_s or any(c is None for step in compute_s for c in step):
+        return None
+    per_work = [sum(step[r] for step in compute_s) / shares[r] for r in range(len(shares))]
+    if min(per_work) <= 0:
+        return None
+    median = statistics.median(per_work)
+    return [median / x for x in per_work]
+
+
+def matmul_probe(device: torch.device, rank: int, step: int, size: int | None = None, repeats: int = 8) -> float:
+    """FLOP/s of `repeats` square matmuls on this rank's device (CPU: per CPU second of the thread,
+    so that ranks sharing cores compare their devices, not their share of the cores)."""
+    size = size or (4096 if device.type == "cuda" else 256)
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    torch.mm(a, b)  # warm-up
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            torch.mm(a, b)
+        end.record()
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1e3
+    else:
+        t0 = time.thread_time()
+        for _ in range(repeats):
+            torch.mm(a, b)
+        seconds = time.thread_time() - t0
+    extra = SlowDevice.from_env().extra_seconds(rank, step, seconds)  # the test-only slow device
+    if extra:
+        time.sleep(extra)
+        seconds += extra
+    return 2.0 * size**3 * repeats / max(seconds, 1e-9)
+
+
+class StragglerMonitor:
+    """Per-step straggler detection (`observe`) and what to do about it (module docstring)."""
+
+    def __init__(self, config: StragglerConfig, world: int):
+        self.config = config
+        self.world = world
+        self.recent: deque = deque(maxlen=config.window)
+        self.suspect_steps = 0
+        self.quiet_until = 0
+        self.speeds: list[float] | None = None
+
+    def observe(self, step: int, compute_s: list[float] | None, shares: list[float],
+                planned: dict[int, float]) -> bool:
+        """Record one logged step; True when the ranks should run the probe now (every rank gets
+        the same inputs, so every rank answers the same)."""
+        if compute_s is None or self.world < 2:
+            return False
+        self.recent.append(list(compute_s))
+        if len(self.recent) < self.recent.maxlen or step < self.quiet_until:
+            return False
+        self.speeds = speeds_from_compute(list(self.recent), shares)
+        if self.speeds is None:
+            return False
+        if self._differs(self.speeds, planned):
+            self.suspect_steps += 1
+        else:
+            self.suspect_steps = 0
+        return self.suspect_steps >= self.config.patience
+
+    def _differs(self, speeds: list[float], planned: dict[int, float]) -> bool:
+        """Some rank's speed is off what the plan assumed by more than the threshold allows."""
+        t = self.config.threshold
+        return any(not t <= v / planned.get(r, 1.0) <= 1 / t for r, v in enumerate(speeds))
+
+    def confirm(self, step: int, probe_rates: list[float], planned: dict[int, float]) -> dict[int, float] | None:
+        """The speeds to re-plan with when the probe agrees with the compute times (slow ranks
+        probe slow; ranks the plan had as slow probe at full speed again), else None."""
+        self.suspect_steps = 0
+        self.quiet_until = step + self.config.cooldown
+        median = statistics.median(probe_rates)
+        probe = [x / median for x in probe_rates]
+        t = self.config.threshold
+        agree = [r for r, v in enumerate(self.speeds)
+                 if (v < t and probe[r] < t) or (r in planned and v >= t and probe[r] >= t)]
+        if not agree:
+            return None
+        return {r: round(v, 3) for r, v in enumerate(self.speeds) if v < t}
+
+    def switched(self, step: int) -> None:
+        self.recent.clear()
+        self.quiet_until = step + self.config.cooldown
+
+
+def broadcast_json(obj, group=None, src: int = 0):
+    """`obj` from rank `src` on every rank, as JSON bytes in a tensor (no pickle)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return obj
+    mine = dist.get_rank() == src
+    data = json.dumps(obj).encode() if mine else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(size, src=src, group=group)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if mine else torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(buf, src=src, group=group)
+    return json.loads(bytes(buf.tolist()).decode()) if not mine else obj
+
+
+def gather_floats(value: float, group=None) -> list[float]:
+    """Every rank's `value` on every rank (a CPU all-gather on `group`)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [value]
+    mine = torch.tensor([value], dtype=torch.float64)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, mine, group=group)
+    return [float(x) for x in out]
