@@ -151,3 +151,87 @@ def test_fault_specs():
         ("kill", 3, 6, 0, "latest"), ("stop", 1, 9, 1, "")]
     with pytest.raises(TesseraError, match="unknown fault"):
         parse_faults("explode@rank=1,step=1")
+
+
+class _NaNAtCall:
+    """The trainer's loss, but NaN on the calls listed (a batch that blows up)."""
+
+    def __init__(self, inner, bad_calls):
+        object.__setattr__(self, "inner", inner)
+        object.__setattr__(self, "bad", set(bad_calls))
+        object.__setattr__(self, "calls", 0)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name, value):
+        setattr(self.inner, name, value)
+
+    def __call__(self, logits, labels):
+        object.__setattr__(self, "calls", self.calls + 1)
+        loss = self.inner(logits, labels)
+        return loss * float("nan") if self.calls in self.bad else loss
+
+
+def _train(tmp_path, policy: str, bad_calls, steps: int = 6):
+    import json
+
+    from tessera.runtime.resilience import ResilienceConfig
+    from tessera.runtime.trainer import TrainConfig, Trainer
+    from tests.dist.pipeline_checkpoint_common import make_plan
+
+    cfg = TrainConfig(plan=make_plan(TINY_LLAMA, 1), steps=steps, synthetic_data=True, seed=0,
+                      checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2, metrics_path=str(tmp_path / "m.jsonl"),
+                      events_path=str(tmp_path / "events.jsonl"),
+                      resilience=ResilienceConfig(on_nonfinite=policy, max_bad_steps=2, hang_timeout_s=600))
+    trainer = Trainer(cfg)
+    trainer.loss_fn = _NaNAtCall(trainer.loss_fn, bad_calls)
+    error = None
+    try:
+        records = trainer.train()
+    except TrainingDiverged as e:
+        records, error = [], str(e)
+    finally:
+        trainer.close()
+    events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()] \
+        if (tmp_path / "events.jsonl").exists() else []
+    return trainer, records, events, error
+
+
+def _checkpoints_finite(directory) -> list[str]:
+    import torch.distributed.checkpoint as dcp  # noqa: F401
+
+    from tessera.runtime.checkpoint import CheckpointManager
+
+    names = []
+    for path in CheckpointManager(directory).checkpoints():
+        model = build_model(TINY_LLAMA)
+        CheckpointManager(directory).load([model], None, path=path)
+        assert all(torch.isfinite(p).all() for p in model.parameters()), path
+        names.append(path.name)
+    return names
+
+
+def test_nonfinite_step_is_skipped_rolled_back_or_stops(tmp_path):
+    """A NaN loss at step 3: never applied, never in a checkpoint; then skip, roll back, or stop."""
+    trainer, records, events, error = _train(tmp_path / "skip", "skip", {3})
+    assert error is None and trainer.step == 6
+    assert [r.step for r in records] == [1, 2, 4, 5, 6] and all(r.loss == r.loss for r in records)
+    assert [(e["event"], e["step"], e.get("action")) for e in events] == [("nonfinite", 3, "skip")]
+    assert _checkpoints_finite(tmp_path / "skip" / "ckpt") == ["step-2", "step-4", "step-6"]
+
+    trainer, records, events, error = _train(tmp_path / "back", "rollback", {3})
+    assert error is None and trainer.step == 6
+    assert [(e["event"], e["step"]) for e in events] == [("nonfinite", 3), ("rollback", 2)]
+    # rolled back to step 2 and went on past the bad batch: steps 3.. again, on later batches
+    assert [r.step for r in records] == [1, 2, 3, 4, 5, 6]
+    assert trainer.loader.step == 7  # batches drawn: 6 steps + the one that blew up
+    _checkpoints_finite(tmp_path / "back" / "ckpt")
+
+    trainer, records, events, error = _train(tmp_path / "stop", "stop", {3})
+    assert error.startswith("the loss is nan (gradient norm nan) at step 3: stopped (--on-nonfinite stop); "
+                            "the last checkpoint, step-2, holds only finite values")
+    assert _checkpoints_finite(tmp_path / "stop" / "ckpt") == ["step-2"]
+
+    _, _, _, error = _train(tmp_path / "again", "skip", {3, 4})
+    assert "2 non-finite steps in a row: stopped" in error

@@ -25,7 +25,7 @@ from ..errors import TesseraError
 from .resilience import (NonFiniteGuard, StopRequest, TrainingDiverged, Watchdog, inject_faults, parameters_finite,
                          parse_faults, restart_count, write_status)
 from .steptime import hook_pipeline_waits, rank_shares
-from .stragglers import StragglerMonitor, broadcast_json, gather_floats, matmul_probe
+from .stragglers import StragglerMonitor, broadcast_json, gather_floats, matmul_probe, probe_speeds
 
 log = logging.getLogger(__name__)
 
@@ -169,11 +169,10 @@ class TrainingGuard:
         rates = gather_floats(matmul_probe(t.device, t.rank, t.step), self.control)
         planned = t.plan.cluster.device_speeds
         speeds = self.monitor.confirm(t.step, rates, planned)
-        median = sorted(rates)[len(rates) // 2]
         measured = self.monitor.speeds or []
         slowest = min(range(len(measured)), key=lambda r: measured[r]) if measured else None
         t.events.write("probe", t.step, compute_speed=[round(v, 4) for v in measured],
-                       probe_speed=[round(x / median, 4) for x in rates], probe_flops=rates,
+                       probe_speed=[round(x, 4) for x in probe_speeds(rates)], probe_flops=rates,
                        slowest_rank=slowest, confirmed=speeds is not None)
         if speeds is None or not t.config.stragglers.replan or (not speeds and not planned):
             return False
@@ -205,6 +204,9 @@ class TrainingGuard:
         t = self.t
         self.watchdog.kick(t.step)
         if self.faults:
+            if self.manager is not None and any(f.corrupt and f.rank == t.rank and f.step == t.step
+                                                for f in self.faults):
+                self.manager.wait()  # the checkpoint to damage must be complete
             inject_faults(self.faults, t.rank, t.step, t.config.checkpoint_dir)
         if self._agree_stop():
             self.stopped = True

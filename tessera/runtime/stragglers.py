@@ -3,10 +3,11 @@
 Every logged step each rank gets every rank's compute seconds (`steptime.py`, gathered with the
 step's record). Over the last `window` logged steps, rank r's speed is
 
-    v_r = median_q(c_q / w_q) / (c_r / w_r)
+    v_r = m / (c_r / w_r),   m = the median of c_q / w_q over the faster half of the ranks
 
 with c the compute seconds and w the rank's share of the step's FLOPs (`steptime.rank_shares`):
-the time a unit of work takes on the median rank over the time it takes on r. A rank whose speed
+the time a unit of work takes on a typical fast rank over the time it takes on r (the faster
+half, so that with two ranks the fast one is 1.0, as the cluster spec counts speeds). A rank whose speed
 stays below `threshold` (0.8) for `patience` logged steps in a row is a suspect; every rank then
 runs the same matmuls (`matmul_probe`, as Malleus profiles devices) and a suspect whose matmul
 rate is also below `threshold` of the median is a confirmed straggler. With `replan` on, rank 0
@@ -39,8 +40,8 @@ log = logging.getLogger(__name__)
 class StragglerConfig:
     replan: bool = True
     threshold: float = 0.8  # below this fraction of the median speed: slow
-    window: int = 4  # logged steps averaged per speed estimate
-    patience: int = 3  # logged steps in a row before probing
+    window: int = 3  # logged steps averaged per speed estimate
+    patience: int = 2  # logged steps in a row before probing
     min_gain: float = 0.05  # predicted step reduction that makes a switch worth it
     cooldown: int = 5  # logged steps after a probe or switch before the next
 
@@ -52,8 +53,15 @@ def speeds_from_compute(compute_s: list[list[float]], shares: list[float]) -> li
     per_work = [sum(step[r] for step in compute_s) / shares[r] for r in range(len(shares))]
     if min(per_work) <= 0:
         return None
-    median = statistics.median(per_work)
-    return [median / x for x in per_work]
+    fast_half = sorted(per_work)[:max(1, (len(per_work) + 1) // 2)]
+    typical = statistics.median(fast_half)
+    return [typical / x for x in per_work]
+
+
+def probe_speeds(rates: list[float]) -> list[float]:
+    """Matmul rates relative to the median of the faster half of the ranks."""
+    typical = statistics.median(sorted(rates, reverse=True)[:max(1, (len(rates) + 1) // 2)])
+    return [x / typical for x in rates]
 
 
 def matmul_probe(device: torch.device, rank: int, step: int, size: int | None = None, repeats: int = 8) -> float:
@@ -123,8 +131,7 @@ class StragglerMonitor:
         probe slow; ranks the plan had as slow probe at full speed again), else None."""
         self.suspect_steps = 0
         self.quiet_until = step + self.config.cooldown
-        median = statistics.median(probe_rates)
-        probe = [x / median for x in probe_rates]
+        probe = probe_speeds(probe_rates)
         t = self.config.threshold
         agree = [r for r, v in enumerate(self.speeds)
                  if (v < t and probe[r] < t) or (r in planned and v >= t and probe[r] >= t)]
