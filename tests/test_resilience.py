@@ -235,3 +235,29 @@ def test_nonfinite_step_is_skipped_rolled_back_or_stops(tmp_path):
 
     _, _, _, error = _train(tmp_path / "again", "skip", {3, 4})
     assert "2 non-finite steps in a row: stopped" in error
+
+
+def test_switch_plan_reshards_through_dcp_without_losing_a_step(tmp_path):
+    """A plan with other layer strategies: the state goes through a DCP checkpoint into the model
+    rebuilt under the new plan; the weights are the same and the next step's loss is the one the
+    old plan would have computed."""
+    from tessera.runtime.trainer import TrainConfig, Trainer
+    from tests.dist.pipeline_checkpoint_common import global_batch, make_plan
+
+    def trainer(plan):
+        return Trainer(TrainConfig(plan=plan, steps=4, seed=0, metrics_path=str(tmp_path / "m.jsonl")))
+
+    old, new_plan = make_plan(TINY_LLAMA, 1), make_plan(TINY_LLAMA, 1, zero=3)
+    a, b = trainer(old), trainer(old)
+    try:
+        for step in range(2):
+            a.train_step(*global_batch(step))
+            b.train_step(*global_batch(step))
+        assert a.switch_plan(new_plan) == "resharded" and a.plan == new_plan and a.step == b.step
+        for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            assert torch.equal(full.detach(), q.detach()), name
+        assert a.train_step(*global_batch(2)) == pytest.approx(b.train_step(*global_batch(2)), rel=1e-6)
+    finally:
+        a.close()
+        b.close()

@@ -170,10 +170,11 @@ class TrainingGuard:
         planned = t.plan.cluster.device_speeds
         speeds = self.monitor.confirm(t.step, rates, planned)
         measured = self.monitor.speeds or []
-        slowest = min(range(len(measured)), key=lambda r: measured[r]) if measured else None
+        probe = probe_speeds(rates)
+        slowest = min(range(len(probe)), key=lambda r: probe[r])
         t.events.write("probe", t.step, compute_speed=[round(v, 4) for v in measured],
-                       probe_speed=[round(x, 4) for x in probe_speeds(rates)], probe_flops=rates,
-                       slowest_rank=slowest, confirmed=speeds is not None)
+                       probe_speed=[round(x, 4) for x in probe], probe_flops=rates, slowest_rank=slowest,
+                       confirmed=probe[slowest] < t.config.stragglers.threshold, plan_matches=speeds is None)
         if speeds is None or not t.config.stragglers.replan or (not speeds and not planned):
             return False
         payload = None
@@ -181,7 +182,7 @@ class TrainingGuard:
             t0 = time.perf_counter()
             new = replan(t.plan, speeds)
             elapsed = time.perf_counter() - t0
-            old = evaluate(with_speeds(t.plan, speeds)).step_time_s
+            old = evaluate(with_speeds(t.plan, speeds, keep_shares=True)).step_time_s  # as it runs now
             gain = 1.0 - new.prediction.step_time_s / old
             payload = {"plan": new.to_json(indent=None) if gain >= t.config.stragglers.min_gain else None,
                        "replan_s": elapsed, "gain": gain, "before_s": old, "after_s": new.prediction.step_time_s}

@@ -71,14 +71,19 @@ class StepTimes:
 
 
 class StepTimer:
-    """`start()` before the batch is fetched, `data()` around the fetch, `stop()` when the step is
-    done; the test-only slow device (`resilience.SlowDevice`) sleeps inside `stop`."""
+    """`start()` before the batch is fetched, `data()` around the fetch, `compute_starts(step)`
+    before the forward, `stop(step)` when the step is done. The test-only slow device
+    (`resilience.SlowDevice`) sleeps in `compute_starts`, before the step's collectives, for
+    (factor - 1) x the previous step's compute, as a slower device would take longer to reach
+    them; the sleep counts as compute."""
 
     def __init__(self, device: torch.device, rank: int):
         self.cpu = device.type == "cpu"
         self.rank = rank
         self.slow = SlowDevice.from_env()
         self.last: StepTimes | None = None
+        self.last_compute = 0.0  # the previous step's compute, without the simulated slowness
+        self.slept = 0.0
 
     def _cpu_clock(self) -> float:
         return time.thread_time() if torch.get_num_threads() == 1 else time.process_time()
@@ -88,6 +93,14 @@ class StepTimer:
         self.c0 = self._cpu_clock()
         self.data_wall = self.data_cpu = 0.0
         self.p2p0 = _p2p_wait_s
+        self.slept = 0.0
+
+    def compute_starts(self, step: int) -> None:
+        """`step`: the step about to run (1-based)."""
+        extra = self.slow.extra_seconds(self.rank, step, self.last_compute)
+        if extra:
+            time.sleep(extra)  # a slower device: the same work takes longer
+            self.slept = extra
 
     @contextmanager
     def data(self):
@@ -101,11 +114,8 @@ class StepTimer:
     def stop(self, step: int) -> StepTimes:
         compute = None
         if self.cpu:
-            compute = max(0.0, self._cpu_clock() - self.c0 - self.data_cpu)
-            extra = self.slow.extra_seconds(self.rank, step, compute)
-            if extra:
-                time.sleep(extra)  # a slower device: the same work takes longer
-                compute += extra
+            self.last_compute = max(0.0, self._cpu_clock() - self.c0 - self.data_cpu)
+            compute = self.last_compute + self.slept
         wall = time.perf_counter() - self.t0
         bubble = _p2p_wait_s - self.p2p0
         comm = None if compute is None else max(0.0, wall - self.data_wall - bubble - compute)

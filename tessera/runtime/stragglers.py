@@ -7,16 +7,17 @@ step's record). Over the last `window` logged steps, rank r's speed is
 
 with c the compute seconds and w the rank's share of the step's FLOPs (`steptime.rank_shares`):
 the time a unit of work takes on a typical fast rank over the time it takes on r (the faster
-half, so that with two ranks the fast one is 1.0, as the cluster spec counts speeds). A rank whose speed
-stays below `threshold` (0.8) for `patience` logged steps in a row is a suspect; every rank then
-runs the same matmuls (`matmul_probe`, as Malleus profiles devices) and a suspect whose matmul
-rate is also below `threshold` of the median is a confirmed straggler. With `replan` on, rank 0
-re-plans with the measured speeds (`search.replan`: layers per stage and sequences per replica,
-the strategies unchanged), broadcasts the plan, and if it predicts a step at least `min_gain`
-shorter than the current plan at those speeds, every rank switches to it at the step boundary
-(`Trainer.switch_plan`). Speeds are measured per unit of work, so they stay comparable after the
-switch; when they move again by more than `threshold` from what the plan assumed (the device
-recovered, or another slowed), the job re-plans again. Every probe and re-plan is an event in the
+half, so that with two ranks the fast one is 1.0, as the cluster spec counts speeds). Against a
+baseline (every rank at 1.0 at the start; after a switch, the speeds of the first window under
+the new plan, since part of a step's compute does not scale with its rows), a rank whose speed
+moves beyond `threshold` (below 0.8x or above 1.25x) for `patience` logged steps in a row makes
+every rank run the same matmuls (`matmul_probe`, as Malleus profiles devices). The probe's rates,
+relative to the faster half, are the device speeds: when they differ from what the plan assumes
+(by more than 10% for some rank), rank 0 re-plans with them (`search.replan`: layers per stage and
+sequences per replica, the strategies unchanged) and broadcasts the plan, and if it predicts a
+step at least `min_gain` shorter than the current plan at those speeds, every rank switches to it
+at the step boundary (`Trainer.switch_plan`). A device that recovers is seen the same way, and the
+plan is re-cut back. Every probe and re-plan is an event in the
 run's `events.jsonl` (what `tessera diagnose` shows as evidence).
 """
 from __future__ import annotations
@@ -102,6 +103,7 @@ class StragglerMonitor:
         self.suspect_steps = 0
         self.quiet_until = 0
         self.speeds: list[float] | None = None
+        self.baseline: list[float] | None = [1.0] * world  # None: take the next window's speeds
 
     def observe(self, step: int, compute_s: list[float] | None, shares: list[float],
                 planned: dict[int, float]) -> bool:
@@ -115,32 +117,29 @@ class StragglerMonitor:
         self.speeds = speeds_from_compute(list(self.recent), shares)
         if self.speeds is None:
             return False
-        if self._differs(self.speeds, planned):
+        if self.baseline is None:
+            self.baseline = self.speeds
+            return False
+        t = self.config.threshold
+        if any(not t <= v / b <= 1 / t for v, b in zip(self.speeds, self.baseline)):
             self.suspect_steps += 1
         else:
             self.suspect_steps = 0
         return self.suspect_steps >= self.config.patience
 
-    def _differs(self, speeds: list[float], planned: dict[int, float]) -> bool:
-        """Some rank's speed is off what the plan assumed by more than the threshold allows."""
-        t = self.config.threshold
-        return any(not t <= v / planned.get(r, 1.0) <= 1 / t for r, v in enumerate(speeds))
-
     def confirm(self, step: int, probe_rates: list[float], planned: dict[int, float]) -> dict[int, float] | None:
-        """The speeds to re-plan with when the probe agrees with the compute times (slow ranks
-        probe slow; ranks the plan had as slow probe at full speed again), else None."""
+        """The device speeds to re-plan with (the probe's, module docstring), or None when they
+        are what the plan already assumes."""
         self.suspect_steps = 0
         self.quiet_until = step + self.config.cooldown
         probe = probe_speeds(probe_rates)
-        t = self.config.threshold
-        agree = [r for r, v in enumerate(self.speeds)
-                 if (v < t and probe[r] < t) or (r in planned and v >= t and probe[r] >= t)]
-        if not agree:
+        if all(0.9 <= p / planned.get(r, 1.0) <= 1 / 0.9 for r, p in enumerate(probe)):
             return None
-        return {r: round(v, 3) for r, v in enumerate(self.speeds) if v < t}
+        return {r: round(p, 3) for r, p in enumerate(probe) if p < 0.9}
 
     def switched(self, step: int) -> None:
         self.recent.clear()
+        self.baseline = None
         self.quiet_until = step + self.config.cooldown
 
 

@@ -419,6 +419,7 @@ class Trainer:
                 batch = next(self.data_iter)
             packed = getattr(batch, "packed", False)
             clock.start()
+            self.timer.compute_starts(self.step + 1)
             if self.adaptive is not None:
                 loss = self.adaptive_step(batch)
             else:
@@ -538,7 +539,7 @@ class Trainer:
             sched.load_state_dict(extra["schedulers"][0])
         if extra.get("_own_rank") and "rng" in extra:
             restore_rng_state(extra["rng"])
-        if not keep_data_position or self.loader is None:
+        if not keep_data_position:
             self.loader = self.build_data()
             if "data" in extra and hasattr(self.loader, "load_state_dict"):
                 self.loader.load_state_dict(extra["data"])

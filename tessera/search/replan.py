@@ -45,14 +45,15 @@ from ..spec.cluster import ClusterSpec
 from .partition import min_max_partition
 
 
-def with_speeds(plan: Plan, speeds: Mapping[int, float] | Sequence[float]) -> Plan:
+def with_speeds(plan: Plan, speeds: Mapping[int, float] | Sequence[float], keep_shares: bool = False) -> Plan:
     """`plan` on its cluster with these device speeds (a list per rank, or rank -> speed; speeds
-    within 1% of 1 are left out), batch shares equal again."""
+    within 1% of 1 are left out), batch shares equal again unless `keep_shares`."""
     if not isinstance(speeds, Mapping):
         speeds = dict(enumerate(speeds))
     kept = {int(r): round(float(v), 4) for r, v in speeds.items() if abs(float(v) - 1.0) > 0.01}
     cluster = ClusterSpec.model_validate({**plan.cluster.model_dump(), "device_speeds": kept})
-    return _checked(plan.model_copy(update={"cluster": cluster, "batch_shares": (), "prediction": None}))
+    shares = plan.batch_shares if keep_shares else ()
+    return _checked(plan.model_copy(update={"cluster": cluster, "batch_shares": shares, "prediction": None}))
 
 
 def _checked(plan: Plan) -> Plan:
@@ -170,6 +171,7 @@ def replan(plan: Plan, speeds: Mapping[int, float] | Sequence[float]) -> Plan:
     info says what changed and the predicted step before and after."""
     t0 = time.perf_counter()
     base = with_speeds(plan, speeds)
+    current = evaluate(with_speeds(plan, speeds, keep_shares=True))  # the plan as it runs, at these speeds
     before = evaluate(base)
     tried: list[Plan] = []
 
@@ -180,6 +182,8 @@ def replan(plan: Plan, speeds: Mapping[int, float] | Sequence[float]) -> Plan:
         tried.append(p)
         return p
 
+    if plan.batch_shares:
+        variant(base.pipeline.stages, plan.batch_shares)
     variant(base.pipeline.stages, ())
     variant(base.pipeline.stages, best_shares(base))
     split = best_split(base)
@@ -196,7 +200,8 @@ def replan(plan: Plan, speeds: Mapping[int, float] | Sequence[float]) -> Plan:
     step, _, best, pred = min(scored, key=lambda x: (x[0], x[1]))
     slow = ", ".join(f"rank {r} at {v:g}x" for r, v in sorted(best.cluster.device_speeds.items())[:8])
     notes = (f"re-planned for unequal device speeds ({slow or 'all equal'}): predicted step "
-             f"{before.step_time_s:.4g} s with the old split and equal shares, {step:.4g} s now",
+             f"{current.step_time_s:.4g} s as the plan ran, {before.step_time_s:.4g} s with its split and "
+             f"equal shares, {step:.4g} s now",
              f"layers per stage: {[e - s for s, e in best.pipeline.stages]}; sequences per data-parallel "
              f"replica: {best.replica_rows()}")
     info = SearchInfo(search_time_s=time.perf_counter() - t0, candidates=len(tried), explanation=notes)
