@@ -299,7 +299,7 @@ class Plan(Frozen):
         version = data.get("version")
         if version != PLAN_VERSION:
             raise PlanError(
-                f"plan version {version} is not supported (this Tessera reads version {PLAN_VERSION}); "
+                f"plan version {version!r} is not supported (this Tessera reads version {PLAN_VERSION}); "
                 "make the plan again with `tessera plan`"
             )
         try:

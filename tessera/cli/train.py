@@ -62,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="checkpoint directory to continue from (its latest valid checkpoint), a step-N "
                           "directory in it, or 'auto': --checkpoint-dir's latest valid one if there is one")
     out.add_argument("--log-every", type=int, default=1)
+    out.add_argument("--check", action="store_true",
+                     help="check the flags, the plan and the data (as the ranks would), then stop: start nothing")
     from . import launch
 
     launch.add_arguments(p)
@@ -116,6 +118,9 @@ def _validate(plan, world: int, args) -> None:
     from ..runtime.trainer import _pipeline_available
 
     check_plan_supported(plan, world, pipeline_available=_pipeline_available())
+    from .train_checks import check_plan_sizes
+
+    check_plan_sizes(plan)
     if args.data is not None and not (Path(args.data).is_dir() or (args.init_from and Path(args.data).is_file())):
         raise TesseraError(f"data directory {args.data} does not exist")
     if args.init_from is not None:
@@ -124,9 +129,6 @@ def _validate(plan, world: int, args) -> None:
         raise TesseraError(f"checkpoint directory {args.resume} does not exist")
     if args.resume == "auto" and not args.checkpoint_dir:
         raise TesseraError("--resume auto needs --checkpoint-dir (where the checkpoints are)")
-    from . import launch
-
-    launch.check(args)
 
 
 def _child_argv(args, plan_path: Path, metrics: Path) -> list[str]:
@@ -157,6 +159,11 @@ def run(args) -> int:
 
 def _run(args) -> int:
     from ..plan import Plan
+    from . import launch
+    from .train_checks import check_flags
+
+    check_flags(args)
+    launch.check(args)
 
     if args.plan and args.model:
         raise TesseraError("give either --plan or --model (a plan already names its model)")
@@ -180,6 +187,13 @@ def _run(args) -> int:
         check_adaptive_plan(plan)
     _validate(plan, world, args)
     out = Path(args.out or Path("runs") / plan.model.name)
+    if args.check:
+        from .train_checks import check_data
+
+        check_data(plan, args)
+        print(f"checked: plan '{plan.name}' for {world} ranks ({plan.layers[1].describe()} ...), the flags "
+              "and the data are accepted; nothing started")
+        return 0
     if world > 1 and not _under_torchrun():
         return _launch(args, plan, args.nproc or 1, out)
     return _train_here(args, plan, out)

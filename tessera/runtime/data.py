@@ -310,6 +310,8 @@ def _token_file(f: Path) -> np.ndarray:
     if f.suffix == ".bin":
         if f.stat().st_size % 2:
             raise TesseraError(f"{f}: a .bin token file holds uint16 tokens, but its size is odd")
+        if f.stat().st_size == 0:  # nothing to map
+            return np.zeros(0, dtype=np.uint16)
         return np.memmap(f, dtype=np.uint16, mode="r")
     try:
         arr = np.load(f, mmap_mode="r", allow_pickle=False)
@@ -317,6 +319,8 @@ def _token_file(f: Path) -> np.ndarray:
         raise TesseraError(f"{f}: not a readable .npy file ({e})") from None
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
         raise TesseraError(f"{f}: a .npy token file must hold a 1-D integer array, not {arr.dtype} {arr.shape}")
+    if arr.size and int(arr.min()) < 0:
+        raise TesseraError(f"{f}: token ids must not be negative (found {int(arr.min())})")
     return arr
 
 
