@@ -3,6 +3,7 @@ object), falling back past a corrupt checkpoint, the non-finite policies, the ha
 state in a checkpoint. The multi-process parts are in test_resilience_dist.py."""
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import subprocess
@@ -195,7 +196,9 @@ def _train(tmp_path, policy: str, bad_calls, steps: int = 6):
         trainer.close()
     events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()] \
         if (tmp_path / "events.jsonl").exists() else []
-    return trainer, records, events, error
+    saves = [e for e in events if e["event"] == "checkpoint"]
+    assert all(e["blocking_s"] >= 0 for e in saves)  # the loop's wait for each save
+    return trainer, records, [e for e in events if e["event"] != "checkpoint"], error
 
 
 def _checkpoints_finite(directory) -> list[str]:
@@ -218,6 +221,8 @@ def test_nonfinite_step_is_skipped_rolled_back_or_stops(tmp_path):
     assert error is None and trainer.step == 6
     assert [r.step for r in records] == [1, 2, 4, 5, 6] and all(r.loss == r.loss for r in records)
     assert [(e["event"], e["step"], e.get("action")) for e in events] == [("nonfinite", 3, "skip")]
+    saved = [json.loads(x) for x in (tmp_path / "skip" / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in saved if e["event"] == "checkpoint"] == [2, 4, 6]
     assert _checkpoints_finite(tmp_path / "skip" / "ckpt") == ["step-2", "step-4", "step-6"]
 
     trainer, records, events, error = _train(tmp_path / "back", "rollback", {3})

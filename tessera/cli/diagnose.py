@@ -47,10 +47,16 @@ def run(args) -> int:
                       fmt(r.mfu, "%"), "-" if r.slowness is None else f"{r.slowness:.2f}x", style=style)
     console.print(table)
     console.print(_timeline(d, args.last))
-    if d.events:
+    saves = [e for e in d.events if e.get("event") == "checkpoint"]
+    listed = [e for e in d.events if e.get("event") != "checkpoint"]
+    if listed:
         console.print("[bold]events[/bold]")
-        for e in d.events:
+        for e in listed:
             console.print(f"  {describe_event(e)}")
+    if saves:
+        waits = [float(e.get("blocking_s", 0.0)) for e in saves]
+        console.print(f"checkpoints: {len(saves)} saved; the training loop waited {sum(waits) / len(waits):.3g} s per "
+                      f"save on average ({max(waits):.3g} s at most)")
     if d.slowest is None:
         console.print("no straggler: every rank's compute per unit of work is within "
                       f"{args.threshold:.2f}x of the fast ranks'")

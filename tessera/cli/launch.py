@@ -133,12 +133,29 @@ def _agent_class():
             return super()._restart_workers(worker_group)
 
         def _stop_workers(self, worker_group, *args, **kwargs):
+            _kill_stopped(getattr(self, "_pcontext", None))
             try:
                 self._shutdown(timeout=STOP_GRACE_S)
             except TypeError:  # another torch: the stock stop
                 super()._stop_workers(worker_group, *args, **kwargs)
 
     return _TesseraAgent
+
+
+def _kill_stopped(pcontext) -> None:
+    """SIGKILL the ranks that are stopped (SIGSTOP, a debugger): they cannot act on SIGTERM, and
+    waiting out the grace for them only delays the restart."""
+    pids = pcontext.pids().values() if pcontext is not None and hasattr(pcontext, "pids") else ()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state in ("T", "t"):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def _failure_summary(failures: dict, status_dir: Path, attempt: int | None = None) -> str:
