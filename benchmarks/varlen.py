@@ -18,6 +18,11 @@ static degree that fits) before (token split) and after `tessera.adapt.balance_r
 bound that one indivisible sequence sets.
 
     python benchmarks/varlen.py [--lengths FILE] [--batches 20] [--gpus 16 64 256] [--caps 32768 131072]
+
+Lengths: the file given, else the full sample of one million lengths where the project's shared
+data holds it, else the first 10,240 of them shipped in `benchmarks/data/` (the 20 batches of 512
+the default run reads, so the default run gives the same table from a clone; source and licence
+in benchmarks/data/README.md).
 """
 from __future__ import annotations
 
@@ -40,7 +45,13 @@ from tessera.adapt.seqpar import Items, solve_static, step_lower_bound  # noqa: 
 import tessera.adapt.seqmilp  # noqa: E402,F401  (scipy.optimize's one-off import is not a per-batch cost)
 from tessera.spec.presets import get_model, make_cluster  # noqa: E402
 
-DEFAULT_LENGTHS = ROOT / ".." / "shared" / "data" / "seqlens" / "wikipedia.txt"
+SHARED_LENGTHS = ROOT / ".." / "shared" / "data" / "seqlens" / "wikipedia.txt"
+SHIPPED_LENGTHS = ROOT / "benchmarks" / "data" / "wikipedia-lengths-10240.txt"
+
+
+def default_lengths() -> Path:
+    """The shared million-length sample where it exists, else the shipped first 10,240 lengths."""
+    return SHARED_LENGTHS if SHARED_LENGTHS.is_file() else SHIPPED_LENGTHS
 
 
 def load_lengths(path: Path) -> np.ndarray:
@@ -116,7 +127,9 @@ def setting_table(r) -> Table:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--lengths", type=Path, default=DEFAULT_LENGTHS, help="document lengths, one per line")
+    p.add_argument("--lengths", type=Path, default=None,
+                   help="document lengths, one per line (default: the shared Wikipedia sample, else the "
+                        "10,240 shipped in benchmarks/data/)")
     p.add_argument("--batches", type=int, default=20)
     p.add_argument("--global-batch", type=int, default=512)
     p.add_argument("--gpus", type=int, nargs="+", default=[16, 64, 256])
@@ -127,7 +140,10 @@ def main(argv=None) -> int:
     p.add_argument("--recompute", default="selective", choices=["none", "selective", "full"])
     p.add_argument("--time-budget", type=float, default=0.1, help="solver time budget per batch (s)")
     args = p.parse_args(argv)
+    args.lengths = args.lengths or default_lengths()
     lengths = load_lengths(args.lengths)
+    print(f"lengths: {args.lengths.relative_to(ROOT) if args.lengths.is_relative_to(ROOT) else args.lengths} "
+          f"({len(lengths):,} documents)")
     num_batches = min(args.batches, len(lengths) // args.global_batch)
     if num_batches < 1:
         sys.exit(f"varlen benchmark: {args.lengths} holds fewer than {args.global_batch} lengths")

@@ -225,6 +225,10 @@ class Plan(Frozen):
                     f"layer {i} ({self.model.layers[i].name}) uses dp*sp*tp={s.devices} devices, "
                     f"its stage has {per_stage}"
                 )
+            experts = self.model.layers[i].num_experts
+            if s.ep > 1 and experts % s.ep:
+                raise ValueError(f"layer {i} ({self.model.layers[i].name}) has {experts} experts, "
+                                 f"not divisible by its expert-parallel degree ep={s.ep}")
         widest = self.dp_of_batch  # once: the property scans every layer
         if any(widest % s.dp for s in self.layers):
             raise ValueError(f"every layer's dp must divide the widest dp {self.dp_of_batch}")

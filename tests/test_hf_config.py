@@ -31,6 +31,15 @@ MIXTRAL = {
     "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
     "num_key_value_heads": 8, "max_position_embeddings": 32768, "rms_norm_eps": 1e-05,
     "rope_theta": 1e6, "vocab_size": 32000, "num_local_experts": 8, "num_experts_per_tok": 2,
+    "router_aux_loss_coef": 0.02,
+}
+QWEN15_MOE = {
+    "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_size": 2048,
+    "intermediate_size": 5632, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+    "num_attention_heads": 16, "num_hidden_layers": 24, "num_key_value_heads": 16, "num_experts": 60,
+    "num_experts_per_tok": 4, "norm_topk_prob": False, "decoder_sparse_step": 1, "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "vocab_size": 151936, "router_aux_loss_coef": 0.001,
+    "tie_word_embeddings": False, "hidden_act": "silu", "use_sliding_window": False,
 }
 GPT2 = {
     "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "activation_function": "gelu_new",
@@ -54,7 +63,8 @@ def _write(tmp_path, data, name="config.json"):
 
 
 @pytest.mark.parametrize("preset, data", [("llama3-8b", LLAMA3_8B), ("qwen2.5-7b", QWEN25_7B),
-                                          ("mixtral-8x7b", MIXTRAL), ("gpt2", GPT2)])
+                                          ("mixtral-8x7b", MIXTRAL), ("qwen1.5-moe-a2.7b", QWEN15_MOE),
+                                          ("gpt2", GPT2)])
 def test_released_configs_equal_the_presets(tmp_path, preset, data):
     cfg = load_hf_config(_write(tmp_path, data))
     assert cfg.model_dump(exclude={"name"}) == MODEL_CONFIGS[preset].model_dump(exclude={"name"})
@@ -71,7 +81,7 @@ def test_directory_v5_rope_parameters_and_name(tmp_path):
 def test_transformers_reads_what_to_hf_config_writes(tmp_path):
     import transformers
 
-    for preset in ("tiny-llama", "tiny-gpt2", "tiny-moe", "qwen2.5-7b", "llama2-70b"):
+    for preset in ("tiny-llama", "tiny-gpt2", "tiny-moe", "tiny-qwen-moe", "qwen2.5-7b", "llama2-70b"):
         cfg = MODEL_CONFIGS[preset]
         hf = to_hf_config(cfg)
         assert load_hf_config(_write(tmp_path, hf)).model_dump(exclude={"name"}) == cfg.model_dump(exclude={"name"})

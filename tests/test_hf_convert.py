@@ -31,6 +31,9 @@ HF_MODELS = {
     "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**SMALL, sliding_window=None)),
     "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
         **SMALL, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": lambda: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        **SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=72,
+        norm_topk_prob=True)),
     "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=None,
         eos_token_id=None)),

@@ -79,8 +79,9 @@ def test_ddp_path_only_for_homogeneous_plain_data_parallel():
 
 
 def test_refusals_name_the_field():
-    ep_plan = make_plan(MOE, 4, [S(dp=4)] + [LayerStrategy(dp=4, ep=2)] * 2 + [S(dp=4)])
-    with pytest.raises(TesseraError, match=r"plan.layers\[1\] \(block0\).ep=2: expert parallelism"):
+    ep_plan = make_plan(MOE, 4, [LayerStrategy(dp=4, ep=2)] + [LayerStrategy(dp=4, ep=2)] * 2 + [S(dp=4)])
+    with pytest.raises(TesseraError, match=r"plan.layers\[0\] \(embedding\).ep=2: expert parallelism applies to "
+                                           r"MoE layers only"):
         check_plan_supported(ep_plan, 4)
     with pytest.raises(TesseraError, match="pipeline.degree=2"):
         check_plan_supported(make_plan(LLAMA, 4, S(dp=2), num_micro_batches=2, stages=((0, 3), (3, 6))), 4)
@@ -118,9 +119,9 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     err = _one_line_error(capsys, ["train", "--plan", str(plan4), "--nproc", "2"])
     assert err == "tessera train: error: plan was made for 4 ranks, but 2 are running"
     ep = tmp_path / "ep.json"
-    make_plan(MOE, 4, [S(dp=4)] + [LayerStrategy(dp=4, ep=2)] * 2 + [S(dp=4)]).save(ep)
+    make_plan(MOE, 4, [LayerStrategy(dp=4, ep=2)] + [LayerStrategy(dp=4, ep=2)] * 2 + [S(dp=4)]).save(ep)
     err = _one_line_error(capsys, ["train", "--plan", str(ep), "--nproc", "4"])
-    assert "plan.layers[1] (block0).ep=2" in err
+    assert "plan.layers[0] (embedding).ep=2" in err
     err = _one_line_error(capsys, ["train", "--plan", str(plan4), "--nproc", "4", "--data", str(tmp_path / "nope")])
     assert err == f"tessera train: error: data directory {tmp_path / 'nope'} does not exist"
 
@@ -149,7 +150,7 @@ def test_default_local_plan_runs_on_this_runtime(nproc):
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-gpt2", "gpt2", "tiny-moe"])
 def test_searched_plans_are_accepted_by_the_runtime(model):
     """Every plan the search emits for local ranks (free, and forced into each pipeline schedule)
-    is one the runtime runs; expert parallelism (its own issue) is searched out."""
+    is one the runtime runs, expert parallelism included."""
     from tessera.search import search
     from tessera.search.space import ALL_SCHEDULES, SearchOptions
     from tessera.spec.presets.clusters import local_cpu_cluster
@@ -158,7 +159,7 @@ def test_searched_plans_are_accepted_by_the_runtime(model):
 
     workload = Workload(global_batch=16, seq_len=128, dtype="fp32")
     for nproc in (2, 4, 8):
-        options = [SearchOptions(max_ep=1)] + [SearchOptions(max_ep=1, pp=2, schedules=(s,)) for s in ALL_SCHEDULES]
+        options = [SearchOptions()] + [SearchOptions(pp=2, schedules=(s,)) for s in ALL_SCHEDULES]
         for opts in options:
             plan = search(get_model(model), local_cpu_cluster(nproc), workload, options=opts)
             check_plan_supported(plan, nproc, pipeline_available=True)

@@ -1,6 +1,6 @@
 """Launching the ranks of `tessera train --nproc N`: torchrun's elastic agent, run in this process.
 
-    tessera train --nproc 4 --checkpoint-dir ckpt --checkpoint-every 50      # one node, 3 restarts
+    tessera train --nproc 4 --checkpoint-every 50                            # one node, 3 restarts
     tessera train --nproc 8 --nnodes 2 --rdzv-endpoint HOST:29400 ...        # the same on each node
 
 The agent (`torch.distributed.elastic`, what `torchrun` runs) starts the ranks, watches them and,
@@ -20,7 +20,6 @@ What Tessera adds to the stock agent (`_TesseraAgent`):
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
@@ -36,66 +35,16 @@ from pathlib import Path
 from ..errors import TesseraError
 
 STOP_GRACE_S = 10
-MAX_NODES = 1 << 16
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("recovery, nodes and stragglers")
-    g.add_argument("--max-restarts", type=int, default=3,
-                   help="restarts of the whole job after a rank dies or hangs (default 3); each resumes "
-                        "from the latest valid checkpoint of --checkpoint-dir")
-    g.add_argument("--hang-timeout", type=float, default=300.0, metavar="S",
-                   help="a rank that finishes no step for S seconds is hung and the job restarts "
-                        "(default 300; collectives time out at twice that)")
-    g.add_argument("--on-nonfinite", choices=("skip", "rollback", "stop"), default="skip",
-                   help="a NaN/inf loss or gradient norm: the step is not applied, then skip it, roll back "
-                        "to the latest checkpoint, or stop (default skip)")
-    g.add_argument("--max-bad-steps", type=int, default=3,
-                   help="non-finite steps (or rollbacks) in a row before stopping (default 3)")
-    g.add_argument("--no-replan", action="store_true",
-                   help="report stragglers but keep the plan (default: re-plan around a slow device)")
-    g.add_argument("--sync-checkpoints", action="store_true",
-                   help="write checkpoints before the next step starts (default: in the background)")
-    g.add_argument("--nnodes", type=int, default=1, help="nodes of the job; run the same command on each")
-    g.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
-                   help="c10d rendezvous endpoint shared by the nodes (with --nnodes > 1)")
-    g.add_argument("--rdzv-id", default=None, help="job id of the rendezvous (default: from the run directory)")
-
-
-def check(args) -> None:
-    """Refuse bad recovery and node flags in one line, before anything starts."""
-    from ..runtime.resilience import ResilienceConfig
-
-    if args.max_restarts < 0:
-        raise TesseraError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
-    ResilienceConfig(args.hang_timeout, args.on_nonfinite, args.max_bad_steps)
-    if not 1 <= args.nnodes <= MAX_NODES:
-        raise TesseraError(f"--nnodes must be between 1 and {MAX_NODES}, got {args.nnodes}")
-    if args.nnodes > 1 and not args.rdzv_endpoint:
-        raise TesseraError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
-    if args.rdzv_endpoint is not None:
-        host, _, port = args.rdzv_endpoint.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise TesseraError(f"--rdzv-endpoint must be HOST:PORT with a port in 1..65535, got {args.rdzv_endpoint!r}")
-    if args.rdzv_id is not None and not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", args.rdzv_id):
-        raise TesseraError(f"--rdzv-id must be 1-128 letters, digits, '.', '_' or '-', got {args.rdzv_id!r}")
-
-
-def child_flags(args) -> list[str]:
-    """The recovery flags each rank gets."""
-    flags = ["--hang-timeout", repr(args.hang_timeout), "--on-nonfinite", args.on_nonfinite,
-             "--max-bad-steps", str(args.max_bad_steps)]
-    flags += [f for f, on in (("--no-replan", args.no_replan), ("--sync-checkpoints", args.sync_checkpoints)) if on]
-    return flags
-
-
-def runtime_options(args, out: Path) -> dict:
-    """TrainConfig fields from the recovery flags."""
+def runtime_options(config, out: Path) -> dict:
+    """TrainConfig fields of the config's [recovery] section and checkpoint mode."""
     from ..runtime.resilience import ResilienceConfig
     from ..runtime.stragglers import StragglerConfig
 
-    return dict(resilience=ResilienceConfig(args.hang_timeout, args.on_nonfinite, args.max_bad_steps),
-                checkpoint_async=not args.sync_checkpoints, stragglers=StragglerConfig(replan=not args.no_replan),
+    r = config.recovery
+    return dict(resilience=ResilienceConfig(r.hang_timeout, r.on_nonfinite, r.max_bad_steps),
+                checkpoint_async=config.checkpoint.asynchronous, stragglers=StragglerConfig(replan=r.replan),
                 events_path=str(out / "events.jsonl"))
 
 
@@ -214,9 +163,10 @@ def _quiet_torch_elastic() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def launch(args, nproc: int, out: Path, child_argv: list[str]) -> int:
+def launch(config, nproc: int, out: Path, child_argv: list[str]) -> int:
     """Run `python -m tessera <child_argv>` on `nproc` local ranks under the elastic agent (module
-    docstring); returns the exit code for `tessera train`."""
+    docstring), with the config's nodes, rendezvous and restart budget; returns the exit code for
+    `tessera train`."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -230,14 +180,17 @@ def launch(args, nproc: int, out: Path, child_argv: list[str]) -> int:
     # addresses across a restart (pytorch/pytorch#135712).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    single = args.nnodes == 1 and args.rdzv_endpoint is None
-    run_id = args.rdzv_id or ("tessera-" + (uuid.uuid4().hex[:12] if single else
-                                           hashlib.sha1(str(out.resolve()).encode()).hexdigest()[:12]))
-    params = RendezvousParameters(backend="c10d", endpoint="localhost:0" if single else args.rdzv_endpoint,
-                                  run_id=run_id, min_nodes=args.nnodes, max_nodes=args.nnodes)
+    p, max_restarts = config.plan, config.recovery.max_restarts
+    single = p.nnodes == 1 and p.rdzv_endpoint is None
+    # Every node must name the same job: the endpoint is what they share (each node's run
+    # directory may differ, e.g. a run id made of its own start time).
+    run_id = p.rdzv_id or ("tessera-" + (uuid.uuid4().hex[:12] if single else
+                                         hashlib.sha1(p.rdzv_endpoint.encode()).hexdigest()[:12]))
+    params = RendezvousParameters(backend="c10d", endpoint="localhost:0" if single else p.rdzv_endpoint,
+                                  run_id=run_id, min_nodes=p.nnodes, max_nodes=p.nnodes)
     spec = WorkerSpec(role="tessera", local_world_size=nproc, entrypoint=sys.executable,
                       args=("-m", "tessera", *child_argv), rdzv_handler=get_rendezvous_handler(params),
-                      max_restarts=args.max_restarts, monitor_interval=0.5)
+                      max_restarts=max_restarts, monitor_interval=0.5)
     agent = _agent_class()(spec=spec, logs_specs=DefaultLogsSpecs(log_dir=str(status_dir / "logs")),
                            start_method="spawn", exit_barrier_timeout=60)
     agent.status_dir = status_dir
@@ -258,12 +211,12 @@ def launch(args, nproc: int, out: Path, child_argv: list[str]) -> int:
     finally:
         spec.rdzv_handler.shutdown()
     try:
-        return _outcome(result, signal_name, status_dir, args.max_restarts)
+        return _outcome(result, signal_name, status_dir, max_restarts, out)
     finally:
         shutil.rmtree(status_dir, ignore_errors=True)
 
 
-def _outcome(result, signal_name, status_dir: Path, max_restarts: int) -> int:
+def _outcome(result, signal_name, status_dir: Path, max_restarts: int, out: Path) -> int:
     statuses = _statuses(status_dir)
     kinds = {s.get("kind") for s in statuses.values()}
     for kind, code in (("input", 2), ("diverged", 3)):
@@ -273,7 +226,7 @@ def _outcome(result, signal_name, status_dir: Path, max_restarts: int) -> int:
             return code
     stopped = [s for s in statuses.values() if s.get("kind") == "stopped"]
     if stopped:
-        _say(stopped[0]["message"] + "; continue with --resume auto")
+        _say(stopped[0]["message"] + f"; continue with: tessera train --resume {out}")
         return 0
     if signal_name is not None:
         _say(f"stopped by {getattr(signal_name, 'name', signal_name)}")

@@ -31,8 +31,10 @@ parameters / tp (experts / (tp ep)), S = ZeRO shard degree, m = micro-batches:
              output, x kv_heads r / heads for k and v, r = the runtime's KV repeats when the group
              outnumbers the KV heads) and 4 backward over the sp group (stride tp); full
              recompute replays the forward's.
-    EP       MoE layers: dispatch + combine all-to-alls (t top_k capacity h a / tp per rank),
-             2 forward and 2 backward over ep ranks; full recompute replays the forward's.
+    EP       MoE layers: cost/moe.py — a counts all-to-all, dispatch and combine all-to-alls (t top_k h a
+             per rank, the busiest rank's load x the routing skew; the inter-node share scaled by
+             `a2a_internode_scale`) forward, the two token ones backward, over ep ranks (stride
+             tp); full and selective recompute replay the forward's; the skewed expert compute.
     ZeRO     over the shard group (S ranks, stride tp sp), message pb P; overlapped with the
              layer's compute: overlapped(c, x) = c + (slowdown - 1) min(c, x) + max(0, x - c):
              ZeRO-0  1 all-reduce over dp sp ranks per step (after the last micro-batch);
@@ -72,6 +74,7 @@ from ..spec.workload import Workload
 from .comm import collective_times, p2p_time, spans_nodes
 from .compute import (BACKWARD_FACTOR, achieved_flops, attention_seconds, linear_seconds, memory_bound_seconds,
                       per_operation)
+from .moe import moe_times
 from .memory import (RC_FULL, RC_NONE, RC_SELECTIVE, activation_bytes, buffer_bytes, expert_shard,
                      model_state_bytes, offloaded_bytes)
 
@@ -280,11 +283,8 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
                + 2 * collective_times(cl, "all_to_all", q_msg * kv, t.sp, t.tp))
         comm_f = comm_f + a2a
         comm_b = comm_b + a2a + np.where(full, a2a, 0.0)
-    if layer.num_experts:
-        msg = tokens_dev / t.tp * layer.top_k * layer.capacity_factor * layer.hidden * ab
-        e2e = 2 * collective_times(cl, "all_to_all", msg, t.ep, t.tp)
-        comm_f = comm_f + e2e
-        comm_b = comm_b + e2e + np.where(full, e2e, 0.0)
+    if layer.num_experts:  # all-to-alls, routing skew, node crossing: cost/moe.py
+        comm_f, comm_b = (a + b for a, b in zip((comm_f, comm_b), moe_times(layer, t, cl, tokens_dev, ab, cf)))
 
     # Data parallel / ZeRO over S = shard ranks (stride tp * sp), replicas R = dp * sp / S.
     # A tied LM head shares the embedding's weight on the same pipeline rank (pp = 1: counted

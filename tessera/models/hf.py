@@ -10,6 +10,8 @@ Name mapping (HF -> Tessera), per block i:
   mlp.{gate,up,down}_proj -> feed_forward.{w1,w3,w2}     mlp.c_fc -> w1, mlp.c_proj -> w2
   block_sparse_moe.gate -> moe.gate                      ln_f -> norm
   block_sparse_moe.experts.e.w{1,2,3} -> moe.experts.e.w{1,2,3}
+  Qwen2-MoE: mlp.gate -> moe.gate, mlp.experts.e.{gate,up,down}_proj -> moe.experts.e.{w1,w3,w2},
+  mlp.shared_expert.{gate,up,down}_proj -> moe.shared_expert.{w1,w3,w2}, mlp.shared_expert_gate -> same
   norm -> norm, lm_head -> output (absent when tied)
 
 GPT-2's Conv1D stores weights as (in, out), so they are transposed. q and k need no permutation:
@@ -55,7 +57,10 @@ _LLAMA_BLOCK = {
     "self_attn.v_proj": "attention.wv", "self_attn.o_proj": "attention.wo",
     "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3", "mlp.down_proj": "feed_forward.w2",
     "block_sparse_moe.gate": "moe.gate", "mlp.gate": "moe.gate",
+    "mlp.shared_expert.gate_proj": "moe.shared_expert.w1", "mlp.shared_expert.up_proj": "moe.shared_expert.w3",
+    "mlp.shared_expert.down_proj": "moe.shared_expert.w2", "mlp.shared_expert_gate": "moe.shared_expert_gate",
 }
+_QWEN_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _GPT2_BLOCK = {"ln_1": "attention_norm", "ln_2": "ffn_norm", "attn.c_proj": "attention.wo",
                "mlp.c_fc": "feed_forward.w1", "mlp.c_proj": "feed_forward.w2"}
 _GPT2_TOP = {"wte": "tok_embeddings", "wpe": "pos_embeddings", "ln_f": "norm"}
@@ -100,9 +105,10 @@ def _llama_key_to_tessera(key: str, t: torch.Tensor, cfg: TransformerConfig, out
             return False
         layer, module, param = m.groups()
         prefix = f"layers.{layer}."
-        expert = re.fullmatch(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w[123])", module)
+        expert = re.fullmatch(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w[123]|gate_proj|up_proj|down_proj)",
+                              module)
         if expert:
-            out[f"{prefix}moe.experts.{expert[1]}.{expert[2]}.{param}"] = t
+            out[f"{prefix}moe.experts.{expert[1]}.{_QWEN_EXPERT.get(expert[2], expert[2])}.{param}"] = t
         elif module == "mlp.experts.gate_up_proj":  # fused (E, 2F, H): gate rows, then up rows
             gate, up = t.chunk(2, dim=1)
             for e in range(t.shape[0]):
@@ -147,11 +153,13 @@ def _gpt2_key_to_tessera(key: str, t: torch.Tensor, cfg: TransformerConfig, out:
 def tessera_to_hf_state_dict(sd: StateDict, cfg: TransformerConfig) -> StateDict:
     """Tessera names -> the HF names of the hub files (per-expert MoE layout, GPT-2 Conv1D)."""
     sd = {k: v for k, v in sd.items() if not (cfg.tie_embeddings and k == "output.weight")}
-    return _tessera_to_gpt2(sd, cfg) if cfg.family == "gpt2" else _tessera_to_llama(sd)
+    return _tessera_to_gpt2(sd, cfg) if cfg.family == "gpt2" else _tessera_to_llama(sd, cfg)
 
 
-def _tessera_to_llama(sd: StateDict) -> StateDict:
-    block = {v: k for k, v in _LLAMA_BLOCK.items() if k != "mlp.gate"}
+def _tessera_to_llama(sd: StateDict, cfg: TransformerConfig) -> StateDict:
+    qwen_moe = cfg.family == "qwen2_moe"
+    block = {v: k for k, v in _LLAMA_BLOCK.items() if k != ("block_sparse_moe.gate" if qwen_moe else "mlp.gate")}
+    qwen_expert = {v: k for k, v in _QWEN_EXPERT.items()}
     out: StateDict = {}
     for key, t in sd.items():
         if key == "tok_embeddings.weight":
@@ -163,7 +171,9 @@ def _tessera_to_llama(sd: StateDict) -> StateDict:
         else:
             m = re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", key)
             expert = m and re.fullmatch(r"moe\.experts\.(\d+)\.(w[123])", m[2])
-            if expert:
+            if expert and qwen_moe:
+                out[f"model.layers.{m[1]}.mlp.experts.{expert[1]}.{qwen_expert[expert[2]]}.{m[3]}"] = t
+            elif expert:
                 out[f"model.layers.{m[1]}.block_sparse_moe.experts.{expert[1]}.{expert[2]}.{m[3]}"] = t
             elif m and m[2] in block:
                 out[f"model.layers.{m[1]}.{block[m[2]]}.{m[3]}"] = t

@@ -4,7 +4,7 @@ Plain modules only: parallelism is applied from outside by `tessera.runtime` acc
 Module names follow torchtitan's LLaMA so that TP plans and pipeline splits can name them:
 `tok_embeddings`, `pos_embeddings` (GPT-2), `layers.<i>` (a ModuleDict, so a pipeline stage can
 drop the blocks it does not own), `norm`, `output`. In a block: `attention_norm`,
-`attention.{wq,wk,wv,wo}`, `ffn_norm`, `feed_forward.{w1,w2,w3}` or `moe`.
+`attention.{wq,wk,wv,wo}`, `ffn_norm`, `feed_forward.{w1,w2,w3}` or `moe` (`tessera.models.moe`).
 
 Attention reshapes with `view(B, S, -1, head_dim)` so the local head count follows a TP degree,
 and calls `self.attention.core` (replaceable: Ulysses wraps it with all-to-alls). Packed documents
@@ -20,6 +20,7 @@ from torch import nn
 from ..spec.model import TransformerConfig
 from .attention import Documents, attend
 from .init import init_piece
+from .moe import MoE
 
 
 def build_norm(config: TransformerConfig) -> nn.Module:
@@ -99,33 +100,6 @@ class FeedForward(nn.Module):
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
 
 
-class MoE(nn.Module):
-    """Top-k routed experts (Mixtral): softmax over the top-k router logits, weighted sum.
-
-    Dense dispatch by expert (a loop over experts with index_select), exact and simple; expert
-    parallelism replaces `experts` and the dispatch from outside.
-    """
-
-    def __init__(self, config: TransformerConfig):
-        super().__init__()
-        self.top_k = config.top_k
-        self.gate = nn.Linear(config.hidden, config.num_experts, bias=False)
-        self.experts = nn.ModuleList(FeedForward(config) for _ in range(config.num_experts))
-
-    def forward(self, x):
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        logits = self.gate(x)
-        weights, chosen = torch.topk(logits, self.top_k, dim=-1)
-        weights = F.softmax(weights, dim=-1, dtype=torch.float32).type_as(x)
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            token, slot = torch.where(chosen == e)
-            if token.numel():
-                out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
-        return out.view(shape)
-
-
 class Block(nn.Module):
     def __init__(self, config: TransformerConfig, index: int):
         super().__init__()
@@ -133,7 +107,7 @@ class Block(nn.Module):
         self.attention = Attention(config)
         self.ffn_norm = build_norm(config)
         if config.is_moe_layer(index):
-            self.moe = MoE(config)
+            self.moe = MoE(config, FeedForward)
         else:
             self.feed_forward = FeedForward(config)
 

@@ -30,6 +30,10 @@ def check_adaptive_plan(plan: Plan) -> None:
     """Refuse a static plan whose parameters are not replicated on every rank."""
     if plan.pipeline.degree != 1:
         raise TesseraError(f"--adaptive needs a plan without pipeline parallelism (pipeline.degree is {plan.pipeline.degree})")
+    cfg = plan.model.config
+    if cfg is not None and (cfg.router_aux_loss_coef or cfg.router_z_loss_coef):
+        raise TesseraError("--adaptive does not add the MoE router losses to the loss; set the model's "
+                           "router_aux_loss_coef and router_z_loss_coef to 0 or train without --adaptive")
     for i, s in enumerate(plan.layers):
         if s.tp != 1 or s.sp_degree != 1 or s.zero != 0 or s.ep != 1:
             raise TesseraError(

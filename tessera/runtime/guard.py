@@ -47,7 +47,8 @@ class TrainingGuard:
             from .checkpoint import CheckpointManager
             from .export import model_files
 
-            self.manager = CheckpointManager(cfg.checkpoint_dir, async_save=cfg.checkpoint_async,
+            self.manager = CheckpointManager(cfg.checkpoint_dir, keep=cfg.checkpoint_keep,
+                                             async_save=cfg.checkpoint_async,
                                              model_files=model_files(trainer.plan.model.config, cfg.init_from))
         self.monitor = StragglerMonitor(cfg.stragglers, self.world)
         self.probe_due = False

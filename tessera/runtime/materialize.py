@@ -37,12 +37,30 @@ def canonical_name(name: str) -> str:
 
 def local_rectangle(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """(offset, shape) of this rank's shard of `p` inside the full parameter, or None when the
-    shard is not one rectangle. A plain tensor is its own full parameter."""
+    shard is not one rectangle. A plain tensor is its own full parameter.
+
+    Shards are cut as FSDP2 and DTensor cut them (`torch.chunk`: pieces of ceil(n / k) rows, the
+    last ones shorter or empty): first the plain `Shard` placements in mesh order (tensor
+    parallelism), then the `_StridedShard` ones (FSDP2 sharding a tensor-parallel shard further
+    chunks the local shard). DTensor's own arithmetic for `_StridedShard` differs from FSDP2's
+    cut when the rows do not divide evenly (a vocabulary of 50,257 rows over tp2 x dp4)."""
     if not hasattr(p, "device_mesh"):
         return (0,) * p.dim(), tuple(p.shape)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
-    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    mesh, placements = p.device_mesh, p.placements
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    offset, shape = [0] * p.dim(), list(p.shape)
+    plain = [i for i, pl in enumerate(placements) if isinstance(pl, Shard) and not isinstance(pl, _StridedShard)]
+    strided = [i for i, pl in enumerate(placements) if isinstance(pl, _StridedShard)]
+    for i in plain + strided:
+        dim, pieces = placements[i].dim, mesh.size(i)
+        chunk = -(-shape[dim] // pieces)
+        start = min(coordinate[i] * chunk, shape[dim])
+        offset[dim] += start
+        shape[dim] = max(0, min(chunk, shape[dim] - start))
     if tuple(shape) != tuple(p.to_local().shape):
         return None
     return tuple(offset), tuple(shape)

@@ -164,6 +164,9 @@ class ParallelDims:
             self.layer_mesh(layout)
             if s.sp_degree > 1:
                 self.sp_group(layout)
+        from .expert_parallel import build_expert_meshes
+
+        build_expert_meshes(plan, self)
         self._built = True
 
     @property
@@ -194,6 +197,19 @@ class ParallelDims:
                 self.device_type, ranks,
                 mesh_dim_names=(Axis.PP, Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.TP))
         return self._layer_meshes[layout]
+
+    def rank_mesh(self, shape: tuple[int, ...], names: tuple[str, ...]) -> "DeviceMesh":
+        """A mesh over all ranks laid out row-major in `shape` (outermost first), built once per
+        (shape, names): for layouts other than a layer's, e.g. the expert-parallel mesh
+        (`runtime/expert_parallel.py`)."""
+        key = (tuple(shape), tuple(names))
+        if key not in self._layer_meshes:
+            import torch
+            from torch.distributed.device_mesh import DeviceMesh
+
+            ranks = torch.arange(self.world_size).view(*shape)
+            self._layer_meshes[key] = DeviceMesh(self.device_type, ranks, mesh_dim_names=tuple(names))
+        return self._layer_meshes[key]
 
     def sp_group(self, layout: LayerLayout):
         """Process group of the Ulysses ranks of a layer (those that differ only in s)."""

@@ -1,4 +1,4 @@
-"""AdamW, the warmup-cosine learning-rate schedule, and gradient clipping across meshes.
+"""AdamW, the learning-rate schedule (warmup, then cosine or linear decay), and gradient clipping across meshes.
 
 A parallelised model mixes plain tensors and DTensors on several meshes (one per layer layout),
 so the optimizer keeps two parameter groups (decay or not: a checkpoint's groups then match any
@@ -32,6 +32,7 @@ class OptimConfig:
     warmup_steps: int = 10
     total_steps: int = 1000
     min_lr_ratio: float = 0.1
+    decay: str = "cosine"  # after warmup, to min_lr_ratio x lr at total_steps: "cosine", "linear", "constant"
     grad_clip: float = 1.0  # 0 disables clipping
     fused: bool | None = None  # None: fused where `implementation` allows it (CUDA); False: never
 
@@ -77,14 +78,25 @@ def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(param_groups(params, cfg.weight_decay), **kwargs, **implementation(params, cfg.fused))
 
 
+DECAYS = ("cosine", "linear", "constant")
+
+
 def lr_lambda(cfg: OptimConfig):
-    """Linear warmup over `warmup_steps`, then cosine decay to `min_lr_ratio` at `total_steps`."""
+    """The learning rate's factor at a step: linear warmup over `warmup_steps` ((step + 1) / warmup),
+    then, with p the share of the remaining steps done, decay to r = `min_lr_ratio` at
+    `total_steps`: cosine r + (1 - r)(1 + cos(pi p)) / 2, linear 1 - (1 - r) p, or constant 1."""
+    if cfg.decay not in DECAYS:
+        raise ValueError(f"learning-rate decay must be one of {', '.join(DECAYS)}, got '{cfg.decay}'")
 
     def factor(step: int) -> float:
         if step < cfg.warmup_steps:
             return (step + 1) / cfg.warmup_steps
         span = max(1, cfg.total_steps - cfg.warmup_steps)
         progress = min(1.0, (step - cfg.warmup_steps) / span)
+        if cfg.decay == "constant":
+            return 1.0
+        if cfg.decay == "linear":
+            return 1.0 - (1 - cfg.min_lr_ratio) * progress
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
@@ -101,34 +113,65 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def grad_norm(params, pp_group=None) -> torch.Tensor:
     """Global L2 norm of the gradients: sqrt(sum over groups of the group's squared norm).
 
-    A DTensor group's squared norm sums the local shards over every mesh axis it is sharded on;
-    replicated axes hold copies and are not summed. `pp_group` adds the other pipeline stages.
+    Gradients are grouped by the process groups they are sharded over (the ranks of every mesh
+    axis with a Shard placement, in mesh order; replicated axes hold copies and are not summed;
+    expert parameters, on the meshes runtime/expert_parallel.py shards them over, also over the
+    expert-parallel group, whose ranks hold the other experts): each group's squared norm is the
+    sum of its local shards, all-reduced once over each of those process groups. Grouping by ranks
+    rather than by mesh object lets the layers of a layer-wise plan that shard over the same ranks
+    share one all-reduce. `pp_group` adds the other pipeline stages.
     """
-    from torch.distributed.tensor import Shard
-
-    groups: dict = {}
+    groups: dict = {}  # sharding ranks -> (process groups, gradients); insertion (parameter) order
     for p in params:
         if p.grad is None:
             continue
-        g = p.grad
-        key = (_mesh_key(g), tuple(getattr(g, "placements", ())))
-        groups.setdefault(key, []).append(g)
+        axes = _sharded_groups(p.grad)
+        key = tuple(ranks for ranks, _ in axes)
+        groups.setdefault(key, ([g for _, g in axes], []))[1].append(p.grad)
     total = None
-    for grads in groups.values():
+    for process_groups, grads in groups.values():
         local = [_local(g) for g in grads]
         sq = torch.stack([n.float() for n in torch._foreach_norm(local)]).pow(2).sum()
-        first = grads[0]
-        if hasattr(first, "device_mesh"):
-            mesh = first.device_mesh
-            for axis, placement in enumerate(first.placements):
-                if isinstance(placement, Shard) and mesh.size(axis) > 1:
-                    dist.all_reduce(sq, group=mesh.get_group(axis))
+        for group in process_groups:
+            dist.all_reduce(sq, group=group)
         total = sq if total is None else total + sq.to(total.device)
     if total is None:
         total = torch.zeros(())
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)
     return total.sqrt()
+
+
+def _expert_group(mesh):
+    """The ranks holding the other experts, for a mesh that expert parameters live on (None else)."""
+    from .expert_parallel import ep_group_of
+
+    return ep_group_of(mesh)
+
+
+def _is_shard(placement) -> bool:
+    """Shard, or FSDP2's _StridedShard of a TP-sharded dimension (in torch 2.13 not a Shard, and
+    its is_shard() is False: both shard the tensor)."""
+    from torch.distributed.tensor import Shard
+
+    return isinstance(placement, Shard) or type(placement).__name__ == "_StridedShard"
+
+
+def _sharded_groups(grad: torch.Tensor) -> list[tuple[tuple[int, ...], object]]:
+    """(ranks, process group) of each mesh axis of size > 1 that a DTensor gradient is sharded on,
+    then its expert-parallel group if it is an expert parameter."""
+    mesh = getattr(grad, "device_mesh", None)
+    if mesh is None:
+        return []
+    out = []
+    for axis, placement in enumerate(grad.placements):
+        if _is_shard(placement) and mesh.size(axis) > 1:
+            group = mesh.get_group(axis)
+            out.append((tuple(dist.get_process_group_ranks(group)), group))
+    ep = _expert_group(mesh)
+    if ep is not None:
+        out.append((tuple(dist.get_process_group_ranks(ep)), ep))
+    return out
 
 
 def clip_grad_norm_(params, max_norm: float, pp_group=None, skip_in_norm: set[int] = frozenset()) -> torch.Tensor:

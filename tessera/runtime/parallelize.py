@@ -45,6 +45,7 @@ from ..errors import TesseraError
 from ..models.transformer import Transformer
 from ..plan import LayerStrategy, Plan, Recompute, SPKind
 from ..spec.model import LayerKind
+from .expert_parallel import check_moe_layer, dense_modules, parallelize_moe, shard_experts
 from .grad_sync import GradSync, ShardedUnit, sum_tied_gradients
 from .materialize import EMBEDDING_WEIGHT, HEAD_WEIGHT, canonical_name
 from .mesh import Axis, LayerLayout, ParallelDims
@@ -71,8 +72,7 @@ def check_plan_supported(plan: Plan, world_size: int | None = None, *, pipeline_
                            "available in this runtime build")
     for i, s in enumerate(plan.layers):
         where = f"plan.layers[{i}] ({plan.model.layers[i].name})"
-        if s.ep > 1:
-            raise TesseraError(f"{where}.ep={s.ep}: expert parallelism is not supported by the runtime yet")
+        check_moe_layer(plan, i, s, where)
         if s.offload_optimizer and not s.zero:
             raise TesseraError(f"{where}.offload_optimizer needs zero >= 1 (FSDP2 CPU offload shards the state)")
         if s.tp > 1 and kinds[i] in (LayerKind.DECODER, LayerKind.MOE_DECODER):
@@ -92,7 +92,8 @@ def uses_ddp(plan: Plan) -> bool:
                                                                   first.zero, first.dp_shard)
                for s in plan.layers)
     return (same and plan.pipeline.degree == 1 and first.tp == 1 and first.zero == 0
-            and not first.dp_shard and not any(s.offload_optimizer for s in plan.layers))
+            and not first.dp_shard and not any(s.offload_optimizer for s in plan.layers)
+            and all(s.ep == 1 for s in plan.layers))  # experts reduce over their own replicas
 
 
 # --- strategies -----------------------------------------------------------------------------------
@@ -121,12 +122,7 @@ def _tp_block(block: nn.Module, s: LayerStrategy, tp_mesh) -> None:
     if sp:
         plan["attention_norm"] = SequenceParallel()
         plan["ffn_norm"] = SequenceParallel()
-    if hasattr(block, "moe"):
-        for e in range(len(block.moe.experts)):
-            plan[f"moe.experts.{e}.w1"] = ColwiseParallel()
-            plan[f"moe.experts.{e}.w2"] = RowwiseParallel()
-            if hasattr(block.moe.experts[e], "w3"):
-                plan[f"moe.experts.{e}.w3"] = ColwiseParallel()
+    if hasattr(block, "moe"):  # experts and the shared expert: runtime/expert_parallel.py
         if sp:
             plan["moe"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                              use_local_output=True)
@@ -295,6 +291,8 @@ def parallelize(model: Transformer, plan: Plan, dims: ParallelDims, rank: int,
     for key in list(chunk.layers):
         s = strategies[int(key) + 1]
         block = chunk.layers[key]
+        if hasattr(block, "moe"):
+            parallelize_moe(block.moe, s, plan, dims, rank)
         if s.tp > 1:
             _tp_block(block, s, dims.layer_mesh(LayerLayout.of(s))[Axis.TP])
         if s.sp == SPKind.ULYSSES:
@@ -341,13 +339,14 @@ def parallelize(model: Transformer, plan: Plan, dims: ParallelDims, rank: int,
             units += [(chunk.norm, last), (chunk.output, last)]
     unsharded: set[nn.Parameter] = set()  # parameters of layers that live on one rank (dp * sp = 1)
     for module, s in units:
+        experts = shard_experts(module, s, plan, dims, mp_policy, result)
         kw = _fsdp_kwargs(s, dims, mp_policy)
         if kw is not None:
             fully_shard(module, **kw)
             result.sync.units.append(ShardedUnit(module, s.zero))
         else:
             unsharded.update(module.parameters())
-        _note_rescale(result, [module], s, pieces)
+        _note_rescale(result, dense_modules(module) if experts else [module], s, pieces)
     kw = _fsdp_kwargs(root, dims, mp_policy)
     if kw is not None:
         fully_shard(chunk, **kw, **({"ignored_params": unsharded} if unsharded else {}))

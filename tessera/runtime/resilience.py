@@ -118,6 +118,19 @@ def process_group_store(timeout: timedelta):
     return dist.PrefixStore(f"tessera/attempt-{restart_count()}", store)
 
 
+def init_rank_process_group(backend: str, timeout: timedelta) -> None:
+    """The default process group of a torchrun rank, with the collectives' deadline `timeout`, on a
+    fresh store after a restart where torchrun shares its own (`process_group_store`)."""
+    import torch.distributed as dist
+
+    store = process_group_store(timeout)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+
+
 def bind_to_parent() -> None:
     """Die with the parent (the torchrun agent): the kernel sends SIGKILL when it exits (Linux),
     and a parent that died before this ran is noticed here. Call it early in each rank."""

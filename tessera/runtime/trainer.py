@@ -1,7 +1,7 @@
 """The training loop: build everything from a Plan, then step, log, checkpoint.
 
     trainer = Trainer(TrainConfig(plan=plan, steps=100))   # process group, mesh, model, optimizer
-    trainer.train()                                         # resume; step; log; save
+    trainer.train()                                         # resume; step; log; evaluate; save
 
 Every rank loads its block of the global batch in the plan's data layout: the batch split over
 the gcd of the layers' dp (`data_rank`, `data_size`); every layer takes its sub-block of it
@@ -10,7 +10,9 @@ shards are allocated and initialised (`build_model`). A step runs the plan's mic
 (gradient accumulation with the plan's gradient synchronisation, or the pipeline schedule),
 rescales gradients of layers replicated over fewer or more ranks than the loss is split over,
 clips the global norm, and steps AdamW and the LR schedule (`compute_gradients` stops before
-clipping: the gradient oracle of the equivalence tests).
+clipping: the gradient oracle of the equivalence tests). Every `eval_every` steps the model's
+mean loss over `eval_batches` global batches of the held-out split is reported (`evaluate`).
+Saves, resumes and evaluations are reported to `on_event(kind, info)` beside the log.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import torch.distributed as dist
 from ..errors import TesseraError
 from ..models.transformer import build_model
 from ..plan import Plan
+from .expert_parallel import moe_step_stats
 from .grad_sync import settle_gradients
 from .materialize import materialize
 from .mesh import ParallelDims
@@ -36,7 +39,7 @@ from .optim import OptimConfig, build_optimizer, build_scheduler, clip_grad_norm
 from .parallel_model import data_parallel_size, pad_sequences, sequence_multiple
 from .parallelize import Parallelized, check_plan_supported, parallelize, uses_ddp
 from .precision import autocast, compute_dtype, configure_matmul, fsdp_mixed_precision, peak_dtype
-from .resilience import ResilienceConfig, all_finite, process_group_store
+from .resilience import ResilienceConfig, all_finite, init_rank_process_group
 from .steptime import StepTimer, rank_mfu
 from .stragglers import StragglerConfig
 
@@ -61,6 +64,15 @@ class TrainConfig:
     resume: str | None = None
     adaptive: bool = False  # per-step sequence-parallel groups for the batch's documents
     adaptive_time_budget_s: float = 0.1
+    moe_placement: bool = False  # NetMoE: place each step's samples on data ranks (runtime/moe_placement.py)
+    # --- run records, evaluation, retention (tessera.config documents each) ---
+    run_id: str | None = None  # carried by every metrics line
+    wandb: dict | None = None  # wandb.init arguments (project, name, id, config, dir); None: off
+    checkpoint_keep: int = 3  # complete checkpoints kept; 0 keeps all
+    checkpoint_final: bool = True  # save after the last step
+    eval_every: int = 0  # evaluate on the held-out split every N steps and after the last; 0: never
+    eval_batches: int = 4  # global batches per evaluation
+    eval_fraction: float = 0.05  # share of the data held out (training never sees it when eval is on)
     # Recovery (runtime/resilience.py): hang timeout, non-finite policy; async checkpoints;
     # stragglers (runtime/stragglers.py); `events_path`: the run's events.jsonl.
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
@@ -89,22 +101,51 @@ def _pipeline_available() -> bool:
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, on_step: Callable[[StepRecord], None] | None = None):
+    def __init__(self, config: TrainConfig, on_step: Callable[[StepRecord], None] | None = None,
+                 on_event: Callable[[str, dict], None] | None = None):
         self.config = config
         self.plan = config.plan
         self.on_step = on_step
+        self.on_event = on_event  # ("save" | "resume" | "eval", details), on rank 0
         self.step = 0
         self.build_distributed()
+        self.build()
+
+    @classmethod
+    def on_process_group(cls, config: TrainConfig, device: torch.device, dtype: str) -> "Trainer":
+        """A trainer on a process group that already exists and that it does not own (the dry
+        run's fake one at the plan's world size), computing in `dtype` on `device` whatever this
+        machine has: the same build as training, without starting a process group."""
+        self = cls.__new__(cls)
+        self.config, self.plan, self.on_step, self.on_event, self.step = config, config.plan, None, None, 0
+        self.device, self.dtype, self.owns_process_group = device, dtype, False
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.dims = ParallelDims.from_plan(self.plan, self.world_size, self.device.type)
+        self.build()
+        return self
+
+    def build(self) -> None:
+        """Everything after the process group: model, optimizer, sample placement, data, metrics."""
+        config = self.config
         check_plan_supported(self.plan, self.world_size, pipeline_available=_pipeline_available())
         self.build_model()
         self.build_optimizer()
+        self.placer = None
+        if config.moe_placement:
+            from .moe_placement import SamplePlacer
+
+            self.placer = SamplePlacer(self.plan, self.dims, self.rank, self.model_parts)
         self.loader = None
         self.data_iter = None
-        self.metrics = MetricsWriter(config.metrics_path, config.tensorboard_dir) if self.rank == 0 else None
+        self.eval_loader = None
+        self.metrics = (MetricsWriter(config.metrics_path, config.tensorboard_dir, config.run_id, config.wandb)
+                        if self.rank == 0 else None)
         self.events = EventWriter(config.events_path if self.rank == 0 else None)
         self.timer = StepTimer(self.device, self.rank)
         self.bad_step = False  # the last step's loss or gradient norm was not finite (not applied)
         self.guard = None  # `train` starts it (runtime/guard.py)
+        self.redo: dict[int, float] = {}  # after a resume, rank 0: step -> loss logged before it
+        self.redone: list[tuple[int, float, float]] = []
         # Read a logged step's figures after the next step is queued (`train`): on CUDA reading
         # them right away would leave the device idle while the host queues the next step.
         self.defer_records = self.device.type == "cuda"
@@ -121,13 +162,7 @@ class Trainer:
         self.owns_process_group = False
         if not dist.is_initialized():
             if "RANK" in os.environ:  # a collective waiting past the hang deadline raises (gloo) or aborts (NCCL)
-                timeout = self.config.resilience.process_group_timeout
-                store = process_group_store(timeout)
-                if store is None:
-                    dist.init_process_group(backend, timeout=timeout)
-                else:  # a restart on torchrun's shared store (resilience.process_group_store)
-                    dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
-                                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+                init_rank_process_group(backend, self.config.resilience.process_group_timeout)
             else:  # one process without torchrun: an in-memory store, no port to collide on
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
                 self.owns_process_group = True  # `close` ends it: nothing else in the process uses it
@@ -223,12 +258,15 @@ class Trainer:
         """The optimizer of the first model part (all of them: `optimizers`)."""
         return self.optimizers[0]
 
-    def build_data(self):
-        """The batch iterator of this rank's data block (`data_rank` of `data_size`)."""
+    def build_data(self, split: str = "train"):
+        """The batch iterator of this rank's data block (`data_rank` of `data_size`); `split`
+        "eval": the held-out batches evaluation reads (the training stream leaves them out)."""
         w = self.plan.workload
-        if self.config.synthetic_data:
+        holdout = self.config.eval_fraction if self.config.eval_every else 0.0
+        if self.config.synthetic_data:  # held-out batches: another seed's stream
+            seed = self.config.seed if split == "train" else self.config.seed + 7_919
             loader = SyntheticLoader(self.plan.model.config.vocab_size, w.seq_len, w.global_batch,
-                                     self.data_rank, self.data_size, self.config.seed)
+                                     self.data_rank, self.data_size, seed)
             loader.rows = self.data_rows()
             return loader
         from .data import build_dataloader
@@ -242,7 +280,7 @@ class Trainer:
         # An adaptive run hands every rank the whole global batch (the step plan splits it).
         rank, size = (0, 1) if self.adaptive is not None else (self.data_rank, self.data_size)
         loader = build_dataloader(self.config.data, w.seq_len, w.global_batch, rank, size,
-                                  self.config.seed, pack=True, tokenizer=tokenizer)
+                                  self.config.seed, pack=True, tokenizer=tokenizer, holdout=holdout, split=split)
         if loader.vocab_size > self.plan.model.config.vocab_size:
             raise TesseraError(f"the data's tokenizer has {loader.vocab_size} tokens, more than the model's "
                                f"vocabulary of {self.plan.model.config.vocab_size}")
@@ -292,6 +330,8 @@ class Trainer:
             num_targets = self.plan.workload.global_batch * tokens.shape[1]
         loss = self.compute_gradients(tokens, labels, positions, doc_ids, num_targets)
         self.optimizer_step(loss)
+        if self.placer is not None:
+            self.placer.observe()
         return torch.as_tensor(loss)
 
     def compute_gradients(self, tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None,
@@ -303,6 +343,8 @@ class Trainer:
         self.loss_fn.target_scale = (None if num_targets is None else
                                      self.loss_fn.pieces * self.plan.num_micro_batches / max(num_targets, 1))
         tokens, labels, positions, doc_ids = (self._to_device(t) for t in (tokens, labels, positions, doc_ids))
+        if self.placer is not None:  # NetMoE: this step's samples to the data ranks it chooses
+            tokens, labels, positions, doc_ids = self.placer.place(tokens, labels, positions, doc_ids)
         # A sequence that does not split into the plan's sequence shards is padded (ignored labels).
         self.loss_fn.real_seq_len = tokens.shape[1]
         tokens, labels, positions, doc_ids = pad_sequences(self.seq_multiple, tokens, labels, positions, doc_ids)
@@ -402,6 +444,7 @@ class Trainer:
             path = self.guard.resume_path()
             if path is not None:
                 self.guard.load(path)
+                self._after_resume(path)
             if self.data_iter is None:
                 self.loader = self.build_data()
                 self.data_iter = iter(self.loader)
@@ -441,6 +484,8 @@ class Trainer:
                 if not self.defer_records:
                     records.append(self.log_step(pending))
                     pending = None
+            if self.maybe_evaluate():
+                clock.restart()  # the evaluation is not the next step's time
             if self.maybe_checkpoint():
                 clock.restart()  # the save is not the next step's time
             if self.guard.end_of_step(clock):
@@ -465,7 +510,7 @@ class Trainer:
         step_plan = self.adaptive.last_plan if self.adaptive is not None else None
         return PendingRecord(step=self.step, loss=loss, grad_norm=self.grad_norm,
                              lr=self.schedulers[0].get_last_lr()[0], span=span, peaks=peaks, work=work,
-                             step_plan=step_plan)
+                             step_plan=step_plan, moe=moe_step_stats(self.model_parts, self.plan, self.device))
 
     def log_step(self, pending: PendingRecord) -> StepRecord:
         """Read and report one step (waits for that step only)."""
@@ -482,7 +527,8 @@ class Trainer:
             peak_memory_bytes=[x[0] for x in gathered],
             predicted_step_time_s=self.plan.prediction.step_time_s if self.plan.prediction else None,
             data_s=column(1), compute_s=column(2), comm_s=column(3), bubble_s=column(4),
-            rank_mfu=rank_mfu(self.plan, self.world_size, elapsed, self.plan.cluster.device.peak_flops.get(peak)))
+            rank_mfu=rank_mfu(self.plan, self.world_size, elapsed, self.plan.cluster.device.peak_flops.get(peak)),
+            moe=pending.moe)
         if pending.step_plan is not None:
             record.predicted_step_time_s = pending.step_plan.predicted_time_s
             record.sp_groups = [[g.degree for g in mb.groups] for mb in pending.step_plan.micro_batches]
@@ -492,16 +538,103 @@ class Trainer:
             log.info("step %d loss %.4f %.0f tok/s", record.step, record.loss, record.tokens_per_s)
             if self.metrics is not None:
                 self.metrics.write(record)
+            if self.redo:
+                self._check_redone(record)
             if self.on_step is not None:
                 self.on_step(record)
         return record
+
+    # --- evaluation -------------------------------------------------------------------------------
+    def maybe_evaluate(self) -> bool:
+        """Evaluate when due (every `eval_every` steps and after the last); returns whether it did."""
+        every = self.config.eval_every
+        if not every or (self.step % every and self.step != self.config.steps):
+            return False
+        loss, tokens = self.evaluate()
+        from .runs import perplexity
+
+        if self.metrics is not None:
+            self.metrics.write_eval(self.step, loss, perplexity(loss), tokens)
+        self._event("eval", step=self.step, loss=loss, perplexity=perplexity(loss), tokens=tokens)
+        return True
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, int]:
+        """(mean cross-entropy in nats per target token, target tokens) over the first
+        `eval_batches` global batches of the held-out split, the same batches every time."""
+        if self.eval_loader is None:
+            self.eval_loader = self.build_data("eval")
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # summed loss, targets
+        for i in range(self.config.eval_batches):
+            batch = self.eval_loader.batch_at(i * self.plan.workload.global_batch)
+            total += self._eval_sums(batch)
+        dist.all_reduce(total)
+        self._reshard()
+        return float(total[0] / total[1].clamp(min=1)), int(total[1])
+
+    def _reshard(self) -> None:
+        """Free the parameters a forward without backward left gathered (FSDP2 units that do not
+        reshard after forward), so that the model's parameters are the optimizer's shards again."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for part in self.model_parts:
+            for module in part.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
+    def _eval_sums(self, batch) -> torch.Tensor:
+        """This rank's (summed loss, targets) of one held-out batch, forward only."""
+        from .parallel_model import IGNORE
+
+        packed = getattr(batch, "packed", False)
+        tokens, labels, positions, doc_ids = (self._to_device(t) for t in (
+            batch.tokens, batch.labels, batch.positions if packed else None, batch.doc_ids if packed else None))
+        targets = (labels != IGNORE).sum().double()
+        if self.adaptive is not None:  # the whole batch on every rank: each rank takes its rows
+            rows = slice(self.rank * len(tokens) // self.world_size, (self.rank + 1) * len(tokens) // self.world_size)
+            logits = self.model(tokens[rows], *(t[rows] if t is not None else None for t in (positions, doc_ids)))
+            part = labels[rows]
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), part.flatten(),
+                                                     ignore_index=IGNORE, reduction="sum")
+            return torch.stack([loss.double(), (part != IGNORE).sum().double()])
+        # The loss as the sum over this piece's targets, times pieces x micro-batches (ParallelLoss).
+        scale = self.loss_fn.target_scale
+        self.loss_fn.target_scale = self.loss_fn.pieces * self.plan.num_micro_batches
+        try:
+            self.loss_fn.real_seq_len = tokens.shape[1]
+            tokens, labels, positions, doc_ids = pad_sequences(self.seq_multiple, tokens, labels, positions, doc_ids)
+            if self.pipeline is not None:
+                mean = self.pipeline.evaluate(tokens, labels, positions, doc_ids)  # None off the last stage
+                loss = mean if mean is not None else torch.zeros((), dtype=torch.float64, device=self.device)
+            else:
+                loss = self._eval_forward(tokens, labels, positions, doc_ids)
+        finally:
+            self.loss_fn.target_scale = scale
+        # Each rank's value is pieces x its piece's sum; the loss's pieces are held by
+        # holders / pieces ranks each (the world, or a pipeline's last stage), so the all-reduced
+        # sum is holders x the batch's sum. Each data block is held by world / data_size ranks.
+        holders = self.world_size // self.plan.pipeline.degree if self.pipeline is not None else self.world_size
+        return torch.stack([loss.double() / holders, targets * self.data_size / self.world_size])
+
+    def _eval_forward(self, tokens, labels, positions, doc_ids) -> torch.Tensor:
+        n = self.plan.num_micro_batches
+        module = self.parallel.module
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        chunks = [t.chunk(n) if t is not None else [None] * n for t in (tokens, labels, positions, doc_ids)]
+        for i in range(n):
+            with self.loss_fn.context(), self.autocast:
+                logits = module(chunks[0][i], chunks[2][i], chunks[3][i])
+                loss = self.loss_fn(logits, chunks[1][i])
+            total += _plain(loss).detach().double() / n
+        return total
 
     # --- checkpoints ------------------------------------------------------------------------------
     def _checkpoint_manager(self, directory: str):
         from .checkpoint import CheckpointManager
         from .export import model_files
 
-        return CheckpointManager(directory, model_files=model_files(self.plan.model.config, self.config.init_from))
+        return CheckpointManager(directory, keep=self.config.checkpoint_keep,
+                                 model_files=model_files(self.plan.model.config, self.config.init_from))
 
     def extra_state(self) -> dict:
         """What a checkpoint holds beside the model and optimizer: step, LR schedule, data
@@ -517,11 +650,14 @@ class Trainer:
         """Save when due (only finite parameters, written in the background); returns whether it saved."""
         cfg = self.config
         every = cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
-        if cfg.checkpoint_dir and (every or self.step == cfg.steps):  # and always after the last step
+        if cfg.checkpoint_dir and (every or (cfg.checkpoint_final and self.step == cfg.steps)):
             if self.guard is not None:
-                return self.guard.save_checkpoint()
-            self._checkpoint_manager(cfg.checkpoint_dir).save(self.step, self.model_parts, self.optimizers,
-                                                              self.extra_state())
+                if not self.guard.save_checkpoint():
+                    return False
+            else:
+                self._checkpoint_manager(cfg.checkpoint_dir).save(self.step, self.model_parts, self.optimizers,
+                                                                  self.extra_state())
+            self._event("save", step=self.step, path=str(Path(cfg.checkpoint_dir) / f"step-{self.step}"))
             return True
         return False
 
@@ -577,6 +713,34 @@ class Trainer:
             hook_pipeline_waits()
         return "resharded"
 
+    def _after_resume(self, path: Path) -> None:
+        """The metrics lines of steps after the checkpoint are dropped (the file holds each step
+        once); their losses are kept to compare with the steps as computed again (`redone`)."""
+        dropped = 0
+        if self.metrics is not None:
+            self.redo = self.metrics.losses_after(self.step)
+            dropped = self.metrics.truncate_after(self.step)
+        self._event("resume", step=self.step, path=str(path), dropped_lines=dropped)
+
+    def _check_redone(self, record: StepRecord) -> None:
+        """A step computed before a failure and again after the resume: once past the last such
+        step, one `recomputed` event says whether the losses are the same, bit for bit."""
+        before = self.redo.get(record.step)
+        if before is not None:
+            self.redone.append((record.step, before, record.loss))
+        if record.step >= max(self.redo):
+            same = all(a == b for _, a, b in self.redone)
+            self.events.write("recomputed", record.step, steps=[s for s, _, _ in self.redone], identical=same,
+                              losses_before=[a for _, a, _ in self.redone], losses_after=[b for _, _, b in self.redone])
+            if not same:
+                log.warning("steps %s computed again after the resume have other losses than before",
+                            [s for s, a, b in self.redone if a != b])
+            self.redo, self.redone = {}, []
+
+    def _event(self, kind: str, **info) -> None:
+        if self.rank == 0 and self.on_event is not None:
+            self.on_event(kind, info)
+
     def close(self) -> None:
         if self.adaptive is not None:
             self.adaptive.close()
@@ -619,8 +783,18 @@ class SyntheticLoader:
         return self
 
     def __next__(self) -> SyntheticBatch:
-        tokens, labels = self.global_batch_at(self.vocab, self.seq_len, self.global_batch, self.seed, self.step)
+        batch = self.batch_at(self.samples_seen)
         self.step += 1
+        return batch
+
+    @property
+    def samples_seen(self) -> int:
+        return self.step * self.global_batch
+
+    def batch_at(self, first_sample: int) -> SyntheticBatch:
+        """This rank's rows of the global batch starting at `first_sample` (a multiple of the batch)."""
+        step = first_sample // self.global_batch
+        tokens, labels = self.global_batch_at(self.vocab, self.seq_len, self.global_batch, self.seed, step)
         rows = self.global_batch // self.dp_size
         mine = self.rows or slice(self.dp_rank * rows, (self.dp_rank + 1) * rows)
         return SyntheticBatch(tokens=tokens[mine], labels=labels[mine])

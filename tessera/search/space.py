@@ -137,6 +137,7 @@ class SearchOptions:
     max_sp: int | None = None  # Ulysses degree
     max_pp: int | None = None
     max_ep: int | None = None
+    ep: int | None = None  # fixes every MoE layer's expert-parallel degree
     pp: int | None = None  # fixed degrees for a partially specified search
     tp: int | None = None  # fixes every layer's tensor-parallel degree
     dp: int | None = None  # fixes the data-parallel degree of the batch (dp_of_batch)
@@ -199,7 +200,8 @@ def candidate_table(layer: LayerSpec, stage_size: int, micro_batch_seqs: int, cl
             megatron = tp > 1 and u == 1
             eps = [1]
             if layer.num_experts:
-                eps = [e for e in divisors(gcd(layer.num_experts, dp * u)) if e <= (options.max_ep or e)]
+                eps = [e for e in divisors(gcd(layer.num_experts, dp * u)) if e <= (options.max_ep or e)
+                       and e == (options.ep or e)]
             hsdp = cluster.gpus_per_node // (tp * u) if cluster.gpus_per_node >= tp * u else 0
             zeros: list[tuple[int, int, bool]] = []
             for z in options.zero_stages:

@@ -1,7 +1,7 @@
 """Hugging Face `config.json` <-> `TransformerConfig`, without torch or transformers.
 
 `tessera plan --model path/to/config.json` plans for a model it has never seen: the config file of
-a LLaMA, Qwen2, Mistral, Mixtral or GPT-2 checkpoint is enough. Field names follow the released
+a LLaMA, Qwen2, Mistral, Mixtral, Qwen2-MoE or GPT-2 checkpoint is enough. Field names follow the released
 `config.json` files; a field the file leaves out takes the default of the matching `transformers`
 config class (e.g. `rms_norm_eps`), but the fields that fix the shape are required.
 
@@ -35,6 +35,7 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gpt2": "GPT2LMHeadModel",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 
@@ -44,7 +45,9 @@ _LLAMA_LIKE_DEFAULTS = {
     "qwen2": dict(max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=10000.0),
     "mistral": dict(max_position_embeddings=4096 * 32, rms_norm_eps=1e-6, rope_theta=10000.0),
     "mixtral": dict(max_position_embeddings=4096 * 32, rms_norm_eps=1e-5, rope_theta=1e6),
+    "qwen2_moe": dict(max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=10000.0),
 }
+_ROUTER_AUX_LOSS_COEF = 0.001  # MixtralConfig / Qwen2MoeConfig default
 _LLAMA_LIKE_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                         "num_attention_heads")
 _GPT2_REQUIRED = ("vocab_size", "n_embd", "n_layer", "n_head")
@@ -186,13 +189,30 @@ def _llama_like_fields(d: dict[str, Any], model_type: str, source: str) -> dict[
         norm="rmsnorm", norm_eps=float(d.get("rms_norm_eps", defaults["rms_norm_eps"])), mlp="swiglu",
         position="rope", rope_theta=_rope_theta(d, defaults["rope_theta"]),
         # Qwen2 always has biases on q, k, v (and on nothing else).
-        qkv_bias=model_type == "qwen2" or attention_bias, linear_bias=attention_bias and mlp_bias,
+        qkv_bias=model_type in ("qwen2", "qwen2_moe") or attention_bias, linear_bias=attention_bias and mlp_bias,
         tie_embeddings=_bool(d, "tie_word_embeddings", False, source),
     )
     if model_type == "mixtral":
         fields.update(num_experts=_int(d, "num_local_experts", source, default=8),
-                      top_k=_int(d, "num_experts_per_tok", source, default=2))
+                      top_k=_int(d, "num_experts_per_tok", source, default=2),
+                      router_aux_loss_coef=float(d.get("router_aux_loss_coef", _ROUTER_AUX_LOSS_COEF)))
+    if model_type == "qwen2_moe":
+        fields.update(_qwen2_moe_fields(d, source))
     return fields
+
+
+def _qwen2_moe_fields(d: dict[str, Any], source: str) -> dict[str, Any]:
+    """Experts in every layer (Tessera's MoE blocks share one expert size), a shared expert."""
+    step, dense = int(d.get("decoder_sparse_step", 1)), d.get("mlp_only_layers") or []
+    if step != 1 or dense:
+        raise TesseraError(f"{source}: decoder_sparse_step={step} / mlp_only_layers={dense} (dense layers among "
+                           "the MoE layers) is not supported: Tessera's Qwen2-MoE has experts in every layer")
+    return dict(num_experts=_int(d, "num_experts", source, default=60),
+                top_k=_int(d, "num_experts_per_tok", source, default=4),
+                ffn_hidden=_int(d, "moe_intermediate_size", source, default=1408), router="softmax_topk",
+                norm_topk_prob=_bool(d, "norm_topk_prob", False, source),
+                shared_expert_ffn=_int(d, "shared_expert_intermediate_size", source, default=5632),
+                router_aux_loss_coef=float(d.get("router_aux_loss_coef", _ROUTER_AUX_LOSS_COEF)))
 
 
 def _gpt2_fields(d: dict[str, Any], source: str) -> dict[str, Any]:
@@ -249,16 +269,20 @@ def to_hf_config(cfg: TransformerConfig) -> dict[str, Any]:
                            bos_token_id=50256, eos_token_id=50256)
     if (cfg.norm, cfg.mlp, cfg.position) != ("rmsnorm", "swiglu", "rope"):
         raise refuse("it needs rmsnorm, a swiglu MLP and rope positions")
-    if cfg.family == "qwen2" and (not cfg.qkv_bias or cfg.linear_bias):
+    if cfg.family in ("qwen2", "qwen2_moe") and (not cfg.qkv_bias or cfg.linear_bias):
         raise refuse("Qwen2 has biases on q, k, v and nowhere else")
     if cfg.family in ("mistral", "mixtral") and (cfg.qkv_bias or cfg.linear_bias):
         raise refuse("it has no linear biases")
     if cfg.family == "llama" and cfg.qkv_bias != cfg.linear_bias:
         raise refuse("LLaMA has biases on all linear layers or on none")
-    if (cfg.family == "mixtral") != bool(cfg.num_experts):
-        raise refuse("experts need the mixtral family, and mixtral needs experts")
+    if (cfg.family in ("mixtral", "qwen2_moe")) != bool(cfg.num_experts):
+        raise refuse("experts need the mixtral or qwen2_moe family, and those need experts")
     if cfg.num_experts and cfg.moe_every != 1:
-        raise refuse("Mixtral has experts in every layer (moe_every=1)")
+        raise refuse("it has experts in every layer (moe_every=1)")
+    if cfg.family == "mixtral" and (cfg.router != "topk_softmax" or cfg.shared_expert_ffn):
+        raise refuse("Mixtral routes with a softmax over the top-k logits and has no shared expert")
+    if cfg.family == "qwen2_moe" and (cfg.router != "softmax_topk" or not cfg.shared_expert_ffn):
+        raise refuse("Qwen2-MoE routes with a softmax over all experts and has a shared expert")
     out = base | dict(
         hidden_size=cfg.hidden, intermediate_size=cfg.ffn_hidden, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
@@ -267,8 +291,14 @@ def to_hf_config(cfg: TransformerConfig) -> dict[str, Any]:
     )
     if cfg.family == "llama":
         out.update(attention_bias=cfg.linear_bias, mlp_bias=cfg.linear_bias)
-    if cfg.family in ("qwen2", "mistral", "mixtral"):
+    if cfg.family in ("qwen2", "mistral", "mixtral", "qwen2_moe"):
         out.update(sliding_window=None, use_sliding_window=False)
+    # Dropless routing and the z-loss are training settings Tessera adds; HF's models have neither.
     if cfg.family == "mixtral":
-        out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k)
+        out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
+                   router_aux_loss_coef=cfg.router_aux_loss_coef)
+    if cfg.family == "qwen2_moe":
+        out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k, moe_intermediate_size=cfg.ffn_hidden,
+                   shared_expert_intermediate_size=cfg.shared_expert_ffn, norm_topk_prob=cfg.norm_topk_prob,
+                   router_aux_loss_coef=cfg.router_aux_loss_coef, decoder_sparse_step=1, mlp_only_layers=[])
     return out

@@ -34,7 +34,7 @@ class TransformerConfig(Frozen):
     """Hyper-parameters of a decoder-only Transformer (GPT-2 / LLaMA / Qwen / Mistral / Mixtral)."""
 
     name: str
-    family: Literal["gpt2", "llama", "qwen2", "mistral", "mixtral"] = "llama"
+    family: Literal["gpt2", "llama", "qwen2", "mistral", "mixtral", "qwen2_moe"] = "llama"
     vocab_size: int = Field(gt=0)
     hidden: int = Field(gt=0)
     num_layers: int = Field(gt=0)
@@ -51,12 +51,23 @@ class TransformerConfig(Frozen):
     # GPT-2 style: biases on every linear layer and on the norms.
     linear_bias: bool = False
     tie_embeddings: bool = False
-    # Mixture of experts (0 experts = dense).
+    # Mixture of experts (0 experts = dense); `tessera.models.moe` states the formulas.
     num_experts: int = Field(default=0, ge=0)
     top_k: int = Field(default=0, ge=0)
-    capacity_factor: float = Field(default=1.25, gt=0)
+    # None: dropless routing; c > 0: each expert takes at most ceil(c * seq_len * top_k / experts)
+    # token-slots of each sequence, the rest are dropped.
+    capacity_factor: float | None = None
     # Layers i with i % moe_every == moe_every - 1 are MoE layers (1 = every layer).
     moe_every: int = Field(default=1, ge=1)
+    # "topk_softmax" (Mixtral): softmax over the top-k logits; "softmax_topk" (Qwen-MoE): softmax
+    # over all experts, then the top-k probabilities (divided by their sum when norm_topk_prob).
+    router: Literal["topk_softmax", "softmax_topk"] = "topk_softmax"
+    norm_topk_prob: bool = False
+    # Coefficients of the load-balancing loss and of the router z-loss added to the training loss.
+    router_aux_loss_coef: float = Field(default=0.0, ge=0)
+    router_z_loss_coef: float = Field(default=0.0, ge=0)
+    # Qwen-MoE: an always-on expert of this hidden size, gated by sigmoid(w . x) (0 = none).
+    shared_expert_ffn: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> "TransformerConfig":
@@ -68,6 +79,8 @@ class TransformerConfig(Frozen):
             )
         if self.num_experts and not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"top_k={self.top_k} must be in 1..num_experts={self.num_experts}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"capacity_factor={self.capacity_factor} must be > 0 (or null for dropless routing)")
         return self
 
     @property
@@ -183,7 +196,13 @@ class LayerSpec(Frozen):
     expert_params: int = 0
     num_experts: int = 0
     top_k: int = 0
-    capacity_factor: float = 1.0
+    capacity_factor: float = 1.0  # token-slots per routed slot an expert is sized for (1.0 dropless)
+    dropless: bool = True  # False: capacity_factor caps what an expert serves (the rest is dropped)
+    # Routing skew: the most loaded expert-parallel rank's tokens over the mean (>= 1; 1 = balanced).
+    # Given, or measured from a routing trace (`tessera.cost.moe.routing_skew`).
+    routing_skew: float = Field(default=1.0, ge=1.0)
+    # Inter-node all-to-all bytes relative to uniform routing (< 1 with NetMoE sample placement).
+    a2a_internode_scale: float = Field(default=1.0, ge=0.0)
     matmuls: tuple[Matmul, ...] = ()
     head_dim: int = Field(default=0, ge=0)
     attn_kernel: AttentionKernel = "flash"
@@ -498,6 +517,7 @@ def block_layer(c: TransformerConfig, index: int, way: _Execution | None = None)
         attn_params += h
     mats_per_expert = 3 if c.mlp == "swiglu" else 2
     expert_params = mats_per_expert * h * f + ((f + h) if c.linear_bias else 0)
+    shared_params = (mats_per_expert * h * c.shared_expert_ffn + h) if c.shared_expert_ffn else 0
     moe = c.is_moe_layer(index)
     norms = 2 * _norm_params(c)
     # Causal attention: QK^T and AV are 2 * 2 * s * q_dim FLOPs per token, half of them masked.
@@ -514,16 +534,24 @@ def block_layer(c: TransformerConfig, index: int, way: _Execution | None = None)
                      elementwise_bytes_tp=bytes_tp, elementwise_bytes_replicated=bytes_rep,
                      kernels=way.block_kernels(c))
     if moe:
-        k, cap = c.top_k, c.capacity_factor
+        # Dropless routing keeps k token-slots per token on average (skew is `routing_skew`).
+        k, cap = c.top_k, c.capacity_factor or 1.0
         router_params = h * c.num_experts
-        params = attn_params + norms + router_params + c.num_experts * expert_params
-        flops = attn_linear_flops + 2.0 * h * c.num_experts + k * mlp_flops
+        params = attn_params + norms + router_params + c.num_experts * expert_params + shared_params
+        flops = attn_linear_flops + 2.0 * h * c.num_experts + k * mlp_flops + 2.0 * shared_params
         # Each token visits k experts (capacity factor pads the buffers): the MLP's share of the
         # dense counts times k cap, plus the expert inputs gathered per expert (h each).
         dense_mlp = acts["act_bytes_tp"] - way.block_activations(c, q_dim, kv_dim, 0, c.num_heads)["act_bytes_tp"]
         mlp_sel = 2.0 * f * (2 if (c.mlp == "swiglu" and not way.fused) else 1)
         acts["act_bytes_tp"] += (k * cap - 1) * dense_mlp + k * cap * 2.0 * h
         acts["act_bytes_selective"] += (k * cap - 1) * mlp_sel
+        if c.shared_expert_ffn:  # Qwen-MoE's shared expert: a dense MLP of its size on every token
+            sf = c.shared_expert_ffn
+            acts["act_bytes_tp"] += (way.block_activations(c, q_dim, kv_dim, sf, c.num_heads)["act_bytes_tp"]
+                                     - way.block_activations(c, q_dim, kv_dim, 0, c.num_heads)["act_bytes_tp"])
+            acts["act_bytes_selective"] += 2.0 * sf * (2 if (c.mlp == "swiglu" and not way.fused) else 1)
+            mlp_mm = mlp_mm + _block_matmuls(c.model_copy(update={"ffn_hidden": sf}), q_dim, kv_dim, way,
+                                             expert=False)[1] + (Matmul(n=1, k=h, shard="none"),)
         act_mult = k * cap  # the experts' element-wise work runs on the routed tokens
         execution["elementwise_bytes_tp"] = bytes_tp + (act_mult - 1) * (way.block_bytes(c, 0, 0, f)[0])
         return LayerSpec(
@@ -532,7 +560,7 @@ def block_layer(c: TransformerConfig, index: int, way: _Execution | None = None)
             selective_flops_per_token=0.0, selective_attn_fraction=1.0,
             num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
             expert_params=c.num_experts * expert_params, num_experts=c.num_experts,
-            top_k=k, capacity_factor=cap,
+            top_k=k, capacity_factor=cap, dropless=c.capacity_factor is None,
             matmuls=attn_mm + (Matmul(n=c.num_experts, k=h, shard="none"),) + mlp_mm, **execution)
     mlp_params = expert_params
     return LayerSpec(

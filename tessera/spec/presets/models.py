@@ -52,7 +52,18 @@ MODEL_CONFIGS: dict[str, TransformerConfig] = {
         # Mixtral 8x7B (Jiang et al. 2024): 8 experts, top-2, every layer.
         TransformerConfig(name="mixtral-8x7b", family="mixtral", vocab_size=32000, hidden=4096,
                           num_layers=32, num_heads=32, num_kv_heads=8, ffn_hidden=14336,
-                          max_seq_len=32768, rope_theta=1000000.0, num_experts=8, top_k=2),
+                          max_seq_len=32768, rope_theta=1000000.0, num_experts=8, top_k=2,
+                          router_aux_loss_coef=0.02),
+        # Qwen1.5-MoE-A2.7B and Qwen2-57B-A14B (Qwen team 2024): softmax over all experts, then
+        # top-k (not renormalised); a sigmoid-gated shared expert; experts in every layer.
+        TransformerConfig(name="qwen1.5-moe-a2.7b", family="qwen2_moe", vocab_size=151936, hidden=2048,
+                          num_layers=24, num_heads=16, num_kv_heads=16, ffn_hidden=1408, max_seq_len=8192,
+                          rope_theta=1000000.0, norm_eps=1e-6, qkv_bias=True, num_experts=60, top_k=4,
+                          router="softmax_topk", shared_expert_ffn=5632, router_aux_loss_coef=0.001),
+        TransformerConfig(name="qwen2-57b-a14b", family="qwen2_moe", vocab_size=151936, hidden=3584,
+                          num_layers=28, num_heads=28, num_kv_heads=4, ffn_hidden=2560, max_seq_len=32768,
+                          rope_theta=1000000.0, norm_eps=1e-6, qkv_bias=True, num_experts=64, top_k=8,
+                          router="softmax_topk", shared_expert_ffn=20480, router_aux_loss_coef=0.001),
         # CPU-sized models for tests and the default local training run.
         TransformerConfig(name="tiny-llama", hidden=256, num_layers=4, num_heads=8,
                           num_kv_heads=4, ffn_hidden=688, vocab_size=50257, max_seq_len=512),
@@ -60,7 +71,11 @@ MODEL_CONFIGS: dict[str, TransformerConfig] = {
                           ffn_hidden=1024, **{**_GPT2, "max_seq_len": 512}),
         TransformerConfig(name="tiny-moe", family="mixtral", hidden=256, num_layers=4,
                           num_heads=8, num_kv_heads=4, ffn_hidden=512, vocab_size=50257,
-                          max_seq_len=512, num_experts=4, top_k=2),
+                          max_seq_len=512, num_experts=4, top_k=2, router_aux_loss_coef=0.01),
+        TransformerConfig(name="tiny-qwen-moe", family="qwen2_moe", hidden=256, num_layers=4,
+                          num_heads=8, num_kv_heads=4, ffn_hidden=256, vocab_size=50257, max_seq_len=512,
+                          qkv_bias=True, num_experts=8, top_k=2, router="softmax_topk", shared_expert_ffn=512,
+                          router_aux_loss_coef=0.01),
         # A ~1B LLaMA for single-GPU checks (TinyLlama-1.1B shape).
         TransformerConfig(name="llama-1b", hidden=2048, num_layers=22, num_heads=32,
                           num_kv_heads=4, ffn_hidden=5632, vocab_size=32000, max_seq_len=2048),

@@ -1,0 +1,162 @@
+"""The dry run: a plan's ranks at its real world size on the fake process group.
+
+Checked against hand computation (FSDP2's shard sizes, its collectives per micro-batch), against
+itself (fake tensors give exactly what real ones give), against the cost model, and at 16,384
+ranks. Every dry run forks a process per rank.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from tessera.cost.collectives import step_collectives
+from tessera.errors import TesseraError
+from tessera.search import manual_plan
+from tessera.spec import Workload
+from tessera.spec.presets import get_model, make_cluster
+
+torch = pytest.importorskip("torch")
+
+from tessera.runtime.comm_count import CollectiveRecord  # noqa: E402
+from tessera.runtime.dryrun.run import dry_run, parse_ranks  # noqa: E402
+
+
+def tiny(world=8, batch=16, seq=64, dtype="bf16", **kw):
+    return manual_plan(get_model("tiny-llama"), make_cluster("h100-80gb", world),
+                       Workload(global_batch=batch, seq_len=seq, dtype=dtype), **kw)
+
+
+def test_zero3_rank_matches_hand_computation():
+    # tiny-llama (hidden 256, 4 blocks of 725,504 parameters, vocabulary 50,257), dp8 ZeRO-3,
+    # 2 micro-batches. FSDP2 pads each parameter's rows to a multiple of 8: the embedding and
+    # the head to 50,264 rows, i.e. 6,283 rows of 256 on every rank; rank 0's shard of a block
+    # is 725,504 / 8 = 90,688 elements. Local elements: 4 * 90,688 + 2 * 6,283 * 256 + 32.
+    local = 4 * 90_688 + 2 * 6_283 * 256 + 32
+    plan = tiny(zero=3)
+    m = dry_run(plan, [0]).ranks[0].measurement
+    assert m.mode == "materialized" and m.counted_step == 1
+    assert m.device.params == 0  # no bf16 copy outlives a ZeRO-3 unit's use
+    assert m.device.grads == 4 * local  # sharded, fp32 (reduce dtype)
+    assert m.device.optimizer == 4 * local + 8 * local + 4 * 39  # fp32 master + AdamW m, v + 39 step counts
+    blocks, root = 725_504, 2 * 50_264 * 256 + 256  # the root unit: embedding, final norm, output
+    assert Counter(m.collectives) == {
+        CollectiveRecord("all_gather", 8, 2 * blocks): 4 * 2 * 2,  # bf16, forward + backward, per micro-batch
+        CollectiveRecord("reduce_scatter", 8, 4 * blocks): 4 * 2,  # fp32, per micro-batch
+        CollectiveRecord("all_gather", 8, 2 * root): 2 * 2,
+        CollectiveRecord("reduce_scatter", 8, 4 * root): 2,
+        CollectiveRecord("all_reduce", 8, 4): 2,  # the loss, and the gradient norm (one sharding group)
+    }
+
+
+def test_zero3_against_the_cost_model():
+    plan = tiny(zero=3)
+    c = dry_run(plan, [7]).ranks[0].comparison
+    assert abs(c.state_error) < 0.01  # 16 bytes per parameter on both sides, split differently
+    rows = {(r.kind, r.group_size, r.bytes): r for r in c.collectives}
+    assert rows[("all_gather", 8, 2 * 725_504)].predicted == rows[("all_gather", 8, 2 * 725_504)].measured == 16
+    assert rows[("all_reduce", 8, 4)].matches
+    # The runtime reduces in fp32 where the cost model prices bf16: those groups are flagged.
+    assert rows[("reduce_scatter", 8, 2 * 725_504)].measured == 0
+
+
+def test_fake_tensors_measure_what_real_ones_do():
+    plans = [tiny(tp=2, sp="megatron", zero=2),
+             tiny(pp=2, zero=3, dtype="fp32"),
+             tiny(sp="ulysses", sp_degree=2, zero=1)]  # the DDP path (+ ZeroRedundancyOptimizer)
+    for plan in plans:
+        real = dry_run(plan, [7], materialize=True).ranks[0].measurement
+        fake = dry_run(plan, [7], materialize=False).ranks[0].measurement
+        assert (real.mode, fake.mode) == ("materialized", "fake")
+        assert Counter(real.collectives) == Counter(fake.collectives), plan.layers[1].describe()
+        assert (real.device, real.host) == (fake.device, fake.host)
+
+
+def test_tensor_parallel_and_pipeline_collectives():
+    plan = tiny(tp=2, sp="megatron", zero=2)
+    rows = dry_run(plan, [0], materialize=False).ranks[0].comparison.collectives
+    tp = {(r.kind, r.bytes): r for r in rows if r.group_size == 2}
+    act = 64 * 256 * 2  # tokens x hidden x bf16 per micro-batch
+    # Per micro-batch and block, 2 all-gather / reduce-scatter pairs forward and 2 backward
+    # (Megatron); the head one all-gather forward, its reduce-scatter backward.
+    assert tp[("all_gather", act)].measured == 4 * (4 * 4 + 1)
+    assert tp[("reduce_scatter", act)].measured == 4 * (4 * 4 + 1)
+    pp = tiny(pp=2, zero=1, batch=32)
+    rows = dry_run(pp, [7], materialize=False).ranks[0].comparison.collectives
+    p2p = {r.kind: r for r in rows if r.kind in ("send", "recv")}
+    assert p2p["send"].measured == p2p["send"].predicted == pp.num_micro_batches  # gradients back
+    assert p2p["recv"].measured == p2p["recv"].predicted
+
+
+def test_big_plans_without_materialising():
+    # llama2-7b on 64 ranks, ZeRO-3: 16 bytes per parameter on every rank, one micro-batch.
+    plan = manual_plan(get_model("llama2-7b"), make_cluster("h100-80gb", 64), Workload(global_batch=64, seq_len=512),
+                       zero=3)
+    r = dry_run(plan, [63]).ranks[0]
+    assert r.measurement.mode == "fake" and r.measurement.peak_rss_bytes < 2 * 2**30
+    assert abs(r.comparison.state_error) < 0.01
+    block = plan.model.layers[1].params
+    assert Counter(r.measurement.collectives)[CollectiveRecord("all_gather", 64, 2 * block)] == 2 * 32
+
+
+def test_llama3_405b_at_16384_ranks_builds_in_little_memory():
+    # pp16 tp8 dp128 ZeRO-1: the last stage holds blocks 120-126 and the head. FSDP2 shards
+    # each TP shard 128 ways: a block's 3,187,703,808 parameters (norms 2 x 16,384 not split
+    # by TP) give 3,113,216 elements per rank; the head's 16,032 local vocabulary rows pad to
+    # 126 x 128; its norm 128. Built only: the fp32 sharded weights are the master copies.
+    plan = manual_plan(get_model("llama3-405b"), make_cluster("h100-80gb", 16384),
+                       Workload(global_batch=2048, seq_len=8192), tp=8, sp="megatron", pp=16, zero=1)
+    m = dry_run(plan, [16383], step=False).ranks[0].measurement
+    assert m.device.optimizer == 4 * (7 * 3_113_216 + 126 * 16_384 + 128)
+    assert m.peak_rss_bytes < 2 * 2**30
+
+
+def test_predicted_collectives_by_hand():
+    plan = tiny(tp=2, sp="megatron", zero=3, batch=8)  # dp4, 2 micro-batches of 4 sequences
+    got = [c for c in step_collectives(plan, 0)
+           if c.layer == plan.model.layers[1].name and not c.why.startswith("bookkeeping")]
+    act, params = 64 * 256 * 2, 2 * 725_504 / 2
+    assert {(c.kind, c.group_size, c.bytes, c.count) for c in got} == {
+        ("all_gather", 2, act, 8), ("reduce_scatter", 2, act, 8),  # 2 + 2 per micro-batch, each a pair
+        ("all_gather", 4, params, 4), ("reduce_scatter", 4, params, 2)}  # ZeRO-3
+    norms = [c for c in step_collectives(plan, 0) if c.why == "bookkeeping: sequence-parallel norm gradients"]
+    assert sum(c.count for c in norms) == 2 * (4 * 2 + 1)  # per micro-batch: 2 norms per block, the final one
+    step = [c for c in step_collectives(plan, 0) if c.layer == "step"]
+    assert {(c.kind, c.group_size, c.count) for c in step} == {
+        ("all_reduce", 8, 1),  # loss
+        ("all_reduce", 4, 1), ("all_reduce", 2, 1)}  # gradient norm: the shard group, then (shard, tp)
+
+
+def test_errors_are_one_sentence():
+    plan = tiny(tp=2)
+    assert parse_ranks("first,last,3", plan) == [0, 3, 7]
+    with pytest.raises(TesseraError, match="rank 9 is outside the plan's world of 8 ranks"):
+        parse_ranks("9", plan)
+    with pytest.raises(TesseraError, match="'x' is not a rank number"):
+        parse_ranks("x", plan)
+    no_config = plan.model_copy(update={"model": plan.model.model_copy(update={"config": None})})
+    with pytest.raises(TesseraError, match="plan.model.config is missing"):
+        dry_run(no_config)  # refused before any process starts
+
+
+def test_a_plan_that_does_not_fit_names_rank_and_memory():
+    plan = tiny(zero=0)
+    small = plan.cluster.model_copy(update={"device": plan.cluster.device.model_copy(update={"memory_bytes": 2**20})})
+    result = dry_run(plan.model_copy(update={"cluster": small}), [0])
+    (line,) = result.not_fitting()
+    assert line.startswith("rank 0 (pipeline stage 0) needs ") and line.endswith("the device has 0.0 GiB")
+
+
+def test_cli(tmp_path):
+    path = tmp_path / "plan.json"
+    tiny(tp=2, sp="megatron", zero=2).save(path)
+    run = lambda *a: subprocess.run([sys.executable, "-m", "tessera", "dryrun", "--plan", str(path), *a],  # noqa: E731
+                                    capture_output=True, text=True)
+    ok = run("--ranks", "last", "--fake")
+    assert ok.returncode == 0, ok.stderr
+    assert "rank 7 (pipeline stage 0) of 8: fake tensors" in ok.stdout and "model states per device" in ok.stdout
+    bad = run("--ranks", "8")
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "tessera dryrun: error: --ranks: rank 8 is outside the plan's world of 8 ranks"
