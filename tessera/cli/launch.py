@@ -63,6 +63,9 @@ def _agent_class():
         status_dir: Path
 
         def _monitor_workers(self, worker_group):
+            # Once a rank has exited, the stock monitor stops the others with SIGTERM and waits 30 s
+            # before SIGKILL: a stopped rank would hold the restart for all of that.
+            _kill_stopped(getattr(self, "_pcontext", None), only_after_an_exit=True)
             result = super()._monitor_workers(worker_group)
             if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
                 codes = {f.exitcode for f in result.failures.values()}
@@ -81,6 +84,18 @@ def _agent_class():
             os.environ["TESSERA_ATTEMPT"] = str(self.attempts)
             return super()._restart_workers(worker_group)
 
+        def _start_workers(self, worker_group):
+            result = super()._start_workers(worker_group)
+            context = getattr(self, "_pcontext", None)
+            if context is not None and hasattr(context, "close"):  # torchrun waits 30 s for SIGTERM
+                stock_close = context.close
+
+                def close(death_sig=None, timeout=STOP_GRACE_S):
+                    return stock_close(death_sig, min(timeout, STOP_GRACE_S))
+
+                context.close = close
+            return result
+
         def _stop_workers(self, worker_group, *args, **kwargs):
             _kill_stopped(getattr(self, "_pcontext", None))
             try:
@@ -91,15 +106,25 @@ def _agent_class():
     return _TesseraAgent
 
 
-def _kill_stopped(pcontext) -> None:
+def _process_state(pid: int) -> str:
+    """The kernel's one-letter state of `pid` (Linux /proc: R, S, D, T stopped, Z exited...); "X"
+    when it is gone or unknown."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return "X"
+
+
+def _kill_stopped(pcontext, only_after_an_exit: bool = False) -> None:
     """SIGKILL the ranks that are stopped (SIGSTOP, a debugger): they cannot act on SIGTERM, and
-    waiting out the grace for them only delays the restart."""
-    pids = pcontext.pids().values() if pcontext is not None and hasattr(pcontext, "pids") else ()
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-        except (OSError, IndexError):
-            continue
+    waiting out the grace for them only delays the restart. `only_after_an_exit`: only once some
+    rank of the job has exited (the job is going down: a rank stopped for a while on purpose
+    alone is left be)."""
+    pids = list(pcontext.pids().values()) if pcontext is not None and hasattr(pcontext, "pids") else []
+    states = {pid: _process_state(pid) for pid in pids}
+    if only_after_an_exit and not any(state in ("Z", "X") for state in states.values()):
+        return
+    for pid, state in states.items():
         if state in ("T", "t"):
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -651,13 +651,16 @@ class Trainer:
         cfg = self.config
         every = cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
         if cfg.checkpoint_dir and (every or (cfg.checkpoint_final and self.step == cfg.steps)):
+            background = False
             if self.guard is not None:
                 if not self.guard.save_checkpoint():
                     return False
+                background = self.guard.manager.async_save
             else:
                 self._checkpoint_manager(cfg.checkpoint_dir).save(self.step, self.model_parts, self.optimizers,
                                                                   self.extra_state())
-            self._event("save", step=self.step, path=str(Path(cfg.checkpoint_dir) / f"step-{self.step}"))
+            self._event("save", step=self.step, path=str(Path(cfg.checkpoint_dir) / f"step-{self.step}"),
+                        asynchronous=background)
             return True
         return False
 
