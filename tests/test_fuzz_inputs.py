@@ -111,6 +111,44 @@ def test_train_flags_are_refused_before_anything_starts(flag, data):
     assert line.startswith("tessera train: error:") or "usage:" in line or "argument" in line, line
 
 
+# --- run config files (TOML): the recovery fields and their neighbours --------------------------------
+
+RUN_CONFIG_BAD = {("recovery", "hang_timeout"): [0, -5, "10", float("nan"), float("inf"), True],
+                  ("recovery", "max_restarts"): [-1, 1.5, "3"], ("recovery", "on_nonfinite"): ["ignore", 1],
+                  ("recovery", "max_bad_steps"): [0, -1], ("recovery", "replan"): ["no", 0],
+                  ("plan", "nnodes"): [0, 2, 10**9], ("plan", "rdzv_endpoint"): ["nohost", "h:0", ":1", "h:99999"],
+                  ("plan", "rdzv_id"): ["bad id!", ""], ("checkpoint", "asynchronous"): ["no", 1],
+                  ("train", "seed"): [-1], ("data", "seq_len"): [10**12], ("plan", "nproc"): [0, 10**8]}
+
+
+@FUZZ
+@given(field=st.sampled_from(sorted(RUN_CONFIG_BAD)), data=st.data())
+def test_run_config_files(tmp_path, field, data):
+    from tessera.config import _toml_value
+
+    value = data.draw(st.sampled_from(RUN_CONFIG_BAD[field]))
+    path = tmp_path / "run.toml"
+    path.write_text(f"[{field[0]}]\n{field[1]} = {_toml_value(value)}\n")
+    line = refused(["train", "--config", str(path), "--model", "tiny-llama", "--synthetic-data", "--check"])
+    assert line.startswith("tessera train: error:") and f"{field[0]}.{field[1]}" in line, line
+
+
+def test_run_config_sets_the_recovery_fields(tmp_path):
+    from tessera.cli.launch import runtime_options
+    from tessera.config import load_config
+
+    path = tmp_path / "run.toml"
+    path.write_text('[recovery]\nmax_restarts = 0\nhang_timeout = 30\non_nonfinite = "rollback"\n'
+                    'max_bad_steps = 5\nreplan = false\n[checkpoint]\nasynchronous = false\nresume = "auto"\n'
+                    '[plan]\nnnodes = 2\nrdzv_endpoint = "head:29500"\n')
+    config = load_config(path)
+    options = runtime_options(config, tmp_path)
+    assert options["resilience"].hang_timeout_s == 30.0 and options["resilience"].on_nonfinite == "rollback"
+    assert options["resilience"].max_bad_steps == 5 and not options["stragglers"].replan
+    assert not options["checkpoint_async"] and config.recovery.max_restarts == 0
+    assert (config.plan.nnodes, config.plan.rdzv_endpoint, config.checkpoint.resume) == (2, "head:29500", "auto")
+
+
 # --- Hugging Face config.json -----------------------------------------------------------------------
 
 BASE_CONFIG = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,

@@ -181,6 +181,7 @@ def prepare(config, sources=None) -> Job:
     check_plan_fits_machine(plan, machine, local_world, f"plan {config.plan.file}" if config.plan.file else "the plan")
     from ..runtime.resilience import restart_count
 
+    _check_restartable(config)
     # A restarted job's ranks (or --resume auto) go on in the run's directory (runtime/guard.py resumes).
     continuing = restart_count() > 0 or config.checkpoint.resume == "auto"
     config, paths = resolve_run(config, plan.model.name, continuing=continuing)
@@ -199,6 +200,20 @@ def prepare(config, sources=None) -> Job:
         resolved.update({"plan.file": str(paths.plan), "model.name": plan.model.name})
     config = config.replace(**resolved)
     return Job(config=config, plan=plan, paths=paths, world=world, note=note)
+
+
+def _check_restartable(config) -> None:
+    """Under plain torchrun with restarts, every attempt reruns the same command: a run id made of
+    the start time would start a new run, without the checkpoints to resume from."""
+    from ..runtime.runs import run_dir_of
+
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if (not _under_torchrun() or "TESSERA_ATTEMPT" in os.environ or restarts <= 0 or config.run.id is not None
+            or "{id}" not in config.run.out or (config.checkpoint.resume and run_dir_of(config.checkpoint.resume))):
+        return
+    raise TesseraError(f"torchrun restarts this job (--max-restarts {restarts}) with the same command: give the run "
+                       "a fixed directory, --run-id ID (e.g. $SLURM_JOB_ID) or an --out without {id}, so that a "
+                       "restart resumes from the run's checkpoints")
 
 
 def _plan_for_machine(config, machine, world: int, local_world: int, under: bool):
