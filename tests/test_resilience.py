@@ -146,6 +146,18 @@ def test_watchdog_exits_a_rank_that_makes_no_progress(tmp_path):
     assert '"kind": "hung"' in status and "no progress for" in status and "after step 2" in status
 
 
+def test_watchdog_deadline_allows_the_first_steps_more():
+    from tessera.runtime.resilience import Watchdog
+
+    w = Watchdog(10.0, rank=0)
+    assert w.deadline_s == 20.0  # warm-up: the first steps after a (re)start are slow
+    for step in (1, 2, 3):
+        w.kick(step)
+    assert w.deadline_s == 10.0
+    w.slowest_step = 5.0
+    assert w.deadline_s == 15.0
+
+
 def test_fault_specs():
     faults = parse_faults("kill@rank=3,step=6,corrupt=latest;stop@rank=1,step=9,attempt=1")
     assert [(f.action, f.rank, f.step, f.attempt, f.corrupt) for f in faults] == [

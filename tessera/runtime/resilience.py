@@ -8,7 +8,7 @@ launcher is `tessera/cli/launch.py`); what each rank adds:
   else the one before it (`CheckpointManager.latest_valid`).
 - **Hang detection**: once the first step is done, a watchdog thread exits the rank (code
   `EXIT_HUNG`) when no step has finished for `hang_timeout_s` (three times the slowest step after
-  the first, if that is longer). A rank stopped or stuck anywhere leaves the others waiting in a
+  the first ones, if that is longer; twice the timeout until those first steps are done). A rank stopped or stuck anywhere leaves the others waiting in a
   collective; their watchdogs fire, the agent sees the failure, stops every rank and restarts.
   Before the first step (imports, build, checkpoint load, which can take long), the process
   groups' timeout catches a rank that never arrives: twice the hang timeout, at least 10 minutes
@@ -189,7 +189,11 @@ class Watchdog(threading.Thread):
 
     @property
     def deadline_s(self) -> float:
-        return max(self.timeout, 3 * self.slowest_step)
+        """The hang timeout, or three times the slowest step if longer; twice the timeout over the
+        first steps of the process (their time is not measured: warm-up, first collectives, a
+        checkpoint loaded just before), so that a restart is not taken for a hang."""
+        warming_up = self.kicks < 3
+        return max(self.timeout * (2 if warming_up else 1), 3 * self.slowest_step)
 
     def kick(self, step: int) -> None:
         """A step is done: the watchdog is armed from the first one on."""
