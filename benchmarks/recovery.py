@@ -183,7 +183,8 @@ def phase_faults(tmp: Path, plan: Path) -> dict:
         # the losses logged before the kill with the new ones (its `recomputed` event).
         redone = [e for e in run.events() if e["event"] == "recomputed"]
         twice = redone[0]["steps"] if redone else []
-        identical = bool(redone) and redone[0]["identical"] and redone[0]["losses_before"] == redone[0]["losses_after"]
+        identical = bool(redone) and all(e["identical"] and e["losses_before"] == e["losses_after"]
+                                         and e["grad_norms_before"] == e["grad_norms_after"] for e in redone)
 
         hung = run.rank_pid(1)
         t_stop, wall_stop = time.monotonic(), time.time()
@@ -193,6 +194,10 @@ def phase_faults(tmp: Path, plan: Path) -> dict:
         t_hang_recovered = run.wait_for(lambda: run.step_line_after(t_resumed), 300, "a step after the hang")
         code = run.stop()
         resumes = [e for e in run.events() if e["event"] == "resume"]
+        redone = [e for e in run.events() if e["event"] == "recomputed"]  # after the kill and the hang
+        identical = bool(redone) and all(e["identical"] and e["losses_before"] == e["losses_after"]
+                                         and e["grad_norms_before"] == e["grad_norms_after"] for e in redone)
+        twice = [e["steps"] for e in redone]
         # When the restarted ranks had found their checkpoint (started, joined, before loading it).
         loaded = [e["time"] - w for e, w in zip(resumes, (wall_kill, wall_stop))]
         return dict(loaded_s=loaded, kill_detect_s=t_detect - t_kill, recovery_s=t_recovered - t_kill, twice=twice,
@@ -297,7 +302,7 @@ def main() -> int:
     faults = phase_faults(tmp, plan)
     print(f"kill -9 of rank 2: reported after {faults['kill_detect_s']:.1f} s, training again after "
           f"{faults['recovery_s']:.1f} s (restarted ranks chose their checkpoint after {faults['loaded_s'][0]:.1f} s, "
-          f"resumed from steps {faults['resumed_from']}); steps done twice "
+          f"resumed from steps {faults['resumed_from']}); steps done twice (after the kill, after the hang) "
           f"{faults['twice']}: losses identical = {faults['identical']}", flush=True)
     print(f"SIGSTOP of rank 1: hang declared after {faults['hang_detect_s']:.1f} s, training again after "
           f"{faults['hang_recovery_s']:.1f} s (checkpoint chosen after {faults['loaded_s'][-1]:.1f} s); the run finished with exit code {faults['exit']}", flush=True)
@@ -310,7 +315,7 @@ def main() -> int:
 
     rows = [("kill -9 one rank: detected", f"{faults['kill_detect_s']:.1f} s"),
             ("kill -9 one rank: training again", f"{faults['recovery_s']:.1f} s"),
-            ("losses of the steps done twice", "identical" if faults["identical"] else "DIFFERENT"),
+            ("steps done twice: losses and gradient norms", "identical" if faults["identical"] else "DIFFERENT"),
             ("SIGSTOP one rank: hang detected", f"{faults['hang_detect_s']:.1f} s"),
             ("SIGSTOP one rank: training again", f"{faults['hang_recovery_s']:.1f} s"),
             ("tokens/s before the straggler (re-planning run)", f"{strag['before']:,.0f}"),

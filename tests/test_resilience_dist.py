@@ -91,6 +91,7 @@ def test_two_nodes_recover_from_a_kill_a_corrupt_checkpoint_and_a_hang(two_nodes
     redone = [e for e in events if e["event"] == "recomputed"]
     assert redone[0]["steps"] == [3, 4, 5] and redone[0]["identical"], redone
     assert redone[0]["losses_before"] == redone[0]["losses_after"]
+    assert redone[0]["grad_norms_before"] == redone[0]["grad_norms_after"]
     assert [r["step"] for r in _lines(out / "metrics.jsonl")] == list(range(1, STEPS + 1))
 
     # per-rank times of every step; rank 1 slower once slowed, the others wait for it

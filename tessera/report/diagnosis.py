@@ -152,6 +152,9 @@ def describe_event(e: dict) -> str:
     if kind == "resume":
         skipped = f", past the corrupt {Path(str(e['skipped_corrupt'])).name}" if e.get("skipped_corrupt") else ""
         return f"restart {e.get('attempt', '?')}: resumed from step {step}{skipped}"
+    if kind == "recomputed":
+        same = "identical, bit for bit" if e.get("identical") else "DIFFERENT"
+        return f"steps {_ranges(list(e.get('steps') or []))} computed again after the resume: losses {same}"
     if kind == "nonfinite":
         return f"step {step}: loss {e.get('loss', '?')}, not applied ({e.get('action')})"
     if kind == "rollback":

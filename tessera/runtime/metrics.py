@@ -175,16 +175,17 @@ class MetricsWriter:
                 # `id` + resume="allow": a resumed run continues the same W&B run.
                 self.wandb = wandb_module.init(resume="allow", **wandb)
 
-    def losses_after(self, step: int) -> dict[int, float]:
-        """step -> loss of the training lines of steps after `step` (what a resume drops)."""
-        out: dict[int, float] = {}
+    def losses_after(self, step: int) -> dict[int, tuple[float, float]]:
+        """step -> (loss, gradient norm) of the training lines of steps after `step` (what a
+        resume drops)."""
+        out: dict[int, tuple[float, float]] = {}
         if self.file is None or not self.file.path.exists():
             return out
         for line in self.file.path.read_text().splitlines():
             try:
                 record = json.loads(line)
                 if int(record["step"]) > step and "loss" in record:
-                    out[int(record["step"])] = float(record["loss"])
+                    out[int(record["step"])] = (float(record["loss"]), float(record.get("grad_norm", "nan")))
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue  # a torn line, an evaluation line
         return out

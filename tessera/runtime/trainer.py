@@ -144,8 +144,8 @@ class Trainer:
         self.timer = StepTimer(self.device, self.rank)
         self.bad_step = False  # the last step's loss or gradient norm was not finite (not applied)
         self.guard = None  # `train` starts it (runtime/guard.py)
-        self.redo: dict[int, float] = {}  # after a resume, rank 0: step -> loss logged before it
-        self.redone: list[tuple[int, float, float]] = []
+        self.redo: dict[int, tuple] = {}  # after a resume, rank 0: step -> (loss, grad norm) logged before it
+        self.redone: list[tuple[int, tuple, tuple]] = []
         # Read a logged step's figures after the next step is queued (`train`): on CUDA reading
         # them right away would leave the device idle while the host queues the next step.
         self.defer_records = self.device.type == "cuda"
@@ -441,6 +441,7 @@ class Trainer:
 
         self.guard = TrainingGuard(self)
         try:
+            self.settle_ddp_buckets()
             path = self.guard.resume_path()
             if path is not None:
                 self.guard.load(path)
@@ -451,6 +452,24 @@ class Trainer:
             return self._steps()
         finally:
             self.guard.close()
+
+    def settle_ddp_buckets(self) -> None:
+        """DDP reduces a process's first backward in one bucket of every gradient, and each later
+        one in buckets rebuilt in the order the gradients became ready: the sums round
+        differently, so the first step of a process would not equal the same step run later in a
+        longer one (a resumed run's first step against the uninterrupted run's). One backward of
+        a batch of zeros before the first step makes DDP rebuild its buckets first; its gradients
+        are dropped, nothing else changes (the model has no dropout; a resume restores the RNG)."""
+        module = self.parallel.module if self.parallel is not None else None
+        if module is None or not hasattr(module, "reducer") or self.world_size == 1 or self.placer is not None:
+            return
+        w = self.plan.workload
+        rows = self.data_rows()
+        count = rows.stop - rows.start if rows is not None else w.global_batch // self.data_size
+        zeros = torch.zeros(count, w.seq_len, dtype=torch.long)
+        self.compute_gradients(zeros, zeros.clone(), num_targets=w.global_batch * w.seq_len)
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
 
     def _steps(self) -> list[StepRecord]:
         records = []
@@ -727,14 +746,18 @@ class Trainer:
 
     def _check_redone(self, record: StepRecord) -> None:
         """A step computed before a failure and again after the resume: once past the last such
-        step, one `recomputed` event says whether the losses are the same, bit for bit."""
+        step, one `recomputed` event says whether the losses and gradient norms are the same, bit
+        for bit (the norm is of the reduced gradients: it shows a different reduction order)."""
         before = self.redo.get(record.step)
         if before is not None:
-            self.redone.append((record.step, before, record.loss))
+            self.redone.append((record.step, before, (record.loss, record.grad_norm)))
         if record.step >= max(self.redo):
             same = all(a == b for _, a, b in self.redone)
             self.events.write("recomputed", record.step, steps=[s for s, _, _ in self.redone], identical=same,
-                              losses_before=[a for _, a, _ in self.redone], losses_after=[b for _, _, b in self.redone])
+                              losses_before=[a[0] for _, a, _ in self.redone],
+                              losses_after=[b[0] for _, _, b in self.redone],
+                              grad_norms_before=[a[1] for _, a, _ in self.redone],
+                              grad_norms_after=[b[1] for _, _, b in self.redone])
             if not same:
                 log.warning("steps %s computed again after the resume have other losses than before",
                             [s for s, a, b in self.redone if a != b])
