@@ -263,7 +263,8 @@ def phase_checkpoints(tmp: Path, plan: Path, steps: int = 20, rounds: int = 2) -
                 blocking_pct=100.0 * (statistics.fmean(blocking) / 2) / none if blocking else float("nan"))
 
 
-def replan_1024() -> float:
+def replan_1024() -> tuple[float, float]:
+    """Milliseconds of the re-plan, wall and CPU (this process), best of 3."""
     from tessera.search import manual_plan
     from tessera.search.replan import replan
     from tessera.spec.hf_config import resolve_model_config
@@ -272,12 +273,12 @@ def replan_1024() -> float:
     model = ModelSpec.from_config(resolve_model_config("llama3-70b"))
     plan = manual_plan(model, make_cluster("h100-80gb", 1024, 8), Workload(global_batch=1024, seq_len=4096),
                        pp=8, tp=8, dp=16, micro_batch_size=1, zero=1, recompute="full")
-    best = float("inf")
+    best, best_cpu = float("inf"), float("inf")
     for _ in range(3):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         replan(plan, {5: 0.5, 133: 0.8})
-        best = min(best, time.perf_counter() - t0)
-    return 1e3 * best
+        best, best_cpu = min(best, time.perf_counter() - t0), min(best_cpu, time.process_time() - c0)
+    return 1e3 * best, 1e3 * best_cpu
 
 
 def _fmt(xs: list[float]) -> str:
@@ -310,7 +311,7 @@ def main() -> int:
     print(f"rank 3 slowed {SLOW:g}x from step {strag['slow_from']}: probe speeds {strag['probe']}, re-planned at step "
           f"{strag['switch_step']} ({strag['detected_after_steps']} steps later) in {strag['replan_ms']:.0f} ms, "
           f"sequences per rank {strag['shares']}", flush=True)
-    big_ms = replan_1024()
+    big_ms, big_cpu_ms = replan_1024()
     ck = None if args.skip_checkpoints else phase_checkpoints(tmp, plan)
 
     rows = [("kill -9 one rank: detected", f"{faults['kill_detect_s']:.1f} s"),
@@ -324,7 +325,7 @@ def main() -> int:
              f"{strag['during']:,.0f} ({strag['during_ratio']:.2f}x its before, {strag['during_before']:,.0f})"),
             ("lost throughput regained", f"{strag['regained_pct']:.0f}%"),
             ("re-plan in the run (4 ranks)", f"{strag['replan_ms']:.0f} ms"),
-            ("re-plan llama3-70b on 1,024 GPUs", f"{big_ms:.0f} ms")]
+            ("re-plan llama3-70b on 1,024 GPUs", f"{big_ms:.0f} ms ({big_cpu_ms:.0f} ms of CPU)")]
     if ck is not None:
         rows += [("wall per step, no checkpoints", f"{ck['none']:.3f} s  (runs {_fmt(ck['runs']['none'])})"),
                  ("wall per step, async checkpoint every 2 steps",
