@@ -306,7 +306,8 @@ def main() -> int:
           f"resumed from steps {faults['resumed_from']}); steps done twice (after the kill, after the hang) "
           f"{faults['twice']}: losses identical = {faults['identical']}", flush=True)
     print(f"SIGSTOP of rank 1: hang declared after {faults['hang_detect_s']:.1f} s, training again after "
-          f"{faults['hang_recovery_s']:.1f} s (checkpoint chosen after {faults['loaded_s'][-1]:.1f} s); the run finished with exit code {faults['exit']}", flush=True)
+          f"{faults['hang_recovery_s']:.1f} s (checkpoint chosen after {faults['loaded_s'][-1]:.1f} s); the run "
+          f"finished with exit code {faults['exit']}", flush=True)
     strag = phase_straggler(tmp, plan)
     print(f"rank 3 slowed {SLOW:g}x from step {strag['slow_from']}: probe speeds {strag['probe']}, re-planned at step "
           f"{strag['switch_step']} ({strag['detected_after_steps']} steps later) in {strag['replan_ms']:.0f} ms, "

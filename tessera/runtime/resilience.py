@@ -8,8 +8,9 @@ launcher is `tessera/cli/launch.py`); what each rank adds:
   else the one before it (`CheckpointManager.latest_valid`).
 - **Hang detection**: once the first step is done, a watchdog thread exits the rank (code
   `EXIT_HUNG`) when no step has finished for `hang_timeout_s` (three times the slowest step after
-  the first ones, if that is longer; twice the timeout until those first steps are done). A rank stopped or stuck anywhere leaves the others waiting in a
-  collective; their watchdogs fire, the agent sees the failure, stops every rank and restarts.
+  the first ones, if that is longer; twice the timeout until those first steps are done). A rank
+  stopped or stuck anywhere leaves the others waiting in a collective; their watchdogs fire, the
+  agent sees the failure, stops every rank and restarts.
   Before the first step (imports, build, checkpoint load, which can take long), the process
   groups' timeout catches a rank that never arrives: twice the hang timeout, at least 10 minutes
   (`process_group_timeout`); a collective that waits longer raises on gloo and aborts on NCCL.
