@@ -89,6 +89,8 @@ class PlanSection(Section):
                                        "--cluster auto, else none")
     adaptive: bool = option(False, "per-step sequence-parallel groups for each batch's documents (plans "
                             "plain data parallelism)")
+    long_documents: Literal["error", "skip", "truncate"] = option(
+        "error", "--adaptive: what to do with a document longer than any plan holds")
     ep: int | None = option(None, "search only plans whose MoE layers use this expert-parallel degree", gt=0,
                             metavar="N", default_text="any degree the search prefers")
 

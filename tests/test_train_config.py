@@ -378,3 +378,26 @@ def test_a_long_pipeline_timeline_adds_zooms(tmp_path):
     svg = (tmp_path / "t.svg").read_text()
     assert "zoom: start of the step" in svg and "zoom: end of the step" in svg
     assert svg.count('id="event-') == drawing.event_boxes == len(result.events)  # ids once, in the whole step
+
+
+def test_rope_models_train_past_their_table_and_learned_positions_refuse(tmp_path):
+    """A workload longer than `max_seq_len` (64 here): a RoPE model's table grows to the sequence
+    and trains; a learned-position model is refused in one line."""
+    import math
+
+    sys.path.insert(0, str(ROOT / "tests" / "dist"))
+    from runtime_common import GPT2, LLAMA, S, make_plan
+
+    from tessera.errors import TesseraError
+    from tessera.runtime.trainer import TrainConfig, Trainer
+
+    trainer = Trainer(TrainConfig(plan=make_plan(LLAMA, 1, S(), global_batch=2, seq_len=96), steps=1,
+                                  synthetic_data=True))
+    try:
+        assert trainer.plan.model.config.max_seq_len == 96
+        (record,) = trainer.train()
+        assert math.isfinite(record.loss)
+    finally:
+        trainer.close()
+    with pytest.raises(TesseraError, match="learned positions for 64 tokens; the workload's sequences have 96"):
+        Trainer(TrainConfig(plan=make_plan(GPT2, 1, S(), global_batch=2, seq_len=96), steps=1, synthetic_data=True))

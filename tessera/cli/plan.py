@@ -25,7 +25,7 @@ DEFAULT_GPU = "h100-80gb"
 
 # Flags that make a hand-made plan; None means "not given".
 MANUAL_FLAGS = ("dp", "tp", "pp", "sp", "sp_degree", "zero", "dp_shard", "recompute", "offload",
-                "ep", "schedule", "virtual_stages", "micro_batch_size")
+                "ep", "schedule", "virtual_stages", "micro_batch_size", "cp")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,6 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     manual.add_argument("--recompute", choices=("none", "selective", "full"), help="activation recompute")
     manual.add_argument("--offload", action="store_true", default=None, help="offload optimizer state")
     manual.add_argument("--ep", type=int, metavar="N", help="expert-parallel degree")
+    manual.add_argument("--cp", type=int, metavar="N",
+                        help="context-parallel degree (ring attention over N ranks, load-balanced causal split)")
     manual.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"),
                         help="pipeline schedule")
     manual.add_argument("--virtual-stages", type=int, metavar="N", help="model chunks per pipeline rank")
@@ -179,12 +181,12 @@ def check_batch_divides(workload, cluster, opts: dict) -> None:
     """The global batch must split into dp replicas of micro-batches: say by what it does not divide."""
     if opts.get("sp") == "ulysses" and opts.get("sp_degree", 1) < 2:
         raise TesseraError("--sp ulysses needs --sp-degree N with N >= 2 (the ranks a sequence is split over)")
-    tp, pp = opts.get("tp", 1), opts.get("pp", 1)
+    tp, pp, cp = opts.get("tp", 1), opts.get("pp", 1), opts.get("cp", 1)
     sp_degree = opts.get("sp_degree", 1)
-    per_stage, rest = divmod(cluster.num_gpus, pp * tp * sp_degree)
+    per_stage, rest = divmod(cluster.num_gpus, pp * tp * sp_degree * cp)
     if rest or per_stage == 0:
-        raise TesseraError(f"pp {pp} x tp {tp} x sp {sp_degree} = {pp * tp * sp_degree} does not "
-                           f"divide {cluster.num_gpus} GPUs")
+        degrees = f"pp {pp} x tp {tp} x sp {sp_degree}" + (f" x cp {cp}" if cp > 1 else "")
+        raise TesseraError(f"{degrees} = {pp * tp * sp_degree * cp} does not divide {cluster.num_gpus} GPUs")
     dp = opts.get("dp") or per_stage
     mbs = opts.get("micro_batch_size", 1)
     if workload.global_batch % (dp * mbs):
@@ -266,6 +268,11 @@ def run(args: argparse.Namespace) -> int:
         out.print(comparison_table(plan, baselines))
     if args.expert_offload is not None:
         out.print(expert_offload_summary(plan, args.expert_offload))
+    from ..search.explain import bubble_warning
+
+    warning = bubble_warning(plan)
+    if warning and warning not in plan.search.explanation:  # a searched plan's explanation says it already
+        out.print(f"[bold yellow]{warning}[/bold yellow]")
     out.print(f"[dim]planned in {elapsed:.2f} s[/dim]")
     if args.output:
         out.print(f"wrote {args.output} (show it with: tessera show {args.output})")

@@ -368,7 +368,7 @@ def train_config(job: Job):
         optim=optim, metrics_path=str(paths.metrics),
         tensorboard_dir=str(paths.tensorboard) if c.log.tensorboard else None, log_every=c.log.every,
         compile=c.train.compile, checkpoint_dir=str(paths.checkpoints), checkpoint_every=c.checkpoint.every,
-        resume=resume, adaptive=c.plan.adaptive, init_from=c.model.init_from, run_id=paths.run_id, wandb=wandb,
+        resume=resume, adaptive=c.plan.adaptive, long_documents=c.plan.long_documents, init_from=c.model.init_from, run_id=paths.run_id, wandb=wandb,
         checkpoint_keep=c.checkpoint.keep, checkpoint_final=c.checkpoint.final, eval_every=c.eval.every,
         eval_batches=c.eval.batches, eval_fraction=c.eval.fraction, **runtime_options(c, paths.dir))
 

@@ -9,9 +9,10 @@ follows `cost/layer.py` (what each strategy communicates) and the runtime/cost-m
 Bytes use `cost/comm.py`'s convention: the full (gathered) size for all-gather, reduce-scatter
 and all-reduce, what each rank sends for all-to-all, the message for send / recv. Notation per
 layer: m micro-batches; b = micro_batch_size * dp_of_batch sequences per micro-batch over the
-stage; t = b / dp * seq_len / u tokens on the device (u: Ulysses degree); h hidden size;
-ab = activation bytes per element (2, or 4 for fp32); pb = parameter bytes; P = the layer's
-parameters / tp; S the ZeRO shard degree; R = dp * u / S replicas.
+stage; t = b / dp * seq_len / (u cp) tokens on the device (u: Ulysses degree, cp: context
+parallel degree); h hidden size; ab = activation bytes per element (2, or 4 for fp32); pb =
+parameter bytes; P = the layer's parameters / tp; S the ZeRO shard degree (dp, or the HSDP
+group, times cp); R = dp * cp * u / S replicas.
 
 Per micro-batch (count m):
     TP (tp > 1)        blocks: 2 all-reduces of t*h*ab forward and 2 backward over tp; with
@@ -19,17 +20,23 @@ Per micro-batch (count m):
                        instead; embedding 1 forward; LM head 1 forward and 1 backward. Full
                        recompute replays the forward's in the backward.
     Ulysses (u > 1)    4 all-to-alls forward (q, k, v, output) and 4 backward over u, q and
-                       output t*h*ab/tp, k and v scaled by kv_heads/heads; replayed by full
-                       recompute.
+                       output t*h*ab/tp, k and v scaled by kv_heads r/heads (r: the repeats of
+                       a tensor-parallel rank's KV heads for the group); replayed by full
+                       and selective recompute (selective saves only matmul outputs).
+    ring attention (cp > 1, attention layers): the K/V block, kv = 2 (b / dp) (seq / cp)
+                       (kv_heads r / (tp u)) head_dim ab bytes (r: Ulysses KV repeats), sent to
+                       the next cp rank and received from the previous one cp - 1 times forward
+                       and cp - 1 times backward, and the fp32 dK/dV accumulator (kv * 4 / ab)
+                       cp times backward; full or selective recompute replays the forward's.
     ZeRO-3             all-gather pb*P forward and backward, reduce-scatter pb*P backward, over S.
     ZeRO-2             reduce-scatter pb*P over S.
-    re-sharding        two adjacent layers of a chunk with different (dp, tp, u, SP) layouts: one
-                       all-gather forward and one backward of the larger per-device share, over
-                       max(tp*u) of the two (`layer.transition_time`).
+    re-sharding        two adjacent layers of a chunk with different (dp, tp, u, SP, cp) layouts:
+                       one all-gather forward and one backward of the larger per-device share,
+                       over max(tp*u*cp) of the two (`layer.transition_time`).
     pipeline           each chunk boundary: the activation forward and its gradient backward,
                        micro_batch_seqs * seq_len * h * ab / stage_size bytes (send + recv).
 Per step (count 1):
-    ZeRO-0             all-reduce pb*P over dp*u.
+    ZeRO-0             all-reduce pb*P over dp*cp*u.
     ZeRO-1             reduce-scatter + all-gather pb*P over S.
     ZeRO-2             all-gather pb*P over S (parameters kept unsharded across micro-batches).
     HSDP (R > 1)       replica all-reduce of the shard pb*P/S over R (ZeRO >= 1).
@@ -55,6 +62,7 @@ from dataclasses import dataclass
 
 from ..plan import LayerStrategy, Plan, Recompute, SPKind
 from ..spec.model import LayerKind, LayerSpec
+from .layer import kv_repeats
 
 @dataclass(frozen=True)
 class Collective:
@@ -87,15 +95,20 @@ class _Rank:
 
     def tokens(self, s: LayerStrategy) -> float:
         """Tokens of a micro-batch on this device under strategy `s`."""
-        return self.b / s.dp * self.seq / s.sp_degree
+        return self.b / s.dp * self.seq / (s.sp_degree * s.cp)
 
     def shard_group(self, s: LayerStrategy) -> tuple[int, ...]:
-        """Global ranks of this rank's ZeRO shard group under `s` (mesh.py's layer layout)."""
-        u, tp, shard = s.sp_degree, s.tp, s.shard_degree
-        d, rest = divmod(self.stage_rank, u * tp)
-        d_rep = d // shard
+        """Global ranks of this rank's ZeRO shard group under `s` (mesh.py's layer layout: the
+        dp ranks of the shard group times the cp ranks under ZeRO)."""
+        u, tp, cp = s.sp_degree, s.tp, s.cp
+        shard_cp = cp if s.zero else 1
+        shard_dp = s.shard_degree // shard_cp
+        dc, rest = divmod(self.stage_rank, u * tp)
+        d, c = divmod(dc, cp)
+        d_rep = d // shard_dp
         base = self.pp_rank * self.plan.stage_size
-        return tuple(base + ((d_rep * shard + k) * u * tp) + rest for k in range(shard))
+        return tuple(base + ((d_rep * shard_dp + k) * cp + (j if shard_cp > 1 else c)) * u * tp + rest
+                     for k in range(shard_dp) for j in range(shard_cp))
 
     def tp_group(self, s: LayerStrategy) -> tuple[int, ...]:
         first = self.rank - self.stage_rank % s.tp
@@ -141,16 +154,24 @@ def _layer_collectives(r: _Rank, i: int, add) -> None:
     # Ulysses: 4 all-to-alls each way per micro-batch.
     if s.sp_degree > 1 and layer.num_heads and layer.attn_flops_coeff:
         q = tokens * layer.hidden * r.ab / s.tp
-        kv = q * layer.num_kv_heads / layer.num_heads
-        ways = 3 if s.recompute == Recompute.FULL else 2
+        kv = q * min(1.0, layer.num_kv_heads * _kv_repeats(layer, s) / layer.num_heads)
+        ways = 3 if s.recompute in (Recompute.FULL, Recompute.SELECTIVE) else 2
         add("all_to_all", s.sp_degree, q, m * 2 * ways, name, "Ulysses q and output")
         add("all_to_all", s.sp_degree, kv, m * 2 * ways, name, "Ulysses k and v")
+    # Ring attention: K/V blocks to the next cp rank (and their gradients, backward).
+    if s.cp > 1 and layer.num_heads and layer.attn_flops_coeff:
+        replay = s.recompute in (Recompute.FULL, Recompute.SELECTIVE)
+        kv = 2 * r.b / s.dp * r.seq / s.cp * _ring_kv_heads(layer, s) * layer.head_dim * r.ab
+        blocks = m * (s.cp - 1) * (3 if replay else 2)
+        for kind in ("send", "recv"):
+            add(kind, 2, kv, blocks, name, "ring attention: K/V blocks")
+            add(kind, 2, kv * 4 / r.ab, m * s.cp, name, "ring attention: dK/dV accumulators (fp32)")
     # Data parallel / ZeRO on the parameters (P = params / tp).
     p = r.pb * layer.params / s.tp
     z, shard = s.zero, s.shard_degree
-    replicas = s.dp * s.sp_degree // shard
+    replicas = s.dp * s.cp * s.sp_degree // shard
     if z == 0:
-        add("all_reduce", s.dp * s.sp_degree, p, 1, name, "gradient all-reduce (ZeRO-0), once per step")
+        add("all_reduce", s.dp * s.cp * s.sp_degree, p, 1, name, "gradient all-reduce (ZeRO-0), once per step")
     elif z == 1:
         add("reduce_scatter", shard, p, 1, name, "gradient reduce-scatter (ZeRO-1), once per step")
         add("all_gather", shard, p, 1, name, "parameter all-gather (ZeRO-1), once per step")
@@ -164,18 +185,29 @@ def _layer_collectives(r: _Rank, i: int, add) -> None:
         add("all_reduce", replicas, p / shard, 1, name, "HSDP replica all-reduce of the gradient shard")
 
 
+def _kv_repeats(layer: LayerSpec, s: LayerStrategy) -> int:
+    """Repeats of each KV head of a tensor-parallel rank for its Ulysses group (`layer.kv_repeats`)."""
+    return kv_repeats(layer.num_heads // s.tp, layer.num_kv_heads // s.tp, s.sp_degree)
+
+
+def _ring_kv_heads(layer: LayerSpec, s: LayerStrategy) -> float:
+    """K/V heads per rank inside the ring (after tp, and Ulysses with its KV repeats)."""
+    return layer.num_kv_heads * _kv_repeats(layer, s) / (s.tp * s.sp_degree)
+
+
 def _transition(r: _Rank, i: int, add) -> None:
     """Re-sharding between plan layers i-1 and i of one chunk (`layer.transition_time`)."""
     a, b = r.plan.layers[i - 1], r.plan.layers[i]
-    key = lambda s: (s.dp, s.tp, s.sp_degree, s.sp == SPKind.MEGATRON)  # noqa: E731
+    key = lambda s: (s.dp, s.tp, s.sp_degree, s.sp == SPKind.MEGATRON, s.cp)  # noqa: E731
     if key(a) == key(b):
         return
     hidden = r.plan.model.layers[i].hidden
 
     def share(s):
-        return r.b / s.dp * r.seq / s.sp_degree * hidden * r.ab / (s.tp if s.sp == SPKind.MEGATRON else 1)
+        return (r.b / s.dp * r.seq / (s.sp_degree * s.cp) * hidden * r.ab
+                / (s.tp if s.sp == SPKind.MEGATRON else 1))
 
-    group = max(a.tp * a.sp_degree, b.tp * b.sp_degree)
+    group = max(a.tp * a.sp_degree * a.cp, b.tp * b.sp_degree * b.cp)
     add("all_gather", group, max(share(a), share(b)), 2 * r.m, r.plan.model.layers[i].name,
         "re-sharding the activation between layouts, forward and backward")
 
@@ -224,7 +256,7 @@ def _bookkeeping(r: _Rank, layers: list[int], add) -> None:
     for i in layers:
         layer, s = plan.model.layers[i], plan.layers[i]
         if s.tp > 1 and layer.kind == LayerKind.LM_HEAD:
-            t = plan.micro_batch_size * plan.dp_of_batch / s.dp * r.seq / s.sp_degree
+            t = plan.micro_batch_size * plan.dp_of_batch / s.dp * r.seq / (s.sp_degree * s.cp)
             add("all_reduce", s.tp, t * r.ab, r.m, layer.name, "bookkeeping: loss parallel, per-token maximum")
             add("all_reduce", s.tp, t * 4, 2 * r.m, layer.name,
                 "bookkeeping: loss parallel, sum of exponentials and target logit")
@@ -258,8 +290,8 @@ def _norm_params(plan: Plan, layer: LayerSpec) -> int:
 def _uses_ddp(plan: Plan) -> bool:
     """The runtime's DDP path (`runtime.parallelize.uses_ddp`, restated without torch)."""
     first = plan.layers[0]
-    same = all((s.dp, s.sp_degree, s.tp, s.zero, s.dp_shard) == (first.dp, first.sp_degree, first.tp,
-                                                                  first.zero, first.dp_shard)
+    same = all((s.dp, s.cp, s.sp_degree, s.tp, s.zero, s.dp_shard)
+               == (first.dp, first.cp, first.sp_degree, first.tp, first.zero, first.dp_shard)
                for s in plan.layers)
     return (same and plan.pipeline.degree == 1 and first.tp == 1 and first.zero <= 1
             and not first.dp_shard and not any(s.offload_optimizer for s in plan.layers))

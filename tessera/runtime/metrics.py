@@ -48,6 +48,10 @@ class StepRecord:
     # MoE models: token-slots per expert of each MoE block, all-to-all bytes and router losses per
     # step (runtime/expert_parallel.py `moe_step_stats`).
     moe: dict | None = None
+    # Predicted compute of the busiest and of the mean data-parallel rank (balanced loaders) or
+    # sequence-parallel unit (adaptive runs) in the step, seconds.
+    rank_time_max_s: float | None = None
+    rank_time_mean_s: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -85,6 +89,7 @@ class PendingRecord:
     work: object  # the all-gather in flight
     step_plan: object = None  # an adaptive run's step plan
     moe: dict | None = None
+    rank_times_s: list[float] | None = None  # predicted compute per rank (balanced loader)
 
 
 class StepSpan:

@@ -73,6 +73,9 @@ class TrainConfig:
     eval_every: int = 0  # evaluate on the held-out split every N steps and after the last; 0: never
     eval_batches: int = 4  # global batches per evaluation
     eval_fraction: float = 0.05  # share of the data held out (training never sees it when eval is on)
+    adaptive_switching: bool = True  # length groups may switch ZeRO working mode and recompute
+    long_documents: str = "error"  # adaptive: a document no plan holds is an "error", "skip" or "truncate"
+    balance_data: bool = True  # packed rows to data-parallel ranks by predicted time (runtime/balanced_data.py)
     # Recovery (runtime/resilience.py): hang timeout, non-finite policy; async checkpoints;
     # stragglers (runtime/stragglers.py); `events_path`: the run's events.jsonl.
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
@@ -100,11 +103,26 @@ def _pipeline_available() -> bool:
     return find_spec("tessera.runtime.pipeline") is not None
 
 
+def positions_for_workload(plan: Plan) -> Plan:
+    """RoPE models train at any length: a workload longer than the config's `max_seq_len` (which
+    only sizes the rotation table) gets a table as long as its sequences (long-context training,
+    as Llama 3's 128K stage). Learned positions stop at their table: refused in one line."""
+    cfg, seq = plan.model.config, plan.workload.seq_len
+    if cfg is None or seq <= cfg.max_seq_len:
+        return plan
+    if cfg.position == "learned":
+        raise TesseraError(f"{plan.model.name} has learned positions for {cfg.max_seq_len} tokens; the "
+                           f"workload's sequences have {seq}")
+    log.info("RoPE table extended from %d to %d positions for the workload", cfg.max_seq_len, seq)
+    model = plan.model.model_copy(update={"config": cfg.model_copy(update={"max_seq_len": seq})})
+    return plan.model_copy(update={"model": model})
+
+
 class Trainer:
     def __init__(self, config: TrainConfig, on_step: Callable[[StepRecord], None] | None = None,
                  on_event: Callable[[str, dict], None] | None = None):
         self.config = config
-        self.plan = config.plan
+        self.plan = positions_for_workload(config.plan)
         self.on_step = on_step
         self.on_event = on_event  # ("save" | "resume" | "eval", details), on rank 0
         self.step = 0
@@ -219,14 +237,26 @@ class Trainer:
         self.autocast = nullcontext()
 
     def build_adaptive(self) -> None:
-        """A replicated model whose steps run on per-step SP groups (`runtime/adaptive.py`)."""
-        from .adaptive import AdaptiveSteps
+        """Per-step sequence-parallel groups (`runtime/adaptive.py`): the plan's layout with its
+        Ulysses degree folded into data parallelism (`varlen.storage_plan`), parallelised on the
+        meta device and materialised like a static plan."""
+        from .adaptive import AdaptiveSteps, check_adaptive_plan
+        from .varlen import storage_plan
 
-        self.materialize(self.model)
-        self.parallel = None
-        self.adaptive = AdaptiveSteps(self.model, self.plan, self.config.adaptive_time_budget_s)
-        self.model_parts = [self.model]
-        self.autocast = nullcontext()
+        check_adaptive_plan(self.plan)
+        if self.config.compile:
+            raise TesseraError("--compile does not run with --adaptive: the shapes change every micro-batch")
+        layout = storage_plan(self.plan)
+        dims = ParallelDims.from_plan(layout, self.world_size, self.device.type)
+        self.parallel = parallelize(self.model, layout, dims, self.rank, mp_policy=fsdp_mixed_precision(self.dtype))
+        self.materialize(self.parallel.chunk)
+        self.parallel.wrap_ddp()
+        self.model_parts = [self.parallel.module]
+        self.loss_fn = self.parallel.loss
+        self.autocast = autocast(self.device.type, self.dtype) if uses_ddp(layout) else nullcontext()
+        self.adaptive = AdaptiveSteps(self.parallel, self.plan, self.config.adaptive_time_budget_s,
+                                      self.config.adaptive_switching, self.config.long_documents)
+        self.adaptive.runner.autocast = self.autocast
 
     def materialize(self, part) -> None:
         """Allocate and initialise this rank's shards of `part`: from the seed, or, with
@@ -277,14 +307,24 @@ class Trainer:
 
             tokenizer = HFTokenizer(self.config.init_from)
             tokenizer.check_fits(self.plan.model.config.vocab_size)
-        # An adaptive run hands every rank the whole global batch (the step plan splits it).
-        rank, size = (0, 1) if self.adaptive is not None else (self.data_rank, self.data_size)
+        # An adaptive run hands every rank the whole global batch (the step plan splits it); a
+        # balanced one reads it whole too and keeps the rows the balancer gives this rank.
+        # Replicas of unequal speed take the plan's uneven shares instead (`Plan.batch_shares`).
+        balance = (self.adaptive is None and self.config.balance_data and self.data_size > 1
+                   and not self.plan.batch_shares)
+        rank, size = (0, 1) if self.adaptive is not None or balance else (self.data_rank, self.data_size)
         loader = build_dataloader(self.config.data, w.seq_len, w.global_batch, rank, size,
                                   self.config.seed, pack=True, tokenizer=tokenizer, holdout=holdout, split=split)
         if loader.vocab_size > self.plan.model.config.vocab_size:
             raise TesseraError(f"the data's tokenizer has {loader.vocab_size} tokens, more than the model's "
                                f"vocabulary of {self.plan.model.config.vocab_size}")
-        if self.adaptive is None:
+        if balance:
+            from ..adapt.seqcost import plan_sequence_cost
+            from .balanced_data import BalancedLoader
+
+            lin, attn = plan_sequence_cost(self.plan)
+            loader = BalancedLoader(loader, self.data_rank, self.data_size, self.plan.num_micro_batches, lin, attn)
+        elif self.adaptive is None:
             loader.rows = self.data_rows()
         return loader
 
@@ -480,6 +520,7 @@ class Trainer:
             with self.timer.data():
                 batch = next(self.data_iter)
             packed = getattr(batch, "packed", False)
+            self._rank_times_s = getattr(batch, "rank_times_s", None)
             clock.start()
             self.timer.compute_starts(self.step + 1)
             if self.adaptive is not None:
@@ -529,7 +570,8 @@ class Trainer:
         step_plan = self.adaptive.last_plan if self.adaptive is not None else None
         return PendingRecord(step=self.step, loss=loss, grad_norm=self.grad_norm,
                              lr=self.schedulers[0].get_last_lr()[0], span=span, peaks=peaks, work=work,
-                             step_plan=step_plan, moe=moe_step_stats(self.model_parts, self.plan, self.device))
+                             step_plan=step_plan, moe=moe_step_stats(self.model_parts, self.plan, self.device),
+                             rank_times_s=getattr(self, "_rank_times_s", None))
 
     def log_step(self, pending: PendingRecord) -> StepRecord:
         """Read and report one step (waits for that step only)."""
@@ -551,6 +593,9 @@ class Trainer:
         if pending.step_plan is not None:
             record.predicted_step_time_s = pending.step_plan.predicted_time_s
             record.sp_groups = [[g.degree for g in mb.groups] for mb in pending.step_plan.micro_batches]
+        times = pending.step_plan.unit_times() if pending.step_plan is not None else pending.rank_times_s
+        if times:
+            record.rank_time_max_s, record.rank_time_mean_s = max(times), sum(times) / len(times)
         if self.guard is not None:
             self.guard.observe(record)
         if self.rank == 0:
@@ -610,12 +655,13 @@ class Trainer:
             batch.tokens, batch.labels, batch.positions if packed else None, batch.doc_ids if packed else None))
         targets = (labels != IGNORE).sum().double()
         if self.adaptive is not None:  # the whole batch on every rank: each rank takes its rows
-            rows = slice(self.rank * len(tokens) // self.world_size, (self.rank + 1) * len(tokens) // self.world_size)
-            logits = self.model(tokens[rows], *(t[rows] if t is not None else None for t in (positions, doc_ids)))
+            rows = self.adaptive.runner.evaluation_rows(len(tokens))
+            logits = self.model_parts[0](tokens[rows], *(t[rows] if t is not None else None for t in (positions, doc_ids)))
             part = labels[rows]
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), part.flatten(),
                                                      ignore_index=IGNORE, reduction="sum")
-            return torch.stack([loss.double(), (part != IGNORE).sum().double()])
+            sums = torch.stack([loss.double(), (part != IGNORE).sum().double()])
+            return sums if self.rank % self.adaptive.runner.tp == 0 else torch.zeros_like(sums)  # once per unit
         # The loss as the sum over this piece's targets, times pieces x micro-batches (ParallelLoss).
         scale = self.loss_fn.target_scale
         self.loss_fn.target_scale = self.loss_fn.pieces * self.plan.num_micro_batches
@@ -714,8 +760,7 @@ class Trainer:
                        and plan.num_micro_batches == self.plan.num_micro_batches)
         if same_layout:
             self.plan = plan
-            if self.loader is not None and hasattr(self.loader, "rows"):
-                self.loader.rows = self.data_rows()
+            self._reload_data()
             return "rebalanced"
         from .checkpoint import CheckpointManager
 
@@ -727,13 +772,23 @@ class Trainer:
         self.build_model()
         self.build_optimizer()
         self.load_checkpoint(path, keep_data_position=True)
-        if self.loader is not None and hasattr(self.loader, "rows"):
-            self.loader.rows = self.data_rows()
+        self._reload_data()
         if self.pipeline is not None:
             from .steptime import hook_pipeline_waits
 
             hook_pipeline_waits()
         return "resharded"
+
+    def _reload_data(self) -> None:
+        """The data loader for the current plan (its rows per rank), at the same data position."""
+        if self.loader is None:
+            return
+        state = self.loader.state_dict() if hasattr(self.loader, "state_dict") else None
+        self.loader = self.build_data()
+        if state is not None and hasattr(self.loader, "load_state_dict"):
+            self.loader.load_state_dict(state)
+        self.data_iter = iter(self.loader)
+        self.eval_loader = None  # built again for the new rows when next needed
 
     def _after_resume(self, path: Path) -> None:
         """The metrics lines of steps after the checkpoint are dropped (the file holds each step
