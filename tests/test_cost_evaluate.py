@@ -118,3 +118,21 @@ def test_time_shared_cores_fill_pipeline_bubbles(setup):
             assert plan.prediction.bubble_s < own.prediction.bubble_s
         else:
             assert plan.prediction.step_time_s == pytest.approx(own.prediction.step_time_s)
+
+
+def test_shared_layer_costs_reuse_costs_without_changing_a_prediction(setup):
+    import importlib
+
+    ev = importlib.import_module("tessera.cost.evaluate")  # the module (the package exports the function)
+
+    m, c, w = setup
+    plans = [manual_plan(m, c, w, tp=2, pp=2, sp="megatron", zero=1, micro_batch_size=2),
+             manual_plan(m, c, w, zero=3, micro_batch_size=1, recompute="full")]
+    alone = [evaluate(p) for p in plans]
+    with ev.shared_layer_costs():
+        with ev.shared_layer_costs():  # nested: the outer memo
+            shared = [evaluate(p) for p in plans] + [evaluate(p) for p in plans]
+        contexts = len(ev._shared["contexts"])
+    assert shared == alone + alone
+    assert contexts == 2  # one (cluster, workload, stage, micro-batch) context per plan, reused the 2nd time
+    assert ev._shared is None  # dropped with the block

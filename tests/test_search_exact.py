@@ -154,3 +154,26 @@ def test_pipelined_search_matches_brute_force(gib):
     # what is proved is the lower bound the plan carries; it must hold.
     assert 0 < plan.search.step_lower_bound_s <= best * (1 + 1e-12)
     assert plan.prediction.step_time_s <= best * 1.003  # what the search achieves on these instances
+
+
+def test_context_estimates_bound_every_plan_of_their_micro_batch_count(space):
+    """The planner's context estimate (FLOPs at the best GEMM rate + each micro-batch's kernel
+    launches) is below every enumerated plan with that many micro-batches, and grows with m."""
+    from tessera.cost.compute import fixed_seconds_per_micro_batch
+    from tessera.search.planner import _Search
+
+    model, cluster, workload, options, results = space
+    contexts = _Search(model, cluster, workload, options)._contexts()
+    assert len(contexts) == 4  # m = 1, 2, 4, 8
+    checked = 0
+    for c in contexts:
+        steps = [r[0] for r in results if r[2] == c.m]
+        if steps:  # no strategy splits one sequence over the 4 GPUs
+            assert c.estimate <= min(steps)
+            checked += 1
+    assert checked >= 3
+    fixed = sum(fixed_seconds_per_micro_batch(layer, cluster) for layer in model.layers)
+    assert fixed > 0
+    by_m = sorted((c.m, c.estimate) for c in contexts)
+    for (m1, e1), (m2, e2) in zip(by_m, by_m[1:]):
+        assert e2 - e1 == pytest.approx((m2 - m1) * fixed)

@@ -39,6 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help=f"preset name (e.g. llama3-70b) or a Hugging Face config.json (file or directory) "
                            f"(default: {DEFAULT_MODEL})")
     what.add_argument("--model-profile", metavar="JSON", help="measured model profile (tessera profile model)")
+    what.add_argument("--tasks", metavar="YAML", help="multi-task workload of a vision-language model (see "
+                                                      "examples/tasks.yaml): plans Spindle waves")
+    what.add_argument("--encoder-gpus", type=int, metavar="N", default=None,
+                      help="vision-language model: put the encoder on N GPUs (N = all: colocated)")
     what.add_argument("--global-batch", type=int, metavar="N", default=None,
                       help="sequences per step (default: 8 for models under 100M parameters, else 512)")
     what.add_argument("--seq-len", type=int, metavar="N", default=None,
@@ -245,6 +249,12 @@ def run(args: argparse.Namespace) -> int:
     out = make_console(stderr=args.json)
     status = make_console(stderr=True)
     manual_options(args)  # refuse bad flags before printing anything
+    from ..spec.multimodal import is_vlm
+
+    if args.tasks or is_vlm(args.model):
+        from .plan_multimodal import run_multimodal
+
+        return run_multimodal(args, build_cluster(args), out)
     model = build_model(args)
     cluster = build_cluster(args)
     workload = build_workload(args, model, default_dtype(args, cluster))

@@ -24,6 +24,13 @@ def run(args: argparse.Namespace) -> int:
     from .plan import evaluated
 
     console = make_console()
+    path = Path(args.plan)
+    record = _multimodal_record(path)
+    if record is not None:
+        from .plan_multimodal import show_multimodal
+
+        out_dir = Path(args.output_dir) if args.output_dir else path.parent
+        return show_multimodal(record, path, out_dir, console, not args.no_plots)
     plan = evaluated(Plan.load(args.plan))
     render_plan(plan, console)
     if args.no_plots:
@@ -37,3 +44,14 @@ def run(args: argparse.Namespace) -> int:
     for kind, paths in files.items():
         console.print(f"{kind}: " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def _multimodal_record(path: Path):
+    """The JSON of a multimodal plan (`tessera plan --model <VLM> -o`), else None."""
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("kind") == "multimodal" else None

@@ -152,6 +152,22 @@ def memory_bound_seconds(layer: LayerSpec, cluster: ClusterSpec, elt: float, tok
     return fwd, BACKWARD_BYTES_FACTOR * fwd
 
 
+def fixed_seconds_per_micro_batch(layer: LayerSpec, cluster: ClusterSpec) -> float:
+    """Seconds of one micro-batch's forward + backward that every strategy of `layer` pays
+    whatever its tokens: the kernel launches (per operation: 3 GEMMs per matmul (forward, input
+    and weight gradient; experts run E / ep >= 1 each), flash attention's 2 kernels or the unfused
+    core's 6 GEMMs, and `kernels` element-wise kernels forward, twice backward) plus the measured
+    per-call overhead (`LayerSpec.call_overhead_s`, charged once per micro-batch by cost/layer.py).
+    Everything else the cost model adds per micro-batch is >= 0, so m of these are a lower bound
+    on m micro-batches (the planner's context bound)."""
+    launches = 0
+    if per_operation(layer, cluster):
+        launches = 3 * len(layer.matmuls) + 3 * layer.kernels
+        if layer.num_heads and layer.attn_flops_coeff:
+            launches += 6 if layer.attn_kernel == "unfused" else 2
+    return launches * cluster.device.kernel_launch_s + layer.call_overhead_s
+
+
 def layer_compute_time(layer: LayerSpec, seq_len: int, tokens: float, shards: int,
                        cluster: ClusterSpec, dtype: str, recompute: str = "none") -> tuple[float, float]:
     """(forward seconds, backward seconds incl. recompute) by the FLOPs formula (the one a measured

@@ -31,6 +31,8 @@ offloaded states (`host`) <= the device's share of host memory.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 
 from ..plan import MemoryBreakdown, Plan, Prediction
@@ -50,15 +52,62 @@ def plan_context(plan: Plan) -> StepContext:
                        micro_batch_seqs=plan.micro_batch_size * plan.dp_of_batch)
 
 
+_shared: dict | None = None  # the memo of `shared_layer_costs`, None outside it
+
+
+@contextmanager
+def shared_layer_costs():
+    """Within the block, `evaluate` and its helpers reuse a (layer, strategy, step context)'s costs
+    across plans instead of recomputing them (a search scores dozens of plans that differ in a few
+    layers; planners that run many searches on one model share them too). The costs are a pure
+    function of the key, so the results are identical; the memo holds the models, clusters and
+    workloads it has seen (their identity is part of the key) and is dropped when the block ends."""
+    global _shared
+    if _shared is not None:  # nested: the outer block's memo
+        yield
+        return
+    _shared = {"keep": [], "contexts": {}, "models": {}, "interned": {}}
+    try:
+        yield
+    finally:
+        _shared = None
+
+
+def _layer_keys(model) -> list[tuple]:
+    if _shared is None:
+        return [cost_key(layer) for layer in model.layers]
+    keys = _shared["models"].get(id(model))
+    if keys is None:
+        _shared["keep"].append(model)  # alive while the memo is: its id stays its own
+        # Interned: a small int per distinct cost key (comparing the keys' specs is slow).
+        interned = _shared["interned"]
+        keys = _shared["models"][id(model)] = [interned.setdefault(cost_key(layer), len(interned))
+                                               for layer in model.layers]
+    return keys
+
+
+def _context_memo(ctx: StepContext) -> dict:
+    if _shared is None:
+        return {}
+    key = (id(ctx.cluster), id(ctx.workload), ctx.stage_size, ctx.micro_batch_seqs, ctx.host_layers)
+    memo = _shared["contexts"].get(key)
+    if memo is None:
+        _shared["keep"] += [ctx.cluster, ctx.workload]
+        memo = _shared["contexts"][key] = {}
+    return memo
+
+
 def _per_layer_costs(plan: Plan, ctx: StepContext) -> list[LayerCosts]:
-    """Costs of each layer's own strategy, computed once per distinct (layer, strategy)."""
-    cache: dict[tuple, LayerCosts] = {}
+    """Costs of each layer's own strategy, computed once per distinct (layer, strategy) (and once
+    across plans inside `shared_layer_costs`)."""
+    cache = _context_memo(ctx)
     out = []
-    for layer, s in zip(plan.model.layers, plan.layers):
-        key = (cost_key(layer), s)
-        if key not in cache:
-            cache[key] = layer_costs(layer, StrategyTable.build([s]), ctx)
-        out.append(cache[key])
+    for layer, lkey, s in zip(plan.model.layers, _layer_keys(plan.model), plan.layers):
+        key = (lkey, tuple(s.__dict__.values()))  # the strategy's fields: hashed far faster than the model
+        costs = cache.get(key)
+        if costs is None:
+            costs = cache[key] = layer_costs(layer, StrategyTable.build([s]), ctx)
+        out.append(costs)
     return out
 
 
@@ -71,9 +120,31 @@ def simulate_plan(plan: Plan) -> tuple[ScheduleResult, list[float]]:
     return _simulate(plan, plan_context(plan), _per_layer_costs(plan, plan_context(plan)))
 
 
-def _simulate(plan: Plan, ctx: StepContext, costs: list[LayerCosts]) -> tuple[ScheduleResult, list[float]]:
-    """The schedule simulation of the slowest data-parallel replica and each pipeline rank's tail
-    (every replica alike, unless devices differ in speed or replicas in rows: cost/hetero.py)."""
+def chunk_times(plan: Plan) -> tuple[list[float], list[float], list[float], list[float], float]:
+    """Per pipeline chunk: forward, backward and weight-gradient seconds of one micro-batch; per
+    pipeline rank its once-per-step tail; and the stage-to-stage hop (what `simulate` is given)."""
+    ctx = plan_context(plan)
+    return _chunk_times(plan, ctx, _per_layer_costs(plan, ctx))
+
+
+def layer_times(plan: Plan) -> list[tuple[float, float, float]]:
+    """Per layer under its own strategy: (forward, backward, weight-gradient) seconds of one
+    micro-batch (what `chunk_times` sums per chunk, without the re-sharding between layers)."""
+    ctx = plan_context(plan)
+    return [(_scalar(c, "fwd"), _scalar(c, "bwd"), _scalar(c, "wgrad")) for c in _per_layer_costs(plan, ctx)]
+
+
+def layer_memory(plan: Plan) -> list[tuple[float, float, float]]:
+    """Per layer under its own strategy, bytes on one device: (model states, activations of one
+    micro-batch, transient buffer) (what `stage_memory` adds up per rank)."""
+    ctx = plan_context(plan)
+    return [(_scalar(c, "params") + _scalar(c, "grads") + _scalar(c, "optimizer"), _scalar(c, "act"),
+             _scalar(c, "buf")) for c in _per_layer_costs(plan, ctx)]
+
+
+def _chunk_times(plan: Plan, ctx: StepContext, costs: list[LayerCosts], detail: bool = False):
+    """`chunk_times`; with `detail`, also per chunk the compute parts of forward and backward and
+    per pipeline rank the optimizer update time (what a slower device stretches: cost/hetero.py)."""
     pipe = plan.pipeline
     fwd, bwd, wgrad, cf, cb = [], [], [], [], []
     for start, end in pipe.stages:
@@ -97,6 +168,16 @@ def _simulate(plan: Plan, ctx: StepContext, costs: list[LayerCosts]) -> tuple[Sc
     for chunk, (start, end) in enumerate(pipe.stages):
         tails[pipe.rank_of_chunk(chunk)] += sum(_scalar(costs[i], "step") for i in range(start, end))
         updates[pipe.rank_of_chunk(chunk)] += sum(_scalar(costs[i], "optimizer_time") for i in range(start, end))
+    if detail:
+        return fwd, bwd, wgrad, tails, p2p, cf, cb, updates
+    return fwd, bwd, wgrad, tails, p2p
+
+
+def _simulate(plan: Plan, ctx: StepContext, costs: list[LayerCosts]) -> tuple[ScheduleResult, list[float]]:
+    """The schedule simulation of the slowest data-parallel replica and each pipeline rank's tail
+    (every replica alike, unless devices differ in speed or replicas in rows: cost/hetero.py)."""
+    pipe = plan.pipeline
+    fwd, bwd, wgrad, tails, p2p, cf, cb, updates = _chunk_times(plan, ctx, costs, detail=True)
     run = lambda f, b, w: simulate(pipe.schedule.value, f, b, plan.num_micro_batches,  # noqa: E731
                                    pipe.degree, pipe.virtual_stages, p2p, w)
     if is_uniform(plan):

@@ -20,10 +20,11 @@ Constraints
     batch     micro_batch_size * m * max_l dp_l = G
 
 Method (which function does what)
-    `_contexts`      enumerates (pp, m, schedule, v) and orders them by a balanced-stage,
-                     compute-only estimate of the step; contexts whose estimate is already slower
-                     than the best plan found are skipped (the estimate has no communication and
-                     no imbalance, so it is optimistic).
+    `_contexts`      enumerates (pp, m, schedule, v) and orders them by a balanced-stage
+                     estimate of the step: FLOPs at the best GEMM rate plus each micro-batch's
+                     kernel launches and per-call overheads (compute.fixed_seconds_per_micro_batch);
+                     contexts whose estimate is already slower than the best plan found are skipped
+                     (the estimate has no communication and no imbalance, so it is optimistic).
     `_candidates`    builds each distinct layer's candidates once per (n, B) — all decoder blocks of
                      a dense model are one layer spec — costs them vectorised (cost/layer.py) and
                      drops dominated ones (space.prune_dominated, with its proof).
@@ -78,7 +79,7 @@ from math import comb
 
 import numpy as np
 
-from ..cost.compute import achieved_flops
+from ..cost.compute import achieved_flops, fixed_seconds_per_micro_batch
 from ..cost.evaluate import evaluate
 from ..cost.memory import memory_budget, required_memory
 from ..cost.layer import StepContext, cost_key, layer_costs, pipeline_p2p_time, transition_matrix
@@ -171,10 +172,14 @@ class _Search(SplitBounds):
         flops = sum(layer.flops_per_token * layer.linear_time_scale
                     + layer.attn_flops_coeff * seq * layer.attn_time_scale for layer in self.model.layers)
         rate = achieved_flops(self.cluster, self.workload.dtype)
+        # Kernel launches and per-call overheads: paid per micro-batch by every strategy, so more
+        # micro-batches cost more (a stage holds at least 1/pp of them when balanced).
+        fixed = sum(fixed_seconds_per_micro_batch(layer, self.cluster) for layer in self.model.layers)
         out = []
         for pp in self._pp_options():
             for m in divisors(G):
-                per_mb = 3.0 * flops * (G // m) * seq / (rate * self.world)  # balanced, no comm
+                per_mb = (3.0 * flops * (G // m) * seq / (rate * self.world)  # balanced, no comm
+                          + fixed / pp)
                 scheds: list[tuple[str, int, float]] = []
                 if pp == 1:
                     scheds.append(("1f1b", 1, 0.0))

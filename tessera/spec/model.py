@@ -27,6 +27,7 @@ class LayerKind(StrEnum):
     DECODER = "decoder"  # attention + dense MLP block
     MOE_DECODER = "moe_decoder"  # attention + mixture-of-experts MLP block
     ENCODER = "encoder"  # bidirectional attention + MLP block (ViT / multimodal encoders)
+    PROJECTOR = "projector"  # encoder features -> LLM embeddings (a VLM's MLP connector)
     LM_HEAD = "lm_head"  # final norm + vocabulary projection + loss
 
 

@@ -1,0 +1,396 @@
+"""Optimus-style scheduling: the vision encoder's forward and backward in the LLM pipeline's bubbles.
+
+The LLM runs a 1F1B pipeline (its plan from the search, pp stages of n = N / pp devices). Every
+pipeline rank also holds a replica of the encoder (its own plan on n devices,
+`search.multimodal.PartPricer`), so encoder work can run on any rank while that rank's LLM stage
+is idle. Images are not divisible: a micro-batch's I / m images spread over the pp rank groups in
+whole images, the fullest group taking c = ceil(I / (m pp)); each group's encoder plan is priced
+for m c images (its share of every micro-batch, rounded up), F_E, B_E its forward / backward
+seconds, and per LLM micro-batch j (work in group-seconds, pp groups of c images each):
+    forward   W_f = pp * F_E / m, due at D_j = start of stage 0's forward of j - hop,
+    backward  W_b = pp * B_E / m, released at R_j = end of stage 0's backward of j + hop,
+hop = the point-to-point hand-off of a micro-batch's embeddings (or their gradient) into stage 0's
+group. When pp m divides I this is the even split; otherwise the rounding is charged to every
+group (all wait for the fullest).
+The LLM timeline is fixed (`cost.schedule.simulate` events); encoder work fills the idle intervals.
+If the bubbles before the deadlines cannot hold the forward work, the pipeline starts S seconds
+later (all ranks run encoder forward first); if the bubbles after the releases cannot hold the
+backward work, the step ends E seconds later. With C(t) the idle rank-seconds before t:
+    S = max(0, max_j (sum_{i<=j} W_f - C(D_j)) / pp)          (earliest-deadline filling),
+    E = max(0, max_j (sum_{R_i>=R_j} W_b - C'[R_j, T]) / pp + max(0, R_j - T))
+                                                            (release-order filling,
+                                                             C' what the forward left),
+both exact for divisible work; the fill that realises them is returned for the picture.
+    step = S + T + E + LLM tail + encoder tail + all-reduce of the encoder's gradient shards
+           over the pp replicas (2 P_E / n bytes).
+Memory: each rank adds its encoder replica's peak, holding every micro-batch's encoder
+activations from forward to backward; a rank over the device's usable memory is refused.
+
+Baseline (`extra_stage_baseline`): the encoder as extra pipeline work, Megatron-style: the
+encoder's layers (priced on n devices for a whole LLM micro-batch's images) go in front of the
+LLM's layers and the chain is re-split into pp stages minimising the slowest stage, simulated with
+the same 1F1B simulator; the best over the same pipeline plans. Its memory is checked as the
+search checks a pipeline rank's: rank r holds its layers' states, min(pp - r, m) micro-batches of
+their activations (the encoder layers' per LLM micro-batch) and the largest buffer, within the
+budget; the re-split is the min-max split among those that fit (none: that pipeline plan has no
+baseline). No torch import.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..cost.comm import collective_times
+from ..cost.evaluate import chunk_times, layer_memory, layer_times, shared_layer_costs, usable_memory
+from ..cost.memory import memory_budget, required_memory
+from ..cost.schedule import in_flight, simulate
+from ..errors import TesseraError
+from ..plan import Plan
+from ..search.multimodal import LEAN_OPTIONS, PartCost, PartPricer, group_handoff_s, sub_cluster
+from ..search.planner import NoFeasiblePlanError, search
+from ..search.space import SearchOptions
+from ..spec.tasks import TaskSpec
+from ..spec.workload import Workload
+
+GiB = 2**30
+LEAN_ENCODER = LEAN_OPTIONS
+
+
+@dataclass(frozen=True)
+class Piece:
+    rank: int
+    kind: str  # "EF" / "EB" (encoder work) or the LLM's "F" / "B"
+    micro_batch: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class OptimusResult:
+    pp: int
+    num_micro_batches: int
+    llm_plan: Plan
+    encoder: PartCost
+    pipeline_s: float  # the LLM pipeline's makespan T
+    shift_s: float  # S
+    extension_s: float  # E
+    tail_s: float
+    pieces: tuple[Piece, ...]
+
+    @property
+    def step_s(self) -> float:
+        return self.shift_s + self.pipeline_s + self.extension_s + self.tail_s
+
+    def bubble_filled(self) -> float:
+        """Fraction of the LLM pipeline's idle rank-time that encoder work fills."""
+        idle = sum(_idle_total(self.pieces, r, self.pipeline_s) for r in range(self.pp))
+        used = sum(min(p.end, self.pipeline_s) - max(p.start, 0.0) for p in self.pieces
+                   if p.kind in ("EF", "EB") and p.end > 0 and p.start < self.pipeline_s)
+        return used / idle if idle > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class ExtraStageResult:
+    pp: int
+    num_micro_batches: int
+    stages: tuple[tuple[int, int], ...]  # layer ranges of the encoder + LLM chain
+    encoder_layers: int
+    step_s: float
+    pipeline_s: float
+    tail_s: float
+    pieces: tuple[Piece, ...]
+    peak_bytes: float = 0.0  # the fullest pipeline rank's device memory (fragmentation and reserve included)
+
+
+def _idle_total(pieces, rank: int, horizon: float) -> float:
+    busy = sum(p.end - p.start for p in pieces if p.rank == rank and p.kind in ("F", "B"))
+    return horizon - busy
+
+
+def llm_pipeline_plans(pricer: PartPricer, task: TaskSpec, gpus: int, degrees=(4, 8)) -> list[Plan]:
+    """The LLM's best 1F1B plan at each pipeline degree (those that fit)."""
+    vlm = pricer.vlm
+    wl = Workload(global_batch=task.batch, seq_len=task.llm_seq_len(vlm), dtype=pricer.dtype)
+    plans = []
+    for pp in degrees:
+        if gpus % pp or vlm.config.llm.num_layers < pp:
+            continue
+        opts = SearchOptions(pp=pp, schedules=("1f1b",), allow_offload=False, allow_ulysses=False,
+                             zero_stages=(1,), runner_ups=0, max_splits=1)
+        try:
+            with shared_layer_costs():
+                plans.append(search(vlm.llm, sub_cluster(pricer.cluster, gpus), wl, opts))
+        except NoFeasiblePlanError:
+            continue
+    return plans
+
+
+def _llm_events(plan: Plan):
+    fwd, bwd, wgrad, tails, p2p = chunk_times(plan)
+    pipe = plan.pipeline
+    sim = simulate("1f1b", fwd, bwd, plan.num_micro_batches, pipe.degree, 1, p2p)
+    return sim, tails
+
+
+def _idle_intervals(events, pp: int, horizon: float) -> list[list[tuple[float, float]]]:
+    per_rank = [sorted((e.start, e.end) for e in events if e.stage == r) for r in range(pp)]
+    out = []
+    for busy in per_rank:
+        gaps, t = [], 0.0
+        for s, e in busy:
+            if s > t + 1e-12:
+                gaps.append((t, s))
+            t = max(t, e)
+        if horizon > t + 1e-12:
+            gaps.append((t, horizon))
+        out.append(gaps)
+    return out
+
+
+def _capacity_before(gaps, t: float) -> float:
+    return sum(max(0.0, min(e, t) - s) for rank in gaps for s, e in rank)
+
+
+def _capacity_after(gaps, t: float) -> float:
+    return sum(max(0.0, e - max(s, t)) for rank in gaps for s, e in rank)
+
+
+def _fill(gaps, items, kind: str, forward: bool):
+    """Place divisible work: forward items (work, deadline) earliest capacity first; backward
+    items (work, release) in release order, each into the earliest capacity after its release.
+    Mutates `gaps` (removes what is used); returns the pieces."""
+    pieces = []
+    for j, (work, when) in enumerate(items):
+        left = work
+        while left > 1e-15:
+            best = None
+            for r, rank in enumerate(gaps):
+                for k, (s, e) in enumerate(rank):
+                    start = s if forward else max(s, when)
+                    if e - start <= 1e-15 or (forward and start >= when - 1e-15):
+                        continue
+                    if best is None or start < best[0]:
+                        best = (start, r, k)
+            if best is None:
+                break  # the shift / extension computed beforehand makes this unreachable
+            start, r, k = best
+            s, e = gaps[r][k]
+            stop = min(e, when) if forward else e
+            take = min(left, stop - start)
+            pieces.append(Piece(r, kind, j, start, start + take))
+            left -= take
+            new = [(s, start)] if start > s + 1e-15 else []
+            if start + take < e - 1e-15:
+                new.append((start + take, e))
+            gaps[r][k:k + 1] = new
+    return pieces
+
+
+def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan) -> OptimusResult:
+    """Encoder work in the bubbles of `plan` (an LLM pipeline plan); see the module docstring."""
+    vlm, cluster = pricer.vlm, pricer.cluster
+    pp, m, n = plan.pipeline.degree, plan.num_micro_batches, plan.stage_size
+    images = task.images()
+    per_group = m * math.ceil(images / (m * pp))  # whole images: the fullest group's share of each micro-batch
+    enc = pricer.cost("vision_encoder", n, per_group, vlm.encoder_seq_len)
+    if not enc.feasible:
+        raise TesseraError(f"encoder placement on every pipeline rank ({n} GPUs each) does not fit: {enc.why}")
+    try:
+        _check_memory(plan, enc)
+    except TesseraError:
+        # The fastest encoder plan holds too much: every micro-batch's activations stay alive from
+        # forward to backward here, so take the leanest (full recompute, ZeRO-3) instead.
+        lean = pricer.cost("vision_encoder", n, per_group, vlm.encoder_seq_len, LEAN_ENCODER)
+        if not lean.feasible:
+            raise
+        enc = lean
+        _check_memory(plan, enc)
+    sim, tails = _llm_events(plan)
+    events, horizon = sim.events, sim.step_time
+    hop = group_handoff_s(cluster, vlm, images / m, n)
+    first = {(e.kind, e.micro_batch): e for e in events if e.stage == 0}
+    w_f, w_b = pp * enc.fwd_s / m, pp * enc.bwd_s / m
+    deadlines = [first["F", j].start - hop for j in range(m)]
+    releases = [first["B", j].end + hop for j in range(m)]
+    gaps = _idle_intervals(events, pp, horizon)
+    shift = 0.0
+    for j, d in enumerate(deadlines):
+        need = (j + 1) * w_f
+        shift = max(shift, (need / pp - d) if d < 0 else (need - _capacity_before(gaps, d)) / pp)
+    shift = max(0.0, shift)
+    for rank in gaps:
+        rank.insert(0, (-shift, 0.0))
+    pieces = _fill(gaps, [(w_f, d) for d in deadlines], "EF", forward=True)
+    order = sorted(range(m), key=lambda j: releases[j])
+    ext = 0.0
+    for pos, j in enumerate(order):
+        suffix = (m - pos) * w_b
+        late = max(0.0, releases[j] - horizon)  # released after the pipeline ends: wait for it
+        ext = max(ext, (suffix - _capacity_after(gaps, releases[j])) / pp + late)
+    ext = max(0.0, ext)
+    for rank in gaps:
+        rank.append((horizon, horizon + ext))
+    pieces += _fill(gaps, [(w_b, releases[j]) for j in order], "EB", forward=False)
+    pieces += [Piece(e.stage, e.kind, e.micro_batch, e.start, e.end) for e in events]
+    combine = float(collective_times(cluster, "all_reduce", 2.0 * pricer.model("vision_encoder").num_params / n,
+                                     pp, n)) if pp > 1 else 0.0
+    return OptimusResult(pp, m, plan, enc, horizon, shift, ext, max(tails) + enc.tail_s + combine, tuple(pieces))
+
+
+def _check_memory(plan: Plan, enc: PartCost) -> None:
+    """Each rank holds its LLM stage and an encoder replica with all its micro-batches' activations."""
+    mem = enc.plan.prediction.stage_memory[0]
+    extra = mem.total - plan.cluster.device.reserved_bytes + mem.activations * (enc.plan.num_micro_batches - 1)
+    peak = plan.prediction.peak_memory + extra
+    limit = usable_memory(plan.cluster)
+    if peak > limit:
+        raise TesseraError(f"encoder placement in the pipeline bubbles does not fit: a rank needs "
+                           f"{peak / GiB:.1f} GiB (LLM stage {plan.prediction.peak_memory / GiB:.1f} + encoder "
+                           f"{extra / GiB:.1f}) of {limit / GiB:.1f} GiB usable")
+
+
+def _min_max_split(weights: list[float], parts: int, fits=None) -> list[tuple[int, int]] | None:
+    """Contiguous split of `weights` into `parts` ranges minimising the largest sum (binary search
+    on the bound, greedy check). `fits(r, start, end)`: whether range [start, end) fits as the
+    r-th range (memory; monotone: a sub-range of a range that fits fits, at the same or a later
+    index), so the greedy's furthest reach stays optimal; None when no split fits."""
+    ok = fits or (lambda r, s, e: True)
+
+    def cuts(bound):
+        out, start, acc = [], 0, 0.0
+        for i, w in enumerate(weights):
+            if i > start and (acc + w > bound or not ok(len(out), start, i + 1)):
+                out.append((start, i))
+                start, acc = i, 0.0
+            acc += w
+        out.append((start, len(weights)))
+        return out if all(ok(r, s, e) for r, (s, e) in enumerate(out)) else None
+
+    def feasible(split):
+        return split is not None and len(split) <= parts
+    lo, hi = max(weights), sum(weights)
+    if not feasible(cuts(hi)):
+        return None
+    while hi - lo > 1e-12 * hi:
+        mid = (lo + hi) / 2
+        if feasible(cuts(mid)):
+            hi = mid
+        else:
+            lo = mid
+    split = cuts(hi)
+    while len(split) < parts:  # split the widest range further so every rank gets layers
+        k = max(range(len(split)), key=lambda i: split[i][1] - split[i][0])
+        s, e = split[k]
+        split[k:k + 1] = [(s, (s + e) // 2), ((s + e) // 2, e)]
+    return split
+
+
+def extra_stage_baseline(pricer: PartPricer, task: TaskSpec, plan: Plan) -> ExtraStageResult:
+    """The encoder as extra pipeline work on `plan`'s pipeline (see the module docstring)."""
+    vlm = pricer.vlm
+    n = plan.stage_size
+    best, why = None, ""
+    # The encoder's fastest plan, and its leanest (full recompute, ZeRO-3): the stages that hold
+    # encoder layers keep up to pp micro-batches of their activations, so the lean one may be the
+    # only one that fits, or fit a better split.
+    for options in (None, LEAN_ENCODER):
+        enc = pricer.cost("vision_encoder", n, task.images(), vlm.encoder_seq_len, options)
+        if not enc.feasible:
+            why = f"encoder as a pipeline stage on {n} GPUs does not fit: {enc.why}"
+            continue
+        try:
+            result = _extra_stage(enc, plan)
+        except TesseraError as e:
+            why = str(e)
+            continue
+        if best is None or result.step_s < best.step_s:
+            best = result
+    if best is None:
+        raise TesseraError(why)
+    return best
+
+
+def _extra_stage(enc: PartCost, plan: Plan) -> ExtraStageResult:
+    pp, m = plan.pipeline.degree, plan.num_micro_batches
+    scale = enc.plan.num_micro_batches / m  # encoder micro-batches per LLM micro-batch
+    enc_layers = [(f * scale, b * scale) for f, b, _ in layer_times(enc.plan)]
+    llm_layers = [(f, b) for f, b, _ in layer_times(plan)]
+    chain = enc_layers + llm_layers
+    memory = ([(st, act * scale, buf) for st, act, buf in layer_memory(enc.plan)] + layer_memory(plan))
+    fits = _stage_memory_check(memory, pp, m, memory_budget(plan.cluster))
+    split = _min_max_split([f + b for f, b in chain], pp, fits)
+    if split is None:
+        raise TesseraError(f"the encoder as extra pipeline stages does not fit in memory at pp={pp} (m={m})")
+    peak = max(fits.allocated(r, s, e) for r, (s, e) in enumerate(split))
+    fwd = [sum(chain[i][0] for i in range(s, e)) for s, e in split]
+    bwd = [sum(chain[i][1] for i in range(s, e)) for s, e in split]
+    _, _, _, tails, p2p = chunk_times(plan)
+    sim = simulate("1f1b", fwd, bwd, m, pp, 1, p2p)
+    tail = max(tails) + enc.tail_s
+    pieces = tuple(Piece(e.stage, e.kind, e.micro_batch, e.start, e.end) for e in sim.events)
+    return ExtraStageResult(pp, m, tuple(split), len(enc_layers), sim.step_time + tail, sim.step_time, tail, pieces,
+                            peak_bytes=required_memory(peak, plan.cluster))
+
+
+class _stage_memory_check:
+    """fits(r, start, end): the chain's layers [start, end) as 1F1B pipeline rank r fit, i.e.
+    states + min(pp - r, m) x activations (per LLM micro-batch) + the largest buffer <= budget
+    (bytes allocated, as cost/memory.py's budget); prefix sums make each check O(range)."""
+
+    def __init__(self, memory: list[tuple[float, float, float]], pp: int, m: int, budget: float):
+        self.states = np.concatenate([[0.0], np.cumsum([x[0] for x in memory])])
+        self.act = np.concatenate([[0.0], np.cumsum([x[1] for x in memory])])
+        self.buf = [x[2] for x in memory]
+        self.pp, self.m, self.budget = pp, m, budget
+        self.k = [in_flight("1f1b", pp, r, m) for r in range(pp)]
+        self._run = (-1, -1, 0.0)  # (start, end, largest buffer of [start, end)): the greedy grows ranges by one
+
+    def allocated(self, r: int, start: int, end: int) -> float:
+        s, e, buf = self._run
+        if s == start and e == end - 1:
+            buf = max(buf, self.buf[end - 1])
+        elif not (s == start and e == end):
+            buf = max(self.buf[start:end])
+        self._run = (start, end, buf)
+        return (float(self.states[end] - self.states[start])
+                + self.k[min(r, self.pp - 1)] * float(self.act[end] - self.act[start]) + buf)
+
+    def __call__(self, r: int, start: int, end: int) -> bool:
+        return self.allocated(r, start, end) <= self.budget
+
+
+def compare(pricer: PartPricer, task: TaskSpec, gpus: int, degrees=(4, 8)):
+    """(best Optimus result, best extra-stage baseline) over the LLM's pipeline plans."""
+    with shared_layer_costs():  # the plans' layer costs, computed once for all the pricing below
+        return _compare(pricer, task, gpus, degrees)
+
+
+def _compare(pricer: PartPricer, task: TaskSpec, gpus: int, degrees):
+    plans = llm_pipeline_plans(pricer, task, gpus, degrees)
+    if not plans:
+        raise TesseraError(f"task '{task.name}': the LLM has no pipeline plan on {gpus} GPUs")
+    best_o, best_b, why, why_b = None, None, "", ""
+    # An Optimus step is at least its LLM plan's (S, E, the encoder's tail and combine are >= 0):
+    # pipeline plans no faster than the best Optimus step found are not scheduled (fastest first).
+    for plan in sorted(plans, key=lambda p: p.prediction.step_time_s):
+        try:
+            if best_o is None or plan.prediction.step_time_s < best_o.step_s:
+                o = optimus_schedule(pricer, task, plan)
+                if best_o is None or o.step_s < best_o.step_s:
+                    best_o = o
+        except TesseraError as e:
+            why = str(e)
+        try:
+            b = extra_stage_baseline(pricer, task, plan)
+        except TesseraError as e:
+            why_b = str(e)
+            continue
+        if best_b is None or b.step_s < best_b.step_s:
+            best_b = b
+    if best_o is None:
+        raise TesseraError(why)
+    if best_b is None:
+        raise TesseraError(why_b)
+    return best_o, best_b

@@ -1,0 +1,397 @@
+"""Spindle wave packing against brute force, the wave and Optimus simulators' sanity, bad input."""
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from tessera.adapt.optimus import _capacity_before, _fill, _idle_intervals, optimus_schedule
+from tessera.adapt.spindle import Operator, pack_waves, plan_spindle, sequential_baseline
+from tessera.errors import TesseraError
+from tessera.search.multimodal import PartPricer, plan_vlm_task
+from tessera.spec.multimodal import resolve_vlm
+from tessera.spec.presets.clusters import make_cluster
+from tessera.spec.tasks import TaskSpec, load_tasks, parse_tasks
+
+
+def _brute_force(ops, sizes, fwd, bwd, total, mem=None, budget=math.inf):
+    """Every ordered sequence of waves (sets of ready operators) and every allocation of each
+    (with `mem`: only those whose waves' largest per-device bytes add up to <= budget)."""
+    n = len(ops)
+    best = math.inf
+
+    def rec(done, acc, used):
+        nonlocal best
+        if done == (1 << n) - 1:
+            best = min(best, acc)
+            return
+        ready = [o for o in range(n) if not done >> o & 1 and all(done >> a & 1 for a in ops[o].after)]
+        for k in range(1, len(ready) + 1):
+            for members in itertools.combinations(ready, k):
+                for alloc in itertools.product(range(len(sizes)), repeat=k):
+                    if sum(sizes[i] for i in alloc) > total:
+                        continue
+                    f = max(fwd[o, i] for o, i in zip(members, alloc))
+                    b = max(bwd[o, i] for o, i in zip(members, alloc))
+                    m = max(mem[o, i] for o, i in zip(members, alloc)) if mem is not None else 0.0
+                    if math.isfinite(f + b) and used + m <= budget:
+                        rec(done | sum(1 << o for o in members), acc + f + b, used + m)
+
+    rec(0, 0.0, 0.0)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_wave_packing_matches_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    ops = [Operator("a/enc", "a", "vision_encoder"), Operator("a/llm", "a", "llm", (0,)),
+           Operator("b/llm", "b", "llm"), Operator("c/enc", "c", "vision_encoder"),
+           Operator("c/llm", "c", "llm", (3,))]
+    sizes = [1, 2, 4]
+    work = rng.uniform(0.5, 4.0, size=len(ops))
+    scaling = rng.uniform(0.5, 1.0, size=len(ops))  # sub-linear speed-up with more devices
+    fwd = np.array([[w / 3 / g ** s for g in sizes] for w, s in zip(work, scaling)])
+    bwd = fwd * rng.uniform(1.5, 2.5, size=fwd.shape)
+    fwd[2, 0] = np.inf  # an operator that does not fit on one device
+    cost, waves = pack_waves(ops, sizes, fwd, bwd, 4)
+    assert cost == pytest.approx(_brute_force(ops, sizes, fwd, bwd, 4), rel=1e-12)
+    seen = [o for members, _ in waves for o in members]
+    assert sorted(seen) == list(range(len(ops)))
+    position = {o: k for k, (members, _) in enumerate(waves) for o in members}
+    assert position[1] > position[0] and position[4] > position[3]
+    assert all(sum(groups) <= 4 for _, groups in waves)
+
+
+def test_wave_packing_under_a_memory_budget_matches_brute_force():
+    ops = [Operator("a/enc", "a", "vision_encoder"), Operator("a/llm", "a", "llm", (0,)),
+           Operator("b/llm", "b", "llm"), Operator("c/llm", "c", "llm")]
+    sizes = [1, 2, 4]
+    tight = 0
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        work = rng.uniform(0.5, 4.0, size=len(ops))
+        fwd = np.array([[w / 3 / g ** 0.8 for g in sizes] for w in work])
+        bwd = 2 * fwd
+        # Model states shard over the group (1 / g per device), activations a little on top.
+        mem = np.array([[s / g + a for g in sizes]
+                        for s, a in zip(rng.uniform(4, 8, len(ops)), rng.uniform(0, 0.2, len(ops)))])
+        free, free_waves = pack_waves(ops, sizes, fwd, bwd, 4)
+        assert pack_waves(ops, sizes, fwd, bwd, 4, mem=mem, budget=math.inf)[0] == pytest.approx(free)
+        free_mem = sum(max(mem[o, sizes.index(g)] for o, g in zip(members, groups)) for members, groups in free_waves)
+        for budget in free_mem * np.linspace(0.5, 0.99, 8):
+            want = _brute_force(ops, sizes, fwd, bwd, 4, mem, budget)
+            cost, waves = pack_waves(ops, sizes, fwd, bwd, 4, mem=mem, budget=budget)
+            if not math.isfinite(want):
+                assert waves == []
+                continue
+            assert cost == pytest.approx(want, rel=1e-12)
+            used = sum(max(mem[o, sizes.index(g)] for o, g in zip(members, groups)) for members, groups in waves)
+            assert used <= budget
+            tight += cost > free * (1 + 1e-9)
+    assert tight >= 3  # budgets that bind: slower schedules that fit
+
+
+def test_exact_memory_packing_matches_brute_force():
+    """A* against every wave sequence of the same space (each wave's Pareto allocations), scored
+    by `device_memory` (rounds as early as the dependencies allow)."""
+    from types import SimpleNamespace as NS
+
+    from tessera.adapt.spindle import Placed, Wave, _pack_waves_exact_memory, _wave_options, device_memory
+    ops = [Operator("a/enc", "a", "vision_encoder"), Operator("a/llm", "a", "llm", (0,)),
+           Operator("b/llm", "b", "llm"), Operator("c/llm", "c", "llm")]
+    sizes = [1, 2, 4]
+    binding = 0
+    for seed in range(4):
+        rng = np.random.default_rng(seed)
+        work = rng.uniform(0.5, 4.0, size=len(ops))
+        fwd = np.array([[w / 3 / g ** 0.8 for g in sizes] for w in work])
+        bwd = 2 * fwd
+        states = np.array([[s / g for g in sizes] for s in rng.uniform(2, 6, len(ops))])
+        act = np.array([[a / g for g in sizes] for a in rng.uniform(1, 4, len(ops))])
+        buf = np.full_like(fwd, 0.1)
+        costs = {(o, g, "fastest"): NS(states_bytes=states[o, i], act_bytes=act[o, i], buf_bytes=0.1)
+                 for o in range(len(ops)) for i, g in enumerate(sizes)}
+        schedules = []  # (time, peak) of every sequence
+
+        def rec(done, time, waves):
+            if done == 15:
+                placed = []
+                for members, chosen in waves:
+                    first, row = 0, []
+                    for o, i in zip(members, chosen):
+                        row.append(Placed(o, sizes[i], first, 0.0, 0.0))
+                        first += sizes[i]
+                    placed.append(Wave(tuple(row)))
+                schedules.append((time, float(device_memory(ops, placed, costs, 4).max())))
+                return
+            ready = [o for o in range(4) if not done >> o & 1 and all(done >> a & 1 for a in ops[o].after)]
+            for k in range(1, len(ready) + 1):
+                for members in itertools.combinations(ready, k):
+                    for t, _, chosen in _wave_options(members, np.array(sizes, float), fwd, bwd, states + act, 4):
+                        rec(done | sum(1 << o for o in members), time + t, waves + [(members, chosen)])
+
+        rec(0, 0.0, [])
+        fastest = min(t for t, _ in schedules)
+        for budget in np.quantile([m for _, m in schedules], [0.05, 0.3, 0.6]):
+            want = min((t for t, m in schedules if m <= budget), default=math.inf)
+            cost, waves = _pack_waves_exact_memory(ops, sizes, fwd, bwd, states, act, buf, 4, budget)
+            assert cost == pytest.approx(want, rel=1e-12)
+            binding += want > fastest * (1 + 1e-9)
+    assert binding >= 3
+
+
+def test_device_memory_adds_up_states_across_waves_and_every_waves_activations():
+    from types import SimpleNamespace as NS
+
+    from tessera.adapt.spindle import Placed, Wave, device_memory, round_ends
+    ops = [Operator("a/enc", "a", "vision_encoder"), Operator("a/llm", "a", "llm", (0,)),
+           Operator("b/llm", "b", "llm"), Operator("c/llm", "c", "llm")]
+    costs = {(0, 2, "fastest"): NS(states_bytes=10.0, act_bytes=1.0, buf_bytes=0.5),
+             (1, 4, "fastest"): NS(states_bytes=100.0, act_bytes=2.0, buf_bytes=3.0),
+             (2, 2, "fastest"): NS(states_bytes=200.0, act_bytes=4.0, buf_bytes=1.0),
+             (3, 4, "lean"): NS(states_bytes=120.0, act_bytes=8.0, buf_bytes=2.0)}
+    waves = [Wave((Placed(0, 2, 0, 0, 0), Placed(2, 2, 2, 0, 0))),  # a's encoder on 0-1, b's LLM on 2-3
+             Wave((Placed(1, 4, 0, 0, 0),)),  # a's LLM on all four
+             Wave((Placed(3, 4, 0, 0, 0, "lean"),))]  # c's LLM (lean plan) on the same group of four: one LLM copy
+    one_round = device_memory(ops, waves, costs, 4, ends=(2,))
+    # devices 0-1: encoder states + one LLM copy on the 4-group (the larger of a's and c's) + acts + largest buffer
+    assert one_round[0] == one_round[1] == 10 + 120 + (1 + 2 + 8) + 3
+    # devices 2-3: b's LLM group of 2 holds its own copy beside the 4-group's
+    assert one_round[2] == one_round[3] == 200 + 120 + (4 + 2 + 8) + 3
+    # Rounds: after wave 2 every operator that depends on a finished one has finished (a's LLM
+    # follows a's encoder): that round's backward runs and frees its activations.
+    assert round_ends(ops, waves) == (1, 2)
+    got = device_memory(ops, waves, costs, 4)
+    assert got[0] == got[1] == 10 + 120 + max(1 + 2, 8) + 3
+    assert got[2] == got[3] == 200 + 120 + max(4 + 2, 8) + 3
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    vlm = resolve_vlm("tiny-vlm")
+    tasks = parse_tasks({"tasks": [
+        {"name": "caption", "modalities": ["image", "text"], "batch": 16, "images_per_sample": 1, "text_tokens": 16},
+        {"name": "text", "modalities": ["text"], "batch": 16, "text_tokens": 128},
+        {"name": "interleaved", "modalities": ["image", "text"], "batch": 8, "images_per_sample": 2,
+         "text_tokens": 64}]})
+    return vlm, tasks, PartPricer(vlm, make_cluster(num_gpus=16))
+
+
+def test_wave_simulator_sanity(tiny):
+    vlm, tasks, pricer = tiny
+    plan = plan_spindle(pricer, tasks, 16)
+    timeline = plan.timeline()
+    names = [op.name for op in plan.ops]
+    # Every operator runs its forward once and its backward once.
+    for name in names:
+        assert sorted(k for n, k, *_ in timeline if n == name) == ["B", "F"]
+    # Groups of one wave never overlap and fit the devices; the step is the waves' sum plus extras.
+    for w in plan.waves:
+        spans = sorted((p.first_gpu, p.first_gpu + p.gpus) for p in w.ops)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= 16
+    end = max(e for *_, e in timeline)
+    assert end == pytest.approx(plan.waves_s)
+    assert plan.step_s == pytest.approx(end + plan.combine_s + plan.tail_s)
+    # The encoder's forward ends before its LLM's starts; its backward starts after the LLM's ends.
+    t = {(n, k): (s, e) for n, k, _, _, s, e in timeline}
+    for task in ("caption", "interleaved"):
+        assert t[f"{task}/vision_encoder", "F"][1] <= t[f"{task}/llm", "F"][0] + 1e-12
+        assert t[f"{task}/llm", "B"][1] <= t[f"{task}/vision_encoder", "B"][0] + 1e-12
+    # The baseline runs each task's best plan on all devices.
+    base = sequential_baseline(pricer, tasks, 16)
+    assert base.busy_s == pytest.approx(sum(plan_vlm_task(pricer, t, 16).busy_s for t in tasks.tasks))
+
+
+def test_optimus_fill_is_exact_and_respects_dependencies():
+    from tessera.cost.schedule import simulate
+    sim = simulate("1f1b", [1.0] * 4, [2.0] * 4, 4, 4)
+    gaps = _idle_intervals(sim.events, 4, sim.step_time)
+    idle = sum(e - s for rank in gaps for s, e in rank)
+    assert idle == pytest.approx(4 * sim.step_time - sum(sim.busy))
+    deadline = sim.step_time / 2
+    cap = _capacity_before(gaps, deadline)
+    pieces = _fill([list(r) for r in gaps], [(cap / 2, deadline), (cap / 2, deadline)], "EF", forward=True)
+    assert sum(p.end - p.start for p in pieces) == pytest.approx(cap)
+    assert max(p.end for p in pieces) <= deadline + 1e-12
+    for r in range(4):  # no encoder piece overlaps an LLM operation on its rank
+        busy = [(e.start, e.end) for e in sim.events if e.stage == r]
+        for p in pieces:
+            if p.rank == r:
+                assert all(p.end <= s + 1e-12 or p.start >= e - 1e-12 for s, e in busy)
+
+
+def test_optimus_schedule_on_a_tiny_pipeline():
+    from tessera.search.planner import search
+    from tessera.search.space import SearchOptions
+    from tessera.spec.workload import Workload
+    vlm = resolve_vlm("tiny-vlm")
+    pricer = PartPricer(vlm, make_cluster(num_gpus=8))
+    task = TaskSpec(name="t", modalities=("image", "text"), batch=32, images_per_sample=2, text_tokens=96)
+    plan = search(vlm.llm, make_cluster(num_gpus=8), Workload(global_batch=32, seq_len=task.llm_seq_len(vlm)),
+                  SearchOptions(pp=4, schedules=("1f1b",), allow_offload=False, allow_ulysses=False))
+    res = optimus_schedule(pricer, task, plan)
+    enc = [p for p in res.pieces if p.kind in ("EF", "EB")]
+    work = sum(p.end - p.start for p in enc)
+    assert work == pytest.approx(plan.pipeline.degree * (res.encoder.fwd_s + res.encoder.bwd_s), rel=1e-6)
+    stage0 = {(p.kind, p.micro_batch): p for p in res.pieces if p.rank == 0 and p.kind in ("F", "B")}
+    for p in enc:  # forward pieces before their micro-batch's LLM forward, backward after its backward
+        if p.kind == "EF":
+            assert p.end <= stage0["F", p.micro_batch].start + 1e-9
+        else:
+            assert p.start >= stage0["B", p.micro_batch].end - 1e-9
+    assert res.step_s >= res.pipeline_s
+
+
+def test_bad_input_answers_in_one_line(tmp_path, tiny):
+    vlm, tasks, pricer = tiny
+    f = tmp_path / "tasks.yaml"
+    f.write_text("tasks:\n  - {name: speech, modalities: [audio, text], batch: 4, text_tokens: 8}\n")
+    with pytest.raises(TesseraError, match="task 'speech': unknown modality 'audio'; known: image, text"):
+        load_tasks(f)
+    f.write_text("tasks:\n  - {name: t, modalities: [text], batch: 4, text_tokens: 8, parts: [llm, audio_encoder]}\n")
+    with pytest.raises(TesseraError, match="task 't': unknown model part 'audio_encoder'"):
+        load_tasks(f)
+    wrong = parse_tasks({"tasks": [{"name": "c", "modalities": ["image", "text"], "batch": 4,
+                                    "images_per_sample": 1, "text_tokens": 8, "image_size": 64}]})
+    with pytest.raises(TesseraError, match="task 'c': images are 64 px but tiny-vlm's encoder takes 32 px"):
+        plan_spindle(pricer, wrong, 16)
+    big = resolve_vlm("llava-1.5-7b")
+    task = TaskSpec(name="c", modalities=("image", "text"), batch=8, images_per_sample=1, text_tokens=64)
+    with pytest.raises(TesseraError, match="encoder placement on 1 of 2 GPUs does not fit"):
+        plan_vlm_task(PartPricer(big, make_cluster(gpu="a100-40gb", num_gpus=2)), task, 2, encoder_gpus=1)
+
+
+def test_cli_plans_tasks_and_shows_waves(tmp_path, capsys):
+    from tessera.cli import main
+    tasks = tmp_path / "tasks.yaml"
+    tasks.write_text("tasks:\n"
+                     "  - {name: caption, modalities: [image, text], batch: 16, images_per_sample: 1, text_tokens: 16}\n"
+                     "  - {name: text, modalities: [text], batch: 16, text_tokens: 128}\n")
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "tiny-vlm", "--gpus", "16", "--tasks", str(tasks), "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "Spindle waves" in text and "wave 1:" in text
+    # Every plan kind priced, the fastest chosen and said why.
+    import json
+    record = json.loads(out.read_text())
+    steps = {k["kind"]: k["step_s"] for k in record["kinds"]}
+    assert set(steps) == {"Spindle waves", "tasks one after another"}
+    assert record["chosen"]["step_s"] == min(steps.values()) and record["chosen"]["kind"] in text
+    assert f"chosen: {record['chosen']['kind']}" in text and "fastest of the 2 plan kinds" in text
+    assert main(["show", str(out)]) == 0
+    assert (tmp_path / "plan-waves.svg").is_file()
+    tasks.write_text("tasks:\n  - {name: s, modalities: [audio], batch: 4, text_tokens: 8}\n")
+    assert main(["plan", "--model", "tiny-vlm", "--gpus", "16", "--tasks", str(tasks)]) != 0
+    assert "unknown modality 'audio'" in capsys.readouterr().err
+
+
+def test_spindle_keeps_every_device_within_memory():
+    from tessera.adapt.spindle import device_memory
+    from tessera.cost.memory import memory_budget
+    from tessera.search.multimodal import LEAN_OPTIONS
+    vlm = resolve_vlm("tiny-vlm")
+    tasks = parse_tasks({"tasks": [
+        {"name": "caption", "modalities": ["image", "text"], "batch": 16, "images_per_sample": 1, "text_tokens": 16},
+        {"name": "text", "modalities": ["text"], "batch": 16, "text_tokens": 128},
+        {"name": "interleaved", "modalities": ["image", "text"], "batch": 8, "images_per_sample": 2,
+         "text_tokens": 64}]})
+    base = make_cluster(num_gpus=16)
+    roomy = plan_spindle(PartPricer(vlm, base), tasks, 16)
+    assert not roomy.memory_bound and roomy.peak_bytes <= roomy.usable_bytes
+    # 2.5 GiB devices (2 GiB of them the framework's reserve): each operator's plan still fits its
+    # group, the fastest schedule (the one above) overflows a device, a slower one fits.
+    small = base.model_copy(update={"device": base.device.model_copy(update={"memory_bytes": 2.5 * 2**30})})
+    pricer = PartPricer(vlm, small)
+    plan = plan_spindle(pricer, tasks, 16)
+    assert plan.memory_bound and plan.step_s > roomy.step_s
+    by_name = {t.name: t for t in tasks.tasks}
+    costs = {(o, g, v): (pricer.encoder if op.part == "vision_encoder" else pricer.llm)(
+                 by_name[op.task], g, LEAN_OPTIONS if v == "lean" else None)
+             for o, op in enumerate(plan.ops) for g in (1, 2, 4, 8, 16) for v in ("fastest", "lean")}
+    assert device_memory(plan.ops, plan.waves, costs, 16).max() <= memory_budget(small)
+    assert device_memory(roomy.ops, roomy.waves, costs, 16).max() > memory_budget(small)
+    assert "the fastest schedule did not fit: the fastest that fits" in "\n".join(plan.describe())
+    tiny_dev = base.model_copy(update={"device": base.device.model_copy(update={"memory_bytes": 2.2 * 2**30})})
+    with pytest.raises(TesseraError, match="no wave schedule of the 5 operators fits in device memory on 16 GPUs"):
+        plan_spindle(PartPricer(vlm, tiny_dev), tasks, 16)
+
+
+def test_extra_stage_split_is_the_best_that_fits_in_memory():
+    from tessera.adapt.optimus import _min_max_split, _stage_memory_check
+    rng = np.random.default_rng(3)
+    checked = binding = 0
+    for _ in range(30):
+        L, pp, m = 9, 3, 4
+        weights = list(rng.uniform(0.5, 2.0, L))
+        memory = [(float(rng.uniform(1, 3)), float(rng.uniform(0.2, 1)), float(rng.uniform(0, 0.5))) for _ in range(L)]
+        budget = float(rng.uniform(8, 16))
+        fits = _stage_memory_check(memory, pp, m, budget)
+        # by hand: rank r holds min(pp - r, m) micro-batches of activations
+        assert fits.allocated(1, 2, 5) == pytest.approx(sum(x[0] for x in memory[2:5]) + 2 * sum(x[1] for x in memory[2:5])
+                                                        + max(x[2] for x in memory[2:5]))
+        best = math.inf
+        for cut in itertools.combinations(range(1, L), pp - 1):
+            split = list(zip((0,) + cut, cut + (L,)))
+            if all(fits(r, s, e) for r, (s, e) in enumerate(split)):
+                best = min(best, max(sum(weights[s:e]) for s, e in split))
+        got = _min_max_split(weights, pp, fits)
+        if not math.isfinite(best):
+            assert got is None
+            continue
+        assert len(got) == pp and got[0][0] == 0 and got[-1][1] == L
+        assert all(a[1] == b[0] for a, b in zip(got, got[1:]))
+        assert all(fits(r, s, e) for r, (s, e) in enumerate(got))
+        assert max(sum(weights[s:e]) for s, e in got) == pytest.approx(best, rel=1e-9)
+        checked += 1
+        free = max(sum(weights[s:e]) for s, e in _min_max_split(weights, pp))
+        binding += best > free * (1 + 1e-9)
+    assert checked >= 10 and binding >= 3
+
+
+def test_optimus_prices_whole_images_per_rank_and_the_baseline_checks_memory():
+    from tessera.adapt.optimus import extra_stage_baseline
+    from tessera.cost.evaluate import usable_memory
+    from tessera.search.planner import search
+    from tessera.search.space import SearchOptions
+    from tessera.spec.workload import Workload
+    vlm = resolve_vlm("tiny-vlm")
+    cluster = make_cluster(num_gpus=8)
+    pricer = PartPricer(vlm, cluster)
+    # 6 samples of one image: 2 micro-batches of 3 images over 4 pipeline ranks. Whole images: the
+    # fullest rank group takes 1 image of each micro-batch, 2 in all (8 image slots for 6 images).
+    task = TaskSpec(name="t", modalities=("image", "text"), batch=6, images_per_sample=1, text_tokens=96)
+    plan = search(vlm.llm, cluster, Workload(global_batch=6, seq_len=task.llm_seq_len(vlm)),
+                  SearchOptions(pp=4, schedules=("1f1b",), allow_offload=False, allow_ulysses=False))
+    m = plan.num_micro_batches
+    res = optimus_schedule(pricer, task, plan)
+    assert res.encoder.samples == m * math.ceil(6 / (m * 4))
+    work = sum(p.end - p.start for p in res.pieces if p.kind in ("EF", "EB"))
+    assert work == pytest.approx(4 * (res.encoder.fwd_s + res.encoder.bwd_s), rel=1e-6)
+    base = extra_stage_baseline(pricer, task, plan)
+    assert 0 < base.peak_bytes <= usable_memory(cluster)
+
+
+def test_one_task_picks_the_fastest_plan_kind():
+    from tessera.adapt.optimus import compare
+    from tessera.adapt.vlm_choice import choose
+    from tessera.spec.tasks import MultiTaskWorkload
+    vlm = resolve_vlm("tiny-vlm")
+    pricer = PartPricer(vlm, make_cluster(num_gpus=16))
+    task = TaskSpec(name="t", modalities=("image", "text"), batch=16, images_per_sample=2, text_tokens=64)
+    choice = choose(pricer, MultiTaskWorkload(tasks=(task,)), 16, degrees=(2, 4))
+    by_kind = {k.kind: k.step_s for k in choice.kinds}
+    flat = plan_vlm_task(pricer, task, 16)
+    opt, base = compare(pricer, task, 16, (2, 4))
+    # compare skips pipeline plans whose LLM step alone is no faster than its best Optimus step:
+    # the best is still the best over every plan.
+    from tessera.adapt.optimus import llm_pipeline_plans
+    plans = llm_pipeline_plans(pricer, task, 16, (2, 4))
+    assert len(plans) == 2
+    assert opt.step_s == min(optimus_schedule(pricer, task, p).step_s for p in plans)
+    assert by_kind == {f"no pipeline ({flat.placement})": flat.step_s, "Optimus": opt.step_s,
+                       "encoder as extra pipeline stages": base.step_s}
+    assert choice.best.step_s == min(by_kind.values())
+    assert choice.why().startswith(f"{choice.best.kind} is the fastest of the 3 plan kinds priced")
+    forced = choose(pricer, MultiTaskWorkload(tasks=(task,)), 16, encoder_gpus=16)
+    assert [k.kind for k in forced.kinds] == ["no pipeline (colocated)"]
+    assert forced.skipped == (("pipeline kinds", "--encoder-gpus 16 fixes the placement"),)
