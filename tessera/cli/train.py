@@ -225,8 +225,15 @@ def _plan_for_machine(config, machine, world: int, local_world: int, under: bool
     from ..spec.workload import Workload
 
     name = config.model.init_from or config.model.name
-    model = _model_spec(name)
-    batch, seq = default_shape(model.num_params, model.config.max_seq_len if model.config else None)
+    vlm = _vlm_config(config)
+    if vlm is not None:  # the LLM's plan; the encoder runs data parallel beside it (runtime/multimodal.py)
+        from ..spec.model import ModelSpec
+
+        name, model = vlm.llm.name, ModelSpec.from_config(vlm.llm)
+        batch, seq = 16, -(-(vlm.image_tokens + 48) // 16) * 16  # an image and a caption per row
+    else:
+        model = _model_spec(name)
+        batch, seq = default_shape(model.num_params, model.config.max_seq_len if model.config else None)
     workload = Workload(global_batch=config.data.global_batch or batch, seq_len=config.data.seq_len or seq,
                         dtype=machine.default_dtype)
     target = cluster_for_this_machine(config.plan.cluster, machine, world, local_world, model, under)
@@ -244,11 +251,27 @@ def _plan_for_machine(config, machine, world: int, local_world: int, under: bool
     return make_local_plan(name, world, workload, cluster=target.cluster, model=model, ep=config.plan.ep), target.note
 
 
+def _vlm_config(config):
+    """The `VLMConfig` when the run's model is a vision-language model (a preset or a llava /
+    qwen2_vl config.json), else None."""
+    from ..spec.multimodal import is_vlm, resolve_vlm_config
+
+    name = config.model.name
+    if name is None or config.model.init_from is not None or not is_vlm(name):
+        return None
+    return resolve_vlm_config(name)
+
+
 def _check_inputs(config) -> None:
     """What the run reads, before anything is planned or started: the data, the checkpoint to
     resume, and a Hugging Face directory (its shards, tokenizer and the data it tokenizes)."""
     data, init_from = config.data.path, config.model.init_from
-    if data is not None and not (Path(data).is_dir() or (init_from and Path(data).is_file())):
+    if _vlm_config(config) is not None:
+        if data is not None:
+            from ..runtime.image_data import load_image_text
+
+            load_image_text(data)  # one sentence if it is not image-text data
+    elif data is not None and not (Path(data).is_dir() or (init_from and Path(data).is_file())):
         raise TesseraError(f"data directory {data} does not exist")
     resume = config.checkpoint.resume
     if resume not in (None, "auto") and not Path(resume).exists():
@@ -382,8 +405,14 @@ def _train_here(job: Job) -> int:
     if rank0:
         _write_records(job)
     progress = make_log(job.config.log.progress, job.config.train.steps) if rank0 else None
-    trainer = Trainer(train_config(job), on_step=progress.update if progress else None,
-                      on_event=progress.event if progress else None)
+    callbacks = dict(on_step=progress.update if progress else None, on_event=progress.event if progress else None)
+    vlm = _vlm_config(job.config)
+    if vlm is not None:
+        from ..runtime.multimodal import MultimodalTrainer
+
+        trainer = MultimodalTrainer(train_config(job), vlm, **callbacks)
+    else:
+        trainer = Trainer(train_config(job), **callbacks)
     try:
         if progress:
             layers = job.plan.layers[1].describe() if len(job.plan.layers) > 1 else job.plan.layers[0].describe()

@@ -220,11 +220,16 @@ def _bucketed_attention(q, k, v, buckets: DocumentBuckets, gqa: bool) -> torch.T
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           docs: Documents | torch.Tensor | None = None) -> torch.Tensor:
+           docs: Documents | torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
     """Document-causal attention on (B, H, S, D) queries and (B, Hkv, S, D) keys/values
     (Hkv divides H: grouped-query attention); plain causal when `docs` is None. See the module
-    docstring for the kernel chosen."""
+    docstring for the kernel chosen. `causal=False`: every token sees every token of its row
+    (a vision encoder's patches; no documents)."""
     gqa = q.shape[1] != k.shape[1]
+    if not causal:
+        if docs is not None:
+            raise ValueError("bidirectional attention takes no doc_ids (one image or sequence per row)")
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
     docs = Documents.of(docs)
     if docs is not None and tuple(docs.shape) != (q.shape[0], q.shape[2]):
         raise ValueError(f"doc_ids {tuple(docs.shape)} do not match the attention's (batch, seq) "

@@ -86,7 +86,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.steps < 0:
             raise TesseraError(f"steps must be >= 0, got {self.steps}")
-        if self.data is not None and not Path(self.data).exists():
+        generated = self.data is not None and self.data.split(":")[0] == "synthetic-shapes"  # image_data.py
+        if self.data is not None and not generated and not Path(self.data).exists():
             raise TesseraError(f"data directory {self.data} does not exist")
         if self.init_from is not None:
             from ..models.hf_load import hf_model_config, same_architecture
@@ -361,6 +362,12 @@ class Trainer:
         (B, S), see `Transformer.forward`."""
         return float(self.run_step(tokens, labels, positions, doc_ids))
 
+    def run_batch(self, batch) -> torch.Tensor:
+        """`run_step` on a loader's batch (a multimodal trainer's batches carry images too)."""
+        packed = getattr(batch, "packed", False)
+        return self.run_step(batch.tokens, batch.labels, batch.positions if packed else None,
+                             batch.doc_ids if packed else None, getattr(batch, "num_targets", None))
+
     def run_step(self, tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None,
                  doc_ids: torch.Tensor | None = None, num_targets: int | None = None) -> torch.Tensor:
         """`train_step` queued on the device without waiting for it: the global batch's mean loss
@@ -503,6 +510,8 @@ class Trainer:
         module = self.parallel.module if self.parallel is not None else None
         if module is None or not hasattr(module, "reducer") or self.world_size == 1 or self.placer is not None:
             return
+        if type(self).compute_gradients is not Trainer.compute_gradients:  # a trainer with its own step's inputs
+            return
         w = self.plan.workload
         rows = self.data_rows()
         count = rows.stop - rows.start if rows is not None else w.global_batch // self.data_size
@@ -519,15 +528,13 @@ class Trainer:
             self.timer.start()
             with self.timer.data():
                 batch = next(self.data_iter)
-            packed = getattr(batch, "packed", False)
             self._rank_times_s = getattr(batch, "rank_times_s", None)
             clock.start()
             self.timer.compute_starts(self.step + 1)
             if self.adaptive is not None:
                 loss = self.adaptive_step(batch)
             else:
-                loss = self.run_step(batch.tokens, batch.labels, batch.positions if packed else None,
-                                     batch.doc_ids if packed else None, getattr(batch, "num_targets", None))
+                loss = self.run_batch(batch)
             self.step += 1
             span = clock.stop()
             times = self.timer.stop(self.step)
