@@ -46,6 +46,7 @@ def test_llava_config_json(tmp_path):
     assert (c.vision.hidden, c.vision.num_layers, c.vision.act, c.vision.channels) == (64, 3, "quick_gelu", 3)
     assert c.encoder_layers_run == 2 and c.image_tokens == 16 and c.vision.seq_len == 17
     assert (c.llm.hidden, c.llm.num_layers, c.llm.vocab_size, c.projector_hidden) == (128, 2, 1000, 128)
+    assert c.image_token == 999
     spec = VLMSpec.from_config(c)
     assert sum(layer.kind == LayerKind.ENCODER for layer in spec.layers) == 2
     # A partial text_config (as llava-1.5-7b-hf ships) takes LlamaConfig's defaults.
@@ -62,7 +63,9 @@ def test_qwen2_vl_config_json(tmp_path):
                            "hidden_size": 128, "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2}}
     (tmp_path / "config.json").write_text(json.dumps(d))
     c = resolve_vlm_config(str(tmp_path / "config.json"))
+    assert c.image_token_id is None and c.image_token == 999  # no id given: the last of the vocabulary
     assert c.family == "qwen2_vl" and c.llm.family == "qwen2" and c.llm.qkv_bias
+    assert hf_dict_to_vlm_config({**d, "image_token_id": 997}).image_token == 997
     assert c.projector.merge == 2 and c.projector_in == 256 and c.vision.patch_dim == 3 * 2 * 16
     assert c.image_tokens == (448 // 4) ** 2 // 4
 
@@ -76,5 +79,20 @@ def test_bad_vlm_configs_answer_in_one_line():
     d["vision_config"]["image_size"] = 30
     with pytest.raises(TesseraError, match="image_size=30 is not divisible by patch_size=8"):
         hf_dict_to_vlm_config(d)
+    d = _tiny_llava()
+    d["image_token_index"] = 1000
+    with pytest.raises(TesseraError, match="image_token_index=1000 is not a token id of the LLM's vocabulary of 1000"):
+        hf_dict_to_vlm_config(d)
     with pytest.raises(TesseraError, match="unknown multimodal model 'nope'"):
         resolve_vlm_config("nope")
+
+
+def test_image_token_id_of_the_example_llava_config():
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples/tiny-llava/config.json"
+    c = resolve_vlm_config(str(example))
+    assert c.image_token_id == json.loads(example.read_text())["image_token_index"] == 319
+    d = _tiny_llava()
+    d["image_token_index"] = 300
+    assert hf_dict_to_vlm_config(d).image_token == 300

@@ -298,9 +298,9 @@ def test_spindle_keeps_every_device_within_memory():
     base = make_cluster(num_gpus=16)
     roomy = plan_spindle(PartPricer(vlm, base), tasks, 16)
     assert not roomy.memory_bound and roomy.peak_bytes <= roomy.usable_bytes
-    # 2.5 GiB devices (2 GiB of them the framework's reserve): each operator's plan still fits its
+    # 2.14 GiB devices (2 GiB of them the framework's reserve): each operator's plan still fits its
     # group, the fastest schedule (the one above) overflows a device, a slower one fits.
-    small = base.model_copy(update={"device": base.device.model_copy(update={"memory_bytes": 2.5 * 2**30})})
+    small = base.model_copy(update={"device": base.device.model_copy(update={"memory_bytes": 2.14 * 2**30})})
     pricer = PartPricer(vlm, small)
     plan = plan_spindle(pricer, tasks, 16)
     assert plan.memory_bound and plan.step_s > roomy.step_s
@@ -311,7 +311,7 @@ def test_spindle_keeps_every_device_within_memory():
     assert device_memory(plan.ops, plan.waves, costs, 16).max() <= memory_budget(small)
     assert device_memory(roomy.ops, roomy.waves, costs, 16).max() > memory_budget(small)
     assert "the fastest schedule did not fit: the fastest that fits" in "\n".join(plan.describe())
-    tiny_dev = base.model_copy(update={"device": base.device.model_copy(update={"memory_bytes": 2.2 * 2**30})})
+    tiny_dev = base.model_copy(update={"device": base.device.model_copy(update={"memory_bytes": 2.11 * 2**30})})
     with pytest.raises(TesseraError, match="no wave schedule of the 5 operators fits in device memory on 16 GPUs"):
         plan_spindle(PartPricer(vlm, tiny_dev), tasks, 16)
 

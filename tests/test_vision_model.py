@@ -26,8 +26,34 @@ def test_modules_have_the_parameters_the_planner_counts(name):
     vision = sum(p.numel() for p in encoder.vision.parameters())
     projector = sum(p.numel() for p in encoder.projector.parameters())
     assert projector == spec.projector.params
-    if config.vision.family != "intern_vit":  # InternViT's q/k norms are counted per head by the spec
-        assert vision == spec.encoder.num_params
+    assert vision == spec.encoder.num_params
+    if config.llm.hidden <= 1024:  # the whole model, tiny presets
+        model = build_vlm(config, device="meta")
+        assert sum(p.numel() for p in model.llm.parameters()) == spec.llm.num_params
+        assert sum(p.numel() for p in model.parameters()) == spec.num_params
+
+
+def test_intern_vit_6b_has_the_public_architecture_s_parameters():
+    """InternViT-6B-448px-V1-5: 45 blocks of width 3200 (25 heads, MLP 12800), q/k/v without bias and
+    the output projection with one, RMS norms of q and k over all 3200 features, two layer-scale
+    vectors; a 14 px patch conv with bias, a class token and 1,025 learned positions."""
+    h, f = 3200, 12800
+    block = 3 * h * h + (h * h + h) + (h * f + f) + (f * h + h) + 2 * h + 2 * h + 2 * h
+    embeddings = 3 * 14 * 14 * h + h + h + 1025 * h
+    want = embeddings + 45 * block
+    assert want == 5_536_496_000
+    config = VLM_CONFIGS["vit6b-llama3-70b"]
+    encoder = build_image_encoder(config, device="meta")
+    assert sum(p.numel() for p in encoder.vision.parameters()) == VLMSpec.from_config(config).encoder.num_params == want
+    assert encoder.vision.layers["0"].attention.q_norm.weight.shape == (h,)
+
+
+def test_tiny_presets_have_a_small_vocabulary_with_a_spare_image_id():
+    for name in ("tiny-vlm", "tiny-qwen2-vl"):
+        config = VLM_CONFIGS[name]
+        assert config.llm.vocab_size == 320 and config.image_token == 319  # bytes, end-of-text 256, image 319
+        batch = next(ImageTextLoader(load_image_text("synthetic-shapes:8"), config, seq_len=64, global_batch=2))
+        assert int(batch.tokens.max()) == 319 and int(batch.labels.max()) <= 256
 
 
 def test_patch_linear_is_the_strided_convolution():
@@ -91,6 +117,21 @@ def test_sequences_hold_image_placeholders_then_caption_with_text_labels_only():
     # Rows and image rows are chosen apart (a rank's text block and the images it encodes).
     part = loader.batch_at(0, rows=slice(2, 4), image_rows=[3, 0])
     assert torch.equal(part.tokens, batch.tokens[2:]) and torch.equal(part.images, batch.images[[3, 0]])
+
+
+def test_a_given_image_token_id_is_what_the_data_and_the_model_use():
+    """HF's image_token_index (here 257, not the last id) marks the images in the data and in the splice."""
+    vlm = VLM.model_copy(update=dict(image_token_id=257))
+    batch = next(ImageTextLoader(load_image_text("synthetic-shapes:8"), vlm, seq_len=48, global_batch=2))
+    p = vlm.image_tokens
+    assert (batch.tokens[:, :p] == 257).all() and not (batch.tokens == LLM.vocab_size - 1).any()
+    model = build_vlm(vlm, seed=0)
+    assert model.splice.image_token_id == 257
+    model(batch.tokens, batch.images).sum().backward()
+    assert float(model.llm.tok_embeddings.weight.grad[257].abs().sum()) == 0.0  # replaced by the images
+    with pytest.raises(TesseraError, match="byte-level captions need ids 0..256 apart from the image token"):
+        ImageTextLoader(load_image_text("synthetic-shapes:8"), VLM.model_copy(update=dict(image_token_id=10)),
+                        seq_len=48, global_batch=2)
 
 
 def test_image_files_and_bad_images(tmp_path):
@@ -168,3 +209,19 @@ def test_spindle_planner_waves_are_a_schedule_the_runtime_runs():
     with pytest.raises(TesseraError, match="caption/llm runs before its task.s vision encoder"):
         check_waves([[op for op in wave if op.part != "vision_encoder"] for wave in waves if
                      any(op.part != "vision_encoder" for op in wave)], tasks, 4)
+
+
+def test_train_takes_the_encoder_strategy_from_the_planner():
+    """`tessera train` of a VLM: the planner's colocated plan when it is the choice; otherwise the best
+    colocated plan the runtime runs, said in one line (both with the encoder and LLM plans)."""
+    from tessera.cli.train_vlm import plan_vlm
+    from tessera.spec.model import ModelSpec
+    from tessera.spec.presets.clusters import local_cpu_cluster
+    from tessera.spec.workload import Workload
+
+    config = VLM_CONFIGS["tiny-vlm"]
+    llm = ModelSpec.from_config(config.llm)
+    got = plan_vlm(config, llm, 2, Workload(global_batch=16, seq_len=64, dtype="fp32"), local_cpu_cluster(2))
+    assert got.plan.pipeline.degree == 1 and got.plan.model.config == config.llm and got.encoder["dp"] == 2
+    assert got.lines[0].startswith("encoder plan") and got.lines[1].startswith("LLM plan")
+    assert got.lines[2].startswith("chosen: no pipeline (colocated)")

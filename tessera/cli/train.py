@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import TesseraError
@@ -103,6 +103,8 @@ class Job:
     paths: object  # RunPaths
     world: int
     note: str  # where the plan's figures come from
+    encoder: dict | None = None  # a VLM's encoder strategy (cli/train_vlm.py); None: the runtime's default
+    plan_lines: list = field(default_factory=list)  # what the VLM planner chose, to print
 
 
 def run(args) -> int:
@@ -162,14 +164,20 @@ def prepare(config, sources=None) -> Job:
     check_search_size(global_batch=config.data.global_batch)
     machine = this_machine()
     _check_inputs(config)  # before planning, which may measure this machine
+    encoder, plan_lines = None, []
     if os.environ.get(LAUNCHED_PLAN):
+        from .train_vlm import launched_encoder
+
         plan, note = Plan.load(os.environ[LAUNCHED_PLAN]), "the launcher's plan"
+        encoder = launched_encoder()
     elif config.plan.file:
         plan, note = Plan.load(config.plan.file), f"plan {config.plan.file}"
         if sources is not None:
             check_plan_agrees(config, sources, plan)
     else:
         plan, note = _plan_for_machine(config, machine, world, local_world, under)
+        if hasattr(plan, "encoder"):  # a VLM: the LLM's plan and the encoder's strategy
+            plan, encoder, plan_lines = plan.plan, plan.encoder, plan.lines
     if config.plan.adaptive:
         from ..runtime.adaptive import check_adaptive_plan
 
@@ -199,7 +207,7 @@ def prepare(config, sources=None) -> Job:
     if config.plan.file:  # a given plan is the run's copy of it; a searched one is searched again
         resolved.update({"plan.file": str(paths.plan), "model.name": plan.model.name})
     config = config.replace(**resolved)
-    return Job(config=config, plan=plan, paths=paths, world=world, note=note)
+    return Job(config=config, plan=plan, paths=paths, world=world, note=note, encoder=encoder, plan_lines=plan_lines)
 
 
 def _check_restartable(config) -> None:
@@ -226,7 +234,7 @@ def _plan_for_machine(config, machine, world: int, local_world: int, under: bool
 
     name = config.model.init_from or config.model.name
     vlm = _vlm_config(config)
-    if vlm is not None:  # the LLM's plan; the encoder runs data parallel beside it (runtime/multimodal.py)
+    if vlm is not None:  # the LLM's plan; the encoder's strategy comes with it (plan_vlm)
         from ..spec.model import ModelSpec
 
         name, model = vlm.llm.name, ModelSpec.from_config(vlm.llm)
@@ -248,6 +256,10 @@ def _plan_for_machine(config, machine, world: int, local_world: int, under: bool
         model = apply_model_profile(model, profile)
     if config.plan.adaptive:
         return make_replicated_plan(name, world, workload, cluster=target.cluster, model=model), target.note
+    if vlm is not None:
+        from .train_vlm import plan_vlm
+
+        return plan_vlm(vlm, model, world, workload, target.cluster), target.note
     return make_local_plan(name, world, workload, cluster=target.cluster, model=model, ep=config.plan.ep), target.note
 
 
@@ -330,13 +342,17 @@ def _write_records(job: Job) -> None:
               f"Rerun it with: tessera train --config {job.paths.config}")
     write_text_atomic(job.paths.config, to_toml(job.config, header))
     write_text_atomic(job.paths.plan, job.plan.to_json() + "\n")
+    if job.encoder is not None:
+        from .train_vlm import write_encoder
+
+        write_encoder(job.encoder, job.paths.dir)
 
 
 def _headline(job: Job) -> str:
     p = job.plan.prediction
     pred = f": predicted {p.step_time_s:.2f} s/step, MFU {100 * p.mfu:.1f}%" if p else ""
     return (f"run {job.paths.run_id} in {job.paths.dir}\nplan '{job.plan.name}' for {job.world} "
-            f"rank{'s' * (job.world > 1)} on {job.note}{pred}")
+            f"rank{'s' * (job.world > 1)} on {job.note}{pred}" + "".join(f"\n{line}" for line in job.plan_lines))
 
 
 def _launch(job: Job) -> int:
@@ -346,6 +362,10 @@ def _launch(job: Job) -> int:
 
     _write_records(job)
     os.environ[LAUNCHED_PLAN] = str(job.paths.plan)  # the ranks inherit it
+    if job.encoder is not None:
+        from .train_vlm import ENCODER_FILE, LAUNCHED_ENCODER
+
+        os.environ[LAUNCHED_ENCODER] = str(job.paths.dir / ENCODER_FILE)
     nproc, c = job.config.plan.nproc or 1, job.config
     nodes = f" on this node of {c.plan.nnodes}" if c.plan.nnodes > 1 else ""
     print(_headline(job) + f"\nlaunching {nproc} processes{nodes} (restarts: {c.recovery.max_restarts})", flush=True)
@@ -410,7 +430,9 @@ def _train_here(job: Job) -> int:
     if vlm is not None:
         from ..runtime.multimodal import MultimodalTrainer
 
-        trainer = MultimodalTrainer(train_config(job), vlm, **callbacks)
+        from .train_vlm import encoder_strategy
+
+        trainer = MultimodalTrainer(train_config(job), vlm, encoder=encoder_strategy(job.encoder), **callbacks)
     else:
         trainer = Trainer(train_config(job), **callbacks)
     try:

@@ -48,10 +48,9 @@ LAYER_SCALE_INIT = 0.1
 
 
 def image_token_id(config) -> int:
-    """The placeholder id of an image token: the config's `image_token_id` when it has one (Hugging
-    Face's `image_token_index` / `image_token_id`), else the last id of the LLM's vocabulary."""
-    given = getattr(config, "image_token_id", None)
-    return int(given) if given is not None else config.llm.vocab_size - 1
+    """The placeholder id of an image token: `VLMConfig.image_token` (the config's `image_token_id`,
+    Hugging Face's `image_token_index` / `image_token_id`, else the last id of the LLM's vocabulary)."""
+    return config.image_token
 
 
 def patchify(images: torch.Tensor, patch: int) -> torch.Tensor:
@@ -101,17 +100,17 @@ class EncoderAttention(nn.Module):
         self.wk = nn.Linear(v.hidden, v.hidden, bias=v.qkv_bias)
         self.wv = nn.Linear(v.hidden, v.hidden, bias=v.qkv_bias)
         self.wo = nn.Linear(v.hidden, v.hidden, bias=v.linear_bias)
-        if v.qk_norm:
-            self.q_norm = _norm(v.norm, v.head_dim, v.norm_eps)
-            self.k_norm = _norm(v.norm, v.head_dim, v.norm_eps)
+        if v.qk_norm:  # InternViT: over the whole query / key vector (all heads), not per head
+            self.q_norm = _norm(v.norm, v.hidden, v.norm_eps)
+            self.k_norm = _norm(v.norm, v.hidden, v.norm_eps)
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, -1, self.head_dim)
-        k = self.wk(x).view(b, s, -1, self.head_dim)
-        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k = self.wq(x), self.wk(x)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.view(b, s, -1, self.head_dim), k.view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
         if freqs is not None:
             q, k = apply_rope(q, freqs), apply_rope(k, freqs)
         out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=False)

@@ -96,8 +96,10 @@ class PartPricer:
     """Prices (part, devices, samples, sequence length) with the search, cached."""
 
     def __init__(self, vlm: VLMSpec, cluster: ClusterSpec, options: SearchOptions = FAST_OPTIONS,
-                 dtype: str = "bf16"):
+                 dtype: str = "bf16", encoder_options: SearchOptions | None = None):
+        """`encoder_options`: the encoder's search space when it differs from the LLM's (`options`)."""
         self.vlm, self.cluster, self.options, self.dtype = vlm, cluster, options, dtype
+        self.encoder_options = encoder_options
         self._cache: dict[tuple, PartCost] = {}
         self._models = {"vision_encoder": vlm.encoder_and_projector(), "llm": vlm.llm}
         self.searches = 0
@@ -140,7 +142,8 @@ class PartPricer:
 
     # --- the parts of one task -------------------------------------------------------------
     def encoder(self, task: TaskSpec, gpus: int, options: SearchOptions | None = None) -> PartCost:
-        return self.cost("vision_encoder", gpus, task.images(), self.vlm.encoder_seq_len, options)
+        return self.cost("vision_encoder", gpus, task.images(), self.vlm.encoder_seq_len,
+                         options or self.encoder_options)
 
     def llm(self, task: TaskSpec, gpus: int, options: SearchOptions | None = None) -> PartCost:
         return self.cost("llm", gpus, task.batch, task.llm_seq_len(self.vlm), options)

@@ -3,13 +3,14 @@
 Two families, keys as `transformers` writes them:
   - "llava" (`LlavaConfig`): `vision_config` (a `clip_vision_model` or `siglip_vision_model`),
     `text_config` (any decoder `hf_config` reads), `projector_hidden_act`, `vision_feature_layer`,
-    `vision_feature_select_strategy`, `multimodal_projector_bias`. Released files leave out the
+    `vision_feature_select_strategy`, `multimodal_projector_bias`, `image_token_index` (the image
+    placeholder id; `image_token_id` in newer files). Released files leave out the
     fields equal to the config classes' defaults (llava-1.5-7b-hf's `text_config` names only
     `vocab_size` and a few others), so those defaults are filled in here: LlamaConfig's for the text
     model, CLIPVisionConfig's / SiglipVisionConfig's for the encoder.
   - "qwen2_vl" (`Qwen2VLConfig`): the LLM's fields at the top level (transformers < 4.52) or under
     `text_config`; `vision_config` with `depth`, `embed_dim`, `mlp_ratio`, `num_heads`, `in_chans`,
-    `patch_size`, `spatial_merge_size`, `temporal_patch_size`. Qwen2-VL takes images at any
+    `patch_size`, `spatial_merge_size`, `temporal_patch_size`; `image_token_id` at the top level. Qwen2-VL takes images at any
     resolution; the planner prices a fixed `image_size` (default 448 px).
 """
 from __future__ import annotations
@@ -117,7 +118,8 @@ def _llava(d: dict, name: str, source: str) -> VLMConfig:
                                                           "projector_hidden_act", source),
                                 bias=bool(d.get("multimodal_projector_bias", True)))
     return VLMConfig(name=name, family="llava", vision=vision, projector=projector, llm=llm,
-                     feature_layer=layer, feature_select=select)
+                     feature_layer=layer, feature_select=select,
+                     image_token_id=_token_id(d, ("image_token_index", "image_token_id"), llm.vocab_size, source))
 
 
 def _qwen2_vl(d: dict, name: str, source: str, image_size: int) -> VLMConfig:
@@ -142,4 +144,17 @@ def _qwen2_vl(d: dict, name: str, source: str, image_size: int) -> VLMConfig:
     text.pop("rope_parameters", None) if (text.get("rope_parameters") or {}).get("rope_type") == "mrope" else None
     llm = hf_dict_to_config(text, name=f"{name}-llm", source=f"{source} (text model)")
     projector = ProjectorConfig(merge=merge, norm=True, layers=2, hidden=embed * merge ** 2, act="gelu")
-    return VLMConfig(name=name, family="qwen2_vl", vision=vision, projector=projector, llm=llm)
+    return VLMConfig(name=name, family="qwen2_vl", vision=vision, projector=projector, llm=llm,
+                     image_token_id=_token_id(d, ("image_token_id",), llm.vocab_size, source))
+
+
+def _token_id(d: dict, keys: tuple[str, ...], vocab_size: int, source: str) -> int | None:
+    """The image placeholder id under the first of `keys` present (None: the runtime's default)."""
+    for key in keys:
+        value = d.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size:
+            raise TesseraError(f"{source}: {key}={value!r} is not a token id of the LLM's vocabulary of {vocab_size}")
+        return value
+    return None

@@ -117,10 +117,16 @@ class VLMConfig(Frozen):
     feature_layer: int = -1
     # "default": the class token is dropped before the projector (LLaVA); "full": kept.
     feature_select: Literal["default", "full"] = "default"
+    # The LLM token id that marks an image token's place in the text (Hugging Face LLaVA's
+    # `image_token_index`, Qwen2-VL's `image_token_id`); None: the last id of the LLM's vocabulary.
+    image_token_id: int | None = Field(default=None, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> "VLMConfig":
         v = self.vision
+        if self.image_token_id is not None and self.image_token_id >= self.llm.vocab_size:
+            raise ValueError(f"image_token_id={self.image_token_id} is outside the LLM's vocabulary of "
+                             f"{self.llm.vocab_size}")
         if v.grid % self.projector.merge:
             raise ValueError(f"projector merge={self.projector.merge} does not divide the {v.grid}x{v.grid} "
                              f"patch grid (image_size={v.image_size}, patch_size={v.patch_size})")
@@ -129,6 +135,11 @@ class VLMConfig(Frozen):
         if self.projector.merge > 1 and v.class_token and self.feature_select == "full":
             raise ValueError("a class token cannot be merged with patches (feature_select='full' with merge > 1)")
         return self
+
+    @property
+    def image_token(self) -> int:
+        """The image placeholder id the runtime and the data use (`image_token_id`, else the last id)."""
+        return self.llm.vocab_size - 1 if self.image_token_id is None else self.image_token_id
 
     @property
     def encoder_layers_run(self) -> int:
@@ -184,7 +195,11 @@ def encoder_block_layer(v: VisionEncoderConfig, index: int) -> LayerSpec:
     """A pre-norm ViT block. Bidirectional attention: QK^T and AV cost 2 x 2 s d FLOPs per token
     (nothing masked), twice a causal block's `attn_flops_coeff`."""
     base = block_layer(_as_transformer(v), index)
-    extra = (2 * v.head_dim * 2 if v.qk_norm else 0) + (2 * v.hidden if v.layer_scale else 0)
+    # The decoder block counts q/k/v biases whenever the linears have biases (GPT-2); InternViT
+    # has an output-projection bias without q/k/v biases. Its q and k norms span all heads.
+    extra = -3 * v.hidden if (v.linear_bias and not v.qkv_bias) else 0
+    extra += 2 * _norm_params(v.norm, v.hidden) if v.qk_norm else 0
+    extra += 2 * v.hidden if v.layer_scale else 0
     return base.model_copy(update=dict(name=f"vit{index}", kind=LayerKind.ENCODER, params=base.params + extra,
                                        attn_flops_coeff=4.0 * v.hidden))
 
@@ -278,7 +293,8 @@ CLIP_VIT_L14_336 = VisionEncoderConfig(name="clip-vit-l14-336", family="clip", i
 QWEN2_VL_VIT = VisionEncoderConfig(name="qwen2-vl-vit", family="qwen2_vl", image_size=448, patch_size=14,
                                    temporal_patch_size=2, hidden=1280, num_layers=32, num_heads=16, ffn_hidden=5120,
                                    norm_eps=1e-6, act="quick_gelu", position="rope2d", class_token=False)
-# InternViT-6B (OpenGVLab/InternViT-6B-448px-V1-5): RMSNorm, q/k norm, layer scale, no qkv bias.
+# InternViT-6B (OpenGVLab/InternViT-6B-448px-V1-5): RMSNorm, q/k norm over the whole width,
+# layer scale, no q/k/v bias (an output-projection bias): 5,536,496,000 parameters.
 INTERN_VIT_6B = VisionEncoderConfig(name="intern-vit-6b", family="intern_vit", image_size=448, patch_size=14,
                                     hidden=3200, num_layers=45, num_heads=25, ffn_hidden=12800, norm="rmsnorm",
                                     norm_eps=1e-6, act="gelu", qkv_bias=False, qk_norm=True, layer_scale=True)
@@ -287,6 +303,9 @@ TINY_VIT = VisionEncoderConfig(name="tiny-vit", family="clip", image_size=32, pa
 
 _VICUNA_7B = MODEL_CONFIGS["llama2-7b"].model_copy(update=dict(name="vicuna-7b", vocab_size=32064))
 _QWEN2_7B = MODEL_CONFIGS["qwen2.5-7b"].model_copy(update=dict(name="qwen2-vl-7b-llm"))
+# The tiny presets' LLM: tiny-llama with examples/tiny-llava's 320-token vocabulary (byte-level
+# captions 0..255, end-of-text 256, the image placeholder 319), not GPT-2's 50,257 tokens.
+_TINY_VLM_LLM = MODEL_CONFIGS["tiny-llama"].model_copy(update=dict(name="tiny-vlm-llm", vocab_size=320))
 
 VLM_CONFIGS: dict[str, VLMConfig] = {c.name: c for c in [
     # llava-hf/llava-1.5-7b-hf: CLIP ViT-L/14-336 (penultimate layer, class token dropped),
@@ -301,13 +320,13 @@ VLM_CONFIGS: dict[str, VLMConfig] = {c.name: c for c in [
               projector=ProjectorConfig(merge=2, norm=True, layers=2, act="gelu"), llm=MODEL_CONFIGS["llama3-70b"]),
     # CPU-sized: 32 px images, 16 patches, a tiny LLaMA.
     VLMConfig(name="tiny-vlm", family="llava", vision=TINY_VIT,
-              projector=ProjectorConfig(merge=1, layers=2, act="gelu"), llm=MODEL_CONFIGS["tiny-llama"]),
+              projector=ProjectorConfig(merge=1, layers=2, act="gelu"), llm=_TINY_VLM_LLM, image_token_id=319),
     VLMConfig(name="tiny-qwen2-vl", family="qwen2_vl",
               vision=VisionEncoderConfig(name="tiny-qwen2-vl-vit", family="qwen2_vl", image_size=32, patch_size=4,
                                          temporal_patch_size=2, hidden=64, num_layers=2, num_heads=4, ffn_hidden=256,
                                          norm_eps=1e-6, act="quick_gelu", position="rope2d", class_token=False),
               projector=ProjectorConfig(merge=2, norm=True, layers=2, hidden=256, act="gelu"),
-              llm=MODEL_CONFIGS["tiny-llama"]),
+              llm=_TINY_VLM_LLM, image_token_id=319),
 ]}
 
 
