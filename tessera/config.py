@@ -4,7 +4,7 @@
     tessera train --config run.toml --steps 20 --lr 1e-3     # a flag overrides one field
 
 A config is TOML (`.toml`) or YAML (`.yaml`, `.yml`) with the sections of `RunConfig`: [model],
-[data], [plan], [train], [moe], [optim], [eval], [checkpoint], [log], [run]. Each field is typed
+[data], [plan], [train], [moe], [optim], [eval], [checkpoint], [recovery], [log], [run]. Each field is typed
 (pydantic, strict: `steps = "10"` is refused, not read as 10), an unknown key is named with the
 keys its section knows, and each field has one flag (`flag_table` lists them; `tessera train
 --help` prints every flag with its default and its config field). Fields that exclude each
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import math
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -28,6 +29,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from .errors import TesseraError
 
 DEFAULT_MODEL = "tiny-llama"
+MAX_LOCAL_RANKS = 1024  # ranks one launcher starts on its node
+MAX_NODES = 1 << 16
+MAX_SEQ_LEN = 1 << 24  # tokens per sequence a rank can build
 # Models below this many parameters are CPU-sized: their default job is a demo's batch.
 CPU_SIZED_PARAMS = 100e6
 
@@ -59,7 +63,7 @@ class DataSection(Section):
     synthetic: bool = option(False, "train on seeded random tokens instead", flag="--synthetic-data")
     global_batch: int | None = option(None, "sequences per optimizer step", metavar="N", gt=0,
                                       default_text="8 for models under 100M parameters, else 512")
-    seq_len: int | None = option(None, "tokens per sequence", metavar="N", gt=0,
+    seq_len: int | None = option(None, "tokens per sequence", metavar="N", gt=0, le=MAX_SEQ_LEN,
                                  default_text="128 for models under 100M parameters, else 4096 "
                                               "(capped at the model's maximum)")
 
@@ -67,8 +71,15 @@ class DataSection(Section):
 class PlanSection(Section):
     file: str | None = option(None, "a plan JSON (from `tessera plan -o`) to execute as it is",
                               flag="--plan", metavar="PLAN_JSON", default_text="searched for this machine")
-    nproc: int | None = option(None, "local ranks: launch torchrun with this many processes", metavar="N", gt=0,
+    nproc: int | None = option(None, "local ranks: launch torchrun with this many processes (on each node)",
+                               metavar="N", gt=0, le=MAX_LOCAL_RANKS,
                                default_text="1, or WORLD_SIZE under torchrun")
+    nnodes: int = option(1, "nodes of the job: run the same command on each, with --rdzv-endpoint", metavar="N",
+                         gt=0, le=MAX_NODES)
+    rdzv_endpoint: str | None = option(None, "the c10d rendezvous HOST:PORT shared by the nodes (with --nnodes "
+                                       "above 1)", metavar="HOST:PORT", default_text="this machine only")
+    rdzv_id: str | None = option(None, "the job id of the rendezvous", metavar="ID",
+                                 default_text="one made from the rendezvous endpoint")
     cluster: str = option("auto", "what the plan is made for: 'auto' (a GPU: its preset; a CPU: a quick "
                           "measured profile of this machine at the run's rank count, cached), 'measure' (measure "
                           "again), 'builtin' (rough built-in CPU figures, no measurement) or a cluster JSON "
@@ -86,7 +97,7 @@ class PlanSection(Section):
 
 class TrainSection(Section):
     steps: int = option(100, "optimizer steps (the run's last step; a resumed run continues to it)", ge=0)
-    seed: int = option(0, "seed of the initial weights and of the data order")
+    seed: int = option(0, "seed of the initial weights and of the data order", ge=0, le=2**63 - 1)
     compile: bool = option(False, "torch.compile each block")
 
 
@@ -134,9 +145,27 @@ class CheckpointSection(Section):
     keep: int = option(3, "keep the latest N checkpoints, delete older ones after each save (0: keep all)",
                        flag="--checkpoint-keep", metavar="N", ge=0)
     final: bool = option(True, "save after the last step", flag="--final-checkpoint")
-    resume: str | None = option(None, "continue from a run directory (its latest checkpoint, the same "
-                                "metrics file), a checkpoint directory or one step-N", metavar="PATH",
+    resume: str | None = option(None, "continue from a run directory (its latest valid checkpoint, the same "
+                                "metrics file), a checkpoint directory or one step-N; 'auto': this run's latest "
+                                "valid checkpoint if it has one (a requeued job)", metavar="PATH|auto",
                                 default_text="start afresh")
+    asynchronous: bool = option(True, "write checkpoints in the background (DCP async_save): the step waits only "
+                                "for the state to be staged", flag="--async-checkpoints")
+
+
+class RecoverySection(Section):
+    max_restarts: int = option(3, "restarts of the whole job after a rank dies or hangs; each resumes from the "
+                               "latest valid checkpoint", metavar="N", ge=0)
+    hang_timeout: float = option(300.0, "a rank that finishes no step for this many seconds is hung and the job "
+                                 "restarts (collectives time out at twice that, at least 10 minutes)",
+                                 metavar="S", gt=0, allow_inf_nan=False)
+    on_nonfinite: Literal["skip", "rollback", "stop"] = option(
+        "skip", "a NaN/inf loss or gradient norm: the step is not applied; then skip it, roll back to the latest "
+        "checkpoint, or stop")
+    max_bad_steps: int = option(3, "non-finite steps (or rollbacks) in a row before the run stops", metavar="N",
+                                ge=1)
+    replan: bool = option(True, "re-plan around a slow device found by the straggler probe (off: report it, keep "
+                          "the plan)")
 
 
 class LogSection(Section):
@@ -156,6 +185,8 @@ class RunSection(Section):
                               default_text="the model's name")
     id: str | None = option(None, "the run id in every metrics line (the {id} of --out)", flag="--run-id",
                             metavar="ID", default_text="the start time, YYYYmmdd-HHMMSS; a resumed run keeps its own")
+    check: bool = option(False, "check the config, the plan and the data as the ranks would, then stop: start "
+                         "nothing")
 
 
 class RunConfig(Section):
@@ -170,6 +201,7 @@ class RunConfig(Section):
     optim: OptimSection = Field(default_factory=OptimSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    recovery: RecoverySection = Field(default_factory=RecoverySection)
     log: LogSection = Field(default_factory=LogSection)
     run: RunSection = Field(default_factory=RunSection)
 
@@ -177,6 +209,16 @@ class RunConfig(Section):
     def _check(self) -> "RunConfig":
         if self.optim.betas and not all(0 <= b < 1 for b in self.optim.betas):
             raise ValueError(f"optim.betas must lie in [0, 1), got {list(self.optim.betas)}")
+        p = self.plan
+        if p.nnodes > 1 and not p.rdzv_endpoint:
+            raise ValueError("plan.nnodes above 1 needs plan.rdzv_endpoint HOST:PORT (the same on every node)")
+        if p.rdzv_endpoint is not None:
+            host, _, port = p.rdzv_endpoint.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"plan.rdzv_endpoint must be HOST:PORT with a port in 1..65535, "
+                                 f"got {p.rdzv_endpoint!r}")
+        if p.rdzv_id is not None and not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", p.rdzv_id):
+            raise ValueError(f"plan.rdzv_id must be 1-128 letters, digits, '.', '_' or '-', got {p.rdzv_id!r}")
         return self
 
     def section(self, name: str) -> Section:
@@ -284,10 +326,13 @@ def _show(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def describe_validation_error(e: ValidationError, where: str = "") -> TesseraError:
-    """One line for the first error: 'run.toml: train.steps must be an integer, got "ten"'."""
+def describe_validation_error(e: ValidationError, where: str = "", flags: dict[str, str] | None = None) -> TesseraError:
+    """One line for the first error: 'run.toml: train.steps must be an integer, got "ten"'; a field
+    given by a flag is named by it too: '--steps (train.steps) ...'."""
     err = e.errors()[0]
     loc = ".".join(str(p) for p in err["loc"] if not isinstance(p, int))
+    if flags and loc in flags:
+        loc, where = f"{flags[loc]} ({loc})", ""
     word = _TYPE_WORDS.get(err["type"])
     if word:
         text = f"{loc} must be {word}, got {_show(err.get('input'))}"
@@ -299,8 +344,9 @@ def describe_validation_error(e: ValidationError, where: str = "") -> TesseraErr
     return TesseraError(f"{where}{text}")
 
 
-def parse_config(data: dict, where: str = "") -> RunConfig:
-    """A validated `RunConfig` from a file's mapping (unknown keys and wrong types refused)."""
+def parse_config(data: dict, where: str = "", flags: dict[str, str] | None = None) -> RunConfig:
+    """A validated `RunConfig` from a file's mapping (unknown keys and wrong types refused);
+    `flags`: field -> the flag that set it, named in the error."""
     check_keys(data, where)
     data = {s: dict(body) for s, body in data.items()}
     if "betas" in data.get("optim", {}) and isinstance(data["optim"]["betas"], list):
@@ -308,7 +354,7 @@ def parse_config(data: dict, where: str = "") -> RunConfig:
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
-        raise describe_validation_error(e, where) from None
+        raise describe_validation_error(e, where, flags) from None
 
 
 def load_config(path: str | Path) -> RunConfig:
@@ -387,7 +433,8 @@ def flag_table() -> list[Flag]:
 SECTION_TITLES = {"model": "model", "data": "data", "plan": "plan and launch", "train": "training",
                   "moe": "mixture of experts (NetMoE placement, APTMoE expert offload)",
                   "optim": "optimizer and learning rate", "eval": "evaluation on held-out data",
-                  "checkpoint": "checkpoints", "log": "logging", "run": "run directory"}
+                  "checkpoint": "checkpoints", "recovery": "recovery and stragglers", "log": "logging",
+                  "run": "run directory"}
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -449,7 +496,7 @@ def resolve_config(args: argparse.Namespace) -> tuple[RunConfig, Sources]:
         if hasattr(args, flag.dest):
             data.setdefault(flag.section, {})[flag.field] = getattr(args, flag.dest)
             flags[flag.key] = flag.flag
-    config = parse_config(data, where)
+    config = parse_config(data, where, flags)
     sources = Sources(path, file_keys, flags)
     for a, b, why in CONFLICTS:
         if _set(config, sources, a) and _set(config, sources, b):

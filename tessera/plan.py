@@ -218,6 +218,11 @@ class Plan(Frozen):
     mesh_axes: tuple[str, ...] = MESH_AXES
     prediction: Prediction | None = None
     search: SearchInfo = SearchInfo()
+    # Sequences of the global batch each data-parallel replica runs per step, in replica order
+    # (straggler re-planning, `search/replan.py`); empty: micro_batch_size x num_micro_batches each.
+    # A replica cuts its share into num_micro_batches equal micro-batches, so every replica issues
+    # the same collectives whatever its share (ZeRO-2/3 synchronise every micro-batch).
+    batch_shares: tuple[int, ...] = ()
 
     @model_validator(mode="after")
     def _check(self) -> "Plan":
@@ -251,7 +256,27 @@ class Plan(Frozen):
                 f"micro_batch_size {self.micro_batch_size} x {self.num_micro_batches} micro-batches x "
                 f"dp {self.dp_of_batch} != global batch {self.workload.global_batch}"
             )
+        if self.batch_shares:
+            self._check_shares(widest)
         return self
+
+    def _check_shares(self, widest: int) -> None:
+        shares, m = self.batch_shares, self.num_micro_batches
+        if len(shares) != widest:
+            raise ValueError(f"batch_shares has {len(shares)} entries for {widest} data-parallel replicas")
+        if any(s.dp != widest for s in self.layers):
+            raise ValueError("batch_shares needs every layer to have the same dp (uneven replicas cannot re-shard)")
+        if sum(shares) != self.workload.global_batch:
+            raise ValueError(f"batch_shares sum to {sum(shares)}, not the global batch {self.workload.global_batch}")
+        bad = next((x for x in shares if x < m or x % m), None)
+        if bad is not None:
+            raise ValueError(f"batch_shares entry {bad} is not a positive multiple of the {m} micro-batches")
+
+    def replica_rows(self) -> list[int]:
+        """Sequences each data-parallel replica runs per step (`batch_shares`, or equal shares)."""
+        if self.batch_shares:
+            return list(self.batch_shares)
+        return [self.micro_batch_size * self.num_micro_batches] * self.dp_of_batch
 
     @property
     def world_size(self) -> int:
@@ -296,7 +321,7 @@ class Plan(Frozen):
         version = data.get("version")
         if version != PLAN_VERSION:
             raise PlanError(
-                f"plan version {version} is not supported (this Tessera reads version {PLAN_VERSION}); "
+                f"plan version {version!r} is not supported (this Tessera reads version {PLAN_VERSION}); "
                 "make the plan again with `tessera plan`"
             )
         try:

@@ -105,7 +105,7 @@ def test_bad_input_is_one_sentence(tmp_path):
         load_hf_config(tmp_path / "broken.json")
     with pytest.raises(TesseraError, match="no Hugging Face config"):
         load_hf_config(tmp_path / "missing")
-    with pytest.raises(TesseraError, match="num_heads"):
+    with pytest.raises(TesseraError, match="num_attention_heads must be between 1 and"):
         load_hf_config(_write(tmp_path, {**LLAMA3_8B, "num_attention_heads": 0}))
     with pytest.raises(TesseraError, match="not divisible"):
         load_hf_config(_write(tmp_path, {**LLAMA3_8B, "num_key_value_heads": 5}))

@@ -82,7 +82,7 @@ def test_train_config_runs_resumes_and_keeps_its_records(tmp_path, capsys):
     run = runs / "tiny-llama" / "e2e"
     assert [line.split(" |")[0] for line in first.splitlines() if line.startswith("step ")] == \
         ["step 1/3", "step 2/3", "step 3/3"]
-    assert f"saved checkpoint of step 2 to {run / 'checkpoints' / 'step-2'}" in first
+    assert f"saving checkpoint of step 2 to {run / 'checkpoints' / 'step-2'} (in the background)" in first
     assert "eval at step 2: loss " in first and "eval at step 3: loss " in first and "perplexity" in first
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2"]
     before = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -97,12 +97,12 @@ def test_train_config_runs_resumes_and_keeps_its_records(tmp_path, capsys):
     config2 = _config(tmp_path / "run2.toml", docs, runs, f'file = "{pp2}"', every=1)
     second = _train(["--config", str(config2), "--resume", str(run), "--steps", "5", "--nproc", "2"],
                     tmp_path / "second.log", tmp_path)
-    assert "launching torchrun with 2 processes" in second
-    assert f"resumed from {run / 'checkpoints'} at step 2; dropped 2 metrics lines past it" in second
+    assert "launching 2 processes" in second
+    assert f"resumed from {run / 'checkpoints' / 'step-2'} at step 2; dropped 2 metrics lines past it" in second
     assert [line.split(" |")[0] for line in second.splitlines() if line.startswith("step ")] == \
         ["step 3/5", "step 4/5", "step 5/5"]
     assert all(f"eval at step {s}: loss " in second for s in (3, 4, 5))
-    assert f"saved checkpoint of step 4 to {run / 'checkpoints' / 'step-4'}" in second
+    assert f"saving checkpoint of step 4 to {run / 'checkpoints' / 'step-4'} (in the background)" in second
 
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert {r["run_id"] for r in lines} == {"e2e"}

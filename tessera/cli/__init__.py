@@ -21,6 +21,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "export": ("tessera.cli.export", "write a training checkpoint as a Hugging Face model directory"),
     "profile": ("tessera.cli.profile", "measure the hardware or a model and write a profile JSON"),
     "validate": ("tessera.cli.validate", "run a plan for a few steps: predicted vs measured"),
+    "diagnose": ("tessera.cli.diagnose", "a run's per-rank timeline and its slowest rank, with the evidence"),
     "dryrun": ("tessera.cli.dryrun", "run a plan's first and last ranks at its real world size on a fake "
                                      "process group: states and collectives, predicted vs measured"),
 }

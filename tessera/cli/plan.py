@@ -92,6 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def build_cluster(args: argparse.Namespace):
     from ..search.limits import check_search_size
 
+    for flag, value in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node)):
+        if value is not None and value < 1:  # 0 would otherwise read as "not given"
+            raise TesseraError(f"{flag} must be a positive integer, not {value}")
     check_search_size(num_gpus=args.gpus)  # before anything counts them
     cluster = _base_cluster(args)
     margin = getattr(args, "memory_margin", None)

@@ -11,16 +11,15 @@
 Without a plan, the plan is searched for this machine (`runtime.machine`): a preset GPU's figures,
 or on a CPU a quick measured profile of it (cached). A plan made for another machine is refused.
 With --nproc N outside torchrun, the resolved config and the plan are written to the run directory
-and N processes are started with `torch.distributed.run`, each running `tessera train --config`
-of that resolved config. Each run keeps its records in its own directory (`runtime/runs.py`).
+and N processes are started under torchrun's elastic agent, run in this process (`cli/launch.py`:
+restarts from the latest valid checkpoint, nodes, one-line errors), each running `tessera train
+--config` of that resolved config. Each run keeps its records in its own directory (`runtime/runs.py`).
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,11 +108,25 @@ class Job:
 
 
 def run(args) -> int:
+    if _under_torchrun():  # a rank: die with the agent, report how it ended (runtime/resilience.py)
+        from ..runtime.resilience import bind_to_parent, run_worker
+
+        bind_to_parent()
+        return run_worker(lambda: _run(args))
+    return _run(args)
+
+
+def _run(args) -> int:
     from ..config import resolve_config
 
     _resume_with_its_config(args)
     config, sources = resolve_config(args)
     job = prepare(config, sources)
+    if job.config.run.check:
+        _check_data(job)
+        print(f"checked: plan '{job.plan.name}' for {job.world} ranks ({job.plan.layers[-1].describe()} ...), "
+              "the config and the data are accepted; nothing started", flush=True)
+        return 0
     if job.world > 1 and not _under_torchrun():
         return _launch(job)
     return _train_here(job)
@@ -142,9 +155,13 @@ def prepare(config, sources=None) -> Job:
     from ..runtime.machine import check_plan_fits_machine, this_machine
     from ..runtime.runs import agree_across_ranks, resolve_run
 
+    from ..search.limits import check_search_size
+
     under = _under_torchrun()
-    world = int(os.environ["WORLD_SIZE"]) if under else (config.plan.nproc or 1)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if under else world
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])) if under else \
+        (config.plan.nproc or 1)
+    world = int(os.environ["WORLD_SIZE"]) if under else local_world * config.plan.nnodes
+    check_search_size(global_batch=config.data.global_batch)
     machine = this_machine()
     _check_inputs(config)  # before planning, which may measure this machine
     encoder, plan_lines = None, []
@@ -166,24 +183,51 @@ def prepare(config, sources=None) -> Job:
 
         check_adaptive_plan(plan)
     _validate(plan, world, config)
+    from .train_checks import check_plan_sizes
+
+    check_plan_sizes(plan)
     check_plan_fits_machine(plan, machine, local_world, f"plan {config.plan.file}" if config.plan.file else "the plan")
-    config, paths = resolve_run(config, plan.model.name)
+    from ..runtime.resilience import restart_count
+
+    _check_restartable(config)
+    # A restarted job's ranks (or --resume auto) go on in the run's directory (runtime/guard.py resumes).
+    continuing = restart_count() > 0 or config.checkpoint.resume == "auto"
+    config, paths = resolve_run(config, plan.model.name, continuing=continuing)
     if under and world > 1:
-        resolved, plan_json = agree_across_ranks((config.to_dict(), plan.to_json()))
+        from ..runtime.resilience import ResilienceConfig
+
+        deadline = ResilienceConfig(config.recovery.hang_timeout).process_group_timeout
+        resolved, plan_json = agree_across_ranks((config.to_dict(), plan.to_json()), deadline)
         from ..config import RunConfig
 
         config, plan = RunConfig.model_validate(resolved, strict=False), Plan.from_json(plan_json)
-        config, paths = resolve_run(config, plan.model.name)
+        config, paths = resolve_run(config, plan.model.name, continuing=continuing)
     w = plan.workload
-    resolved = {"data.global_batch": w.global_batch, "data.seq_len": w.seq_len, "plan.nproc": world}
+    resolved = {"data.global_batch": w.global_batch, "data.seq_len": w.seq_len, "plan.nproc": local_world}
     if config.plan.file:  # a given plan is the run's copy of it; a searched one is searched again
         resolved.update({"plan.file": str(paths.plan), "model.name": plan.model.name})
     config = config.replace(**resolved)
     return Job(config=config, plan=plan, paths=paths, world=world, note=note, encoder=encoder, plan_lines=plan_lines)
 
 
+def _check_restartable(config) -> None:
+    """Under plain torchrun with restarts, every attempt reruns the same command: a run id made of
+    the start time would start a new run, without the checkpoints to resume from."""
+    from ..runtime.runs import run_dir_of
+
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if (not _under_torchrun() or "TESSERA_ATTEMPT" in os.environ or restarts <= 0 or config.run.id is not None
+            or "{id}" not in config.run.out or (config.checkpoint.resume and run_dir_of(config.checkpoint.resume))):
+        return
+    raise TesseraError(f"torchrun restarts this job (--max-restarts {restarts}) with the same command: give the run "
+                       "a fixed directory, --run-id ID (e.g. $SLURM_JOB_ID) or an --out without {id}, so that a "
+                       "restart resumes from the run's checkpoints")
+
+
 def _plan_for_machine(config, machine, world: int, local_world: int, under: bool):
     """The plan for this machine: searched (or plain data parallelism for --adaptive)."""
+    from dataclasses import replace
+
     from ..config import default_shape
     from ..runtime.machine import cluster_for_this_machine
     from ..spec.workload import Workload
@@ -201,6 +245,10 @@ def _plan_for_machine(config, machine, world: int, local_world: int, under: bool
     workload = Workload(global_batch=config.data.global_batch or batch, seq_len=config.data.seq_len or seq,
                         dtype=machine.default_dtype)
     target = cluster_for_this_machine(config.plan.cluster, machine, world, local_world, model, under)
+    if world > local_world and target.cluster.gpus_per_node != local_world:  # one machine's figures, as nodes
+        target = replace(target, cluster=target.cluster.model_copy(update={
+            "num_nodes": world // local_world, "gpus_per_node": local_world,
+            "name": f"{target.cluster.name} as {world // local_world} nodes of {local_world}"}))
     profile = config.plan.model_profile or target.model_profile
     if profile is not None:
         from ..profile.apply import apply_model_profile
@@ -238,7 +286,7 @@ def _check_inputs(config) -> None:
     elif data is not None and not (Path(data).is_dir() or (init_from and Path(data).is_file())):
         raise TesseraError(f"data directory {data} does not exist")
     resume = config.checkpoint.resume
-    if resume is not None and not Path(resume).exists():
+    if resume not in (None, "auto") and not Path(resume).exists():
         raise TesseraError(f"checkpoint directory {resume} does not exist")
     if init_from is not None:
         _check_init_from(config)
@@ -327,20 +375,35 @@ def _headline(job: Job) -> str:
 
 
 def _launch(job: Job) -> int:
-    """Start `world` local ranks with torchrun, each running `tessera train --config` of the
-    resolved config in the run directory."""
+    """Start this node's ranks under torchrun's elastic agent (`cli/launch.py`: restarts, nodes),
+    each running `tessera train --config` of the resolved config in the run directory."""
+    from . import launch
+
     _write_records(job)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={job.world}",
-           "-m", "tessera", "train", "--config", str(job.paths.config)]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env[LAUNCHED_PLAN] = str(job.paths.plan)
+    os.environ[LAUNCHED_PLAN] = str(job.paths.plan)  # the ranks inherit it
     if job.encoder is not None:
         from .train_vlm import ENCODER_FILE, LAUNCHED_ENCODER
 
-        env[LAUNCHED_ENCODER] = str(job.paths.dir / ENCODER_FILE)
-    print(_headline(job) + f"\nlaunching torchrun with {job.world} processes", flush=True)
-    return subprocess.call(cmd, env=env)
+        os.environ[LAUNCHED_ENCODER] = str(job.paths.dir / ENCODER_FILE)
+    nproc, c = job.config.plan.nproc or 1, job.config
+    nodes = f" on this node of {c.plan.nnodes}" if c.plan.nnodes > 1 else ""
+    print(_headline(job) + f"\nlaunching {nproc} processes{nodes} (restarts: {c.recovery.max_restarts})", flush=True)
+    return launch.launch(c, nproc, job.paths.dir, ["train", "--config", str(job.paths.config)])
+
+
+def _check_data(job: Job) -> None:
+    """The data the ranks will read loads, and its token ids fit the model (`run.check`;
+    --init-from data is checked by `_check_init_from`)."""
+    c = job.config
+    if c.data.synthetic or c.model.init_from:
+        return
+    from ..runtime.data import load_token_stream
+
+    stream = load_token_stream(c.data.path)
+    vocab = job.plan.model.config.vocab_size
+    if stream.vocab_size > vocab:
+        raise TesseraError(f"the data's tokens go up to id {stream.vocab_size - 1}, beyond the model's vocabulary "
+                           f"of {vocab}")
 
 
 def train_config(job: Job):
@@ -348,6 +411,7 @@ def train_config(job: Job):
     from ..runtime.optim import OptimConfig
     from ..runtime.runs import checkpoint_source
     from ..runtime.trainer import TrainConfig
+    from .launch import runtime_options
 
     c, paths = job.config, job.paths
     o = c.optim
@@ -358,7 +422,9 @@ def train_config(job: Job):
     if c.log.wandb:
         wandb = dict(project=c.log.wandb_project, name=f"{c.run.name}/{paths.run_id}", id=paths.run_id,
                      dir=str(paths.dir), config=c.to_dict())
-    resume = checkpoint_source(c.checkpoint.resume, str(paths.checkpoints)) if c.checkpoint.resume else None
+    resume = c.checkpoint.resume
+    if resume not in (None, "auto"):  # auto: this run's latest valid checkpoint, if any (runtime/guard.py)
+        resume = checkpoint_source(resume, str(paths.checkpoints))
     return TrainConfig(
         plan=job.plan, steps=c.train.steps, seed=c.train.seed, data=c.data.path, synthetic_data=c.data.synthetic,
         optim=optim, metrics_path=str(paths.metrics),
@@ -368,7 +434,7 @@ def train_config(job: Job):
         checkpoint_keep=c.checkpoint.keep, checkpoint_final=c.checkpoint.final, eval_every=c.eval.every,
         eval_batches=c.eval.batches, eval_fraction=c.eval.fraction,
         moe_placement=False if c.moe.placement == "off" else c.moe.placement,
-        expert_offload=host_spec(c, job.plan) if c.moe.expert_offload else None)
+        expert_offload=host_spec(c, job.plan) if c.moe.expert_offload else None, **runtime_options(c, paths.dir))
 
 
 def host_spec(config, plan):

@@ -33,6 +33,8 @@ def step_line(r, steps: int) -> str:
 def event_line(kind: str, info: dict) -> str:
     """A save, resume or evaluation, reported by the trainer's `on_event`."""
     if kind == "save":
+        if info.get("asynchronous"):  # staged; the files are written while training goes on
+            return f"saving checkpoint of step {info['step']} to {info['path']} (in the background)"
         return f"saved checkpoint of step {info['step']} to {info['path']}"
     if kind == "resume":
         dropped = info.get("dropped_lines") or 0

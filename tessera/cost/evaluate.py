@@ -9,6 +9,9 @@ compute (zero-bubble), and step_l the once-per-step exposed gradient sync and op
 On time-shared cores (`ClusterSpec.oversubscription` r > 1, a CPU running more ranks than it
 has cores; the profiled rates are those with every rank busy): step = max(step / r, the mean over
 pipeline ranks of their busy time + tail), since an idle rank's cores speed up the busy ones.
+Devices of unequal speed (`ClusterSpec.device_speeds`) and uneven data shares (`Plan.batch_shares`):
+each data-parallel replica's pipeline is simulated with its own chunk times and the slowest one
+sets the step (cost/hetero.py gives the formula).
 Breakdown: bubble = step - busy time and tail of the busiest rank; compute = that rank's pure compute
 (m micro-batches) plus its optimizer update; exposed communication = the rest.
 
@@ -35,6 +38,7 @@ import numpy as np
 from ..plan import MemoryBreakdown, Plan, Prediction
 from .layer import (LayerCosts, cost_key, StepContext, StrategyTable, layer_costs, pipeline_p2p_time, shape_key,
                     transition_time)
+from .hetero import is_uniform, pipeline_rank_speeds, replica_groups
 from .schedule import ScheduleResult, in_flight, simulate
 
 
@@ -138,13 +142,17 @@ def layer_memory(plan: Plan) -> list[tuple[float, float, float]]:
              _scalar(c, "buf")) for c in _per_layer_costs(plan, ctx)]
 
 
-def _chunk_times(plan: Plan, ctx: StepContext, costs: list[LayerCosts]):
+def _chunk_times(plan: Plan, ctx: StepContext, costs: list[LayerCosts], detail: bool = False):
+    """`chunk_times`; with `detail`, also per chunk the compute parts of forward and backward and
+    per pipeline rank the optimizer update time (what a slower device stretches: cost/hetero.py)."""
     pipe = plan.pipeline
-    fwd, bwd, wgrad = [], [], []
+    fwd, bwd, wgrad, cf, cb = [], [], [], [], []
     for start, end in pipe.stages:
         f = sum(_scalar(costs[i], "fwd") for i in range(start, end))
         b = sum(_scalar(costs[i], "bwd") for i in range(start, end))
         w = sum(_scalar(costs[i], "wgrad") for i in range(start, end))
+        cf.append(sum(_scalar(costs[i], "compute_fwd") for i in range(start, end)))
+        cb.append(sum(_scalar(costs[i], "compute_bwd") for i in range(start, end)))
         for i in range(start + 1, end):
             trans = transition_time(plan.model.layers[i].hidden, shape_key(plan.layers[i - 1]),
                                     shape_key(plan.layers[i]), ctx)
@@ -156,16 +164,35 @@ def _chunk_times(plan: Plan, ctx: StepContext, costs: list[LayerCosts]):
     hidden = max(layer.hidden for layer in plan.model.layers)
     p2p = pipeline_p2p_time(hidden, ctx) if pipe.degree > 1 else 0.0
     tails = [0.0] * pipe.degree
+    updates = [0.0] * pipe.degree
     for chunk, (start, end) in enumerate(pipe.stages):
         tails[pipe.rank_of_chunk(chunk)] += sum(_scalar(costs[i], "step") for i in range(start, end))
+        updates[pipe.rank_of_chunk(chunk)] += sum(_scalar(costs[i], "optimizer_time") for i in range(start, end))
+    if detail:
+        return fwd, bwd, wgrad, tails, p2p, cf, cb, updates
     return fwd, bwd, wgrad, tails, p2p
 
 
 def _simulate(plan: Plan, ctx: StepContext, costs: list[LayerCosts]) -> tuple[ScheduleResult, list[float]]:
+    """The schedule simulation of the slowest data-parallel replica and each pipeline rank's tail
+    (every replica alike, unless devices differ in speed or replicas in rows: cost/hetero.py)."""
     pipe = plan.pipeline
-    fwd, bwd, wgrad, tails, p2p = _chunk_times(plan, ctx, costs)
-    sim = simulate(pipe.schedule.value, fwd, bwd, plan.num_micro_batches, pipe.degree,
-                   pipe.virtual_stages, p2p, wgrad)
+    fwd, bwd, wgrad, tails, p2p, cf, cb, updates = _chunk_times(plan, ctx, costs, detail=True)
+    run = lambda f, b, w: simulate(pipe.schedule.value, f, b, plan.num_micro_batches,  # noqa: E731
+                                   pipe.degree, pipe.virtual_stages, p2p, w)
+    if is_uniform(plan):
+        return run(fwd, bwd, wgrad), tails
+    sim = None
+    for group in replica_groups(plan):
+        slow = [1.0 / group.speeds[pipe.rank_of_chunk(c)] - 1.0 for c in range(len(fwd))]
+        rho = group.rows_ratio
+        this = run([rho * (f + s * c) for f, s, c in zip(fwd, slow, cf)],
+                   [rho * (b + s * c) for b, s, c in zip(bwd, slow, cb)],
+                   [rho * w * (1.0 + s) for w, s in zip(wgrad, slow)])
+        if sim is None or this.step_time > sim.step_time:
+            sim = this
+    speeds = pipeline_rank_speeds(plan)
+    tails = [t + u * (1.0 / v - 1.0) for t, u, v in zip(tails, updates, speeds)]
     return sim, tails
 
 
@@ -181,11 +208,13 @@ def stage_memory(plan: Plan, costs: list[LayerCosts] | None = None) -> tuple[Mem
     ctx = plan_context(plan)
     costs = costs if costs is not None else _per_layer_costs(plan, ctx)
     pipe = plan.pipeline
+    # A replica with more rows than the nominal share holds that many more activations.
+    rows_scale = max(plan.replica_rows()) * plan.dp_of_batch / plan.workload.global_batch
     out = []
     for r in range(pipe.degree):
         layers = [i for c, (s, e) in enumerate(pipe.stages) if pipe.rank_of_chunk(c) == r for i in range(s, e)]
         k = in_flight(pipe.schedule.value, pipe.degree, r, plan.num_micro_batches, pipe.virtual_stages)
-        acts = sum(k * _scalar(costs[i], "act") for i in layers)
+        acts = rows_scale * sum(k * _scalar(costs[i], "act") for i in layers)
         params = sum(_scalar(costs[i], "params") for i in layers)
         grads = sum(_scalar(costs[i], "grads") for i in layers)
         optimizer = sum(_scalar(costs[i], "optimizer") for i in layers)

@@ -10,7 +10,9 @@ chunks merge into one dictionary.
 
 `extra_state` (LR scheduler, data position, RNG states, step...) is saved per rank with
 `torch.save` as `extra/rank-<r>.pt`; on load rank r gets the dictionary rank r saved, or rank 0's
-when the checkpoint was written by fewer ranks.
+when the checkpoint was written by fewer ranks. It holds tensors, numbers, strings, lists and
+dictionaries only, and is read with `torch.load(weights_only=True)`; the DCP metadata and values
+go through `safe_dcp` (nothing in a checkpoint is unpickled as an arbitrary object).
 
 Layout of a directory:
     step-20/            a complete checkpoint: DCP files, extra/, manifest.json
@@ -18,7 +20,13 @@ Layout of a directory:
 A save writes into `step-N.tmp/`; after every rank has finished (barrier), the ranks hash the files
 (each a share), rank 0 writes `manifest.json` (file sizes and SHA-256) and renames the directory
 to `step-N/`. A crash at any point leaves no `step-N/` without a manifest. `load` checks every
-file against the manifest before touching the model and refuses a mismatch in one sentence.
+file against the manifest before touching the model and refuses a mismatch in one sentence;
+`latest_valid` walks back from the newest checkpoint to the first that passes that check.
+
+Asynchronous saves (`async_save=True`): the state is staged and DCP writes it in a background
+thread; a finisher thread then waits for the write and does the barrier, hashing, manifest and
+rename on a dedicated gloo group, so training goes on through all of it. The next `save`, `load`
+or `wait` joins it.
 """
 from __future__ import annotations
 
@@ -30,6 +38,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 import warnings
 from collections.abc import Sequence
@@ -40,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import TesseraError
+from .safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +74,9 @@ def _world() -> int:
     return dist.get_world_size() if _dist() else 1
 
 
-def _barrier() -> None:
+def _barrier(group=None) -> None:
     if _dist():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 @contextlib.contextmanager
@@ -85,11 +95,11 @@ def _no_dist_kwarg(fn) -> dict:
     return {"no_dist": not _dist()} if "no_dist" in inspect.signature(fn).parameters else {}
 
 
-def _all_gather(obj) -> list:
+def _all_gather(obj, group=None) -> list:
     if not _dist():
         return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -305,7 +315,7 @@ class CheckpointManager:
         self.keep = keep
         self.async_save = async_save
         self.model_files = dict(model_files or {})
-        self._pending = None  # (future, tmp dir, final dir, step) of an async save in flight
+        self._pending: _Finisher | None = None  # an async save in flight
         self._async_group = dist.new_group(backend="gloo") if async_save and _dist() else None
 
     # --- discovery ----------------------------------------------------------------------------
@@ -321,6 +331,18 @@ class CheckpointManager:
         """The newest finished checkpoint, or None. Leftover `.tmp` directories are never chosen."""
         found = self.checkpoints()
         return found[-1] if found else None
+
+    def latest_valid(self) -> Path | None:
+        """The newest checkpoint whose files match its manifest (collective: `verify`), walking back
+        past any that do not (each one logged); None when there is none."""
+        self.wait()
+        for path in reversed(self.checkpoints()):
+            try:
+                verify(path)
+                return path
+            except TesseraError as e:
+                logger.warning("%s; falling back to the checkpoint before it", e)
+        return None
 
     # --- save ---------------------------------------------------------------------------------
     def save(self, step: int, model_parts: Sequence[nn.Module], optimizers, extra_state: dict | None = None) -> Path:
@@ -350,7 +372,7 @@ class CheckpointManager:
             with _quiet_single_process():
                 future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group,
                                         **_no_dist_kwarg(dcp.async_save))
-            self._pending = (future, tmp, final, step)
+            self._pending = _Finisher(self, future, tmp, final, step)
         else:
             with _quiet_single_process():
                 dcp.save(state, checkpoint_id=str(tmp), **_no_dist_kwarg(dcp.save))
@@ -358,20 +380,23 @@ class CheckpointManager:
         return final
 
     def wait(self) -> None:
-        """Finish an asynchronous save in flight (collective)."""
+        """Finish an asynchronous save in flight (collective); re-raises its error, if any."""
         if self._pending is None:
             return
-        future, tmp, final, step = self._pending
-        self._pending = None
-        future.result()
-        self._finish(tmp, final, step)
+        pending, self._pending = self._pending, None
+        pending.join()
 
-    def _finish(self, tmp: Path, final: Path, step: int) -> None:
-        _barrier()  # every rank's DCP and extra files are written
+    @property
+    def saving(self) -> bool:
+        """An asynchronous save is still being written or finished."""
+        return self._pending is not None and self._pending.is_alive()
+
+    def _finish(self, tmp: Path, final: Path, step: int, group=None) -> None:
+        _barrier(group)  # every rank's DCP and extra files are written
         names = _files(tmp)
         mine = {rel: {"bytes": (tmp / rel).stat().st_size, "sha256": _sha256(tmp / rel)}
                 for rel in names[_rank()::_world()]}
-        shares = _all_gather(mine)
+        shares = _all_gather(mine, group)
         if _rank() == 0:
             files = _merge(shares)
             manifest = {"version": MANIFEST_VERSION, "step": step, "world_size": _world(),
@@ -394,7 +419,7 @@ class CheckpointManager:
             self._prune()
             logger.info("saved checkpoint %s (%d files, %.1f MB)", final, len(files),
                         sum(e["bytes"] for e in files.values()) / 1e6)
-        _barrier()
+        _barrier(group)
 
     def _prune(self) -> None:
         if self.keep <= 0:
@@ -426,7 +451,10 @@ class CheckpointManager:
             del state["optim"]
         try:
             with _quiet_single_process():
-                dcp.load(state, checkpoint_id=str(path), **_no_dist_kwarg(dcp.load))
+                dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(),
+                         **_no_dist_kwarg(dcp.load))
+        except TesseraError:
+            raise
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
@@ -448,5 +476,37 @@ class CheckpointManager:
         source = own if own.is_file() else path / "extra" / "rank-00000.pt"
         if not source.is_file():
             return {}
-        # Our own file, verified against the manifest: it may hold numpy RNG states, so not weights_only.
-        return torch.load(source, weights_only=False)
+        try:  # tensors, numbers, strings, lists and dictionaries only: nothing else is unpickled
+            extra = torch.load(source, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError or RuntimeError
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise TesseraError(f"checkpoint {path} is refused: {source.relative_to(path)} holds more than "
+                               f"tensors and plain values ({first[:200]})") from None
+        if not isinstance(extra, dict):
+            raise TesseraError(f"checkpoint {path} is refused: {source.relative_to(path)} is not a dictionary")
+        extra["_own_rank"] = source == own  # whether per-rank state (RNG) is this rank's own
+        return extra
+
+
+class _Finisher(threading.Thread):
+    """Waits for an asynchronous DCP write, then finishes the checkpoint (`CheckpointManager._finish`)
+    on the manager's own gloo group, beside training; `join` re-raises what went wrong."""
+
+    def __init__(self, manager: CheckpointManager, future, tmp: Path, final: Path, step: int):
+        super().__init__(name=f"checkpoint-{step}", daemon=True)
+        self.manager, self.future, self.tmp, self.final, self.step = manager, future, tmp, final, step
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.future.result()
+            self.manager._finish(self.tmp, self.final, self.step, group=self.manager._async_group)
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread by `join`
+            self.error = e
+
+    def join(self, timeout: float | None = None) -> None:
+        super().join(timeout)
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error

@@ -315,6 +315,8 @@ def _token_file(f: Path) -> np.ndarray:
     if f.suffix == ".bin":
         if f.stat().st_size % 2:
             raise TesseraError(f"{f}: a .bin token file holds uint16 tokens, but its size is odd")
+        if f.stat().st_size == 0:  # nothing to map
+            return np.zeros(0, dtype=np.uint16)
         return np.memmap(f, dtype=np.uint16, mode="r")
     try:
         arr = np.load(f, mmap_mode="r", allow_pickle=False)
@@ -322,6 +324,8 @@ def _token_file(f: Path) -> np.ndarray:
         raise TesseraError(f"{f}: not a readable .npy file ({e})") from None
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
         raise TesseraError(f"{f}: a .npy token file must hold a 1-D integer array, not {arr.dtype} {arr.shape}")
+    if arr.size and int(arr.min()) < 0:
+        raise TesseraError(f"{f}: token ids must not be negative (found {int(arr.min())})")
     return arr
 
 
@@ -386,6 +390,7 @@ class TokenLoader:
                                f"{global_batch} x {seq_len}")
         self.samples_seen = 0
         self._perm_epoch, self._perm = -1, np.empty(0, dtype=np.int64)
+        self.rows: slice | None = None  # this rank's rows when replicas take uneven shares (Plan.batch_shares)
 
     @property
     def local_batch(self) -> int:
@@ -417,7 +422,7 @@ class TokenLoader:
     def batch_at(self, first_sample: int, rows: slice | None = None) -> Batch:
         """The batch of global samples [first_sample, first_sample + global_batch), rows `rows`
         (default: this rank's rows). Does not move the data position."""
-        rows = rows or slice(self.dp_rank * self.local_batch, (self.dp_rank + 1) * self.local_batch)
+        rows = rows or self.rows or slice(self.dp_rank * self.local_batch, (self.dp_rank + 1) * self.local_batch)
         samples = first_sample + np.arange(self.global_batch)[rows]
         s = self.seq_len
         tokens = np.empty((len(samples), s + 1), dtype=np.int64)

@@ -88,12 +88,12 @@ def checkpoint_config(step: Path) -> TransformerConfig:
 
 def _stored_model_tensors(step: Path) -> dict[str, tuple[str, torch.Size, torch.dtype]]:
     """Full-model name -> (checkpoint key, global shape, dtype) of every model tensor."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from ..models.hf_load import canonical_name
+    from .safe_dcp import read_metadata
 
-    metadata = FileSystemReader(str(step)).read_metadata()
+    metadata = read_metadata(step)
     out = {}
     for key, md in metadata.state_dict_metadata.items():
         if key.startswith("model.") and isinstance(md, TensorStorageMetadata):
@@ -104,13 +104,14 @@ def _stored_model_tensors(step: Path) -> dict[str, tuple[str, torch.Size, torch.
 def _read(step: Path, entries: dict[str, tuple[str, torch.Size, torch.dtype]]) -> dict[str, torch.Tensor]:
     """The full tensors `entries` (name -> (key, shape, dtype)) of the checkpoint, in one DCP read."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
 
     from .checkpoint import _no_dist_kwarg, _quiet_single_process
+    from .safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 
     state = {key: torch.empty(shape, dtype=dtype) for key, shape, dtype in entries.values()}
     with _quiet_single_process():
-        dcp.load(state, storage_reader=FileSystemReader(str(step)), **_no_dist_kwarg(dcp.load))
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(step)), planner=SafeLoadPlanner(),
+                 **_no_dist_kwarg(dcp.load))
     return {name: state[key] for name, (key, _, _) in entries.items()}
 
 

@@ -10,6 +10,7 @@ the dtype that actually runs (fp32 on CPU).
 """
 from __future__ import annotations
 
+import json
 import logging
 import resource
 import sys
@@ -37,6 +38,13 @@ class StepRecord:
     predicted_step_time_s: float | None = None
     # Adaptive runs: the sequence-parallel group sizes of each micro-batch of the step plan.
     sp_groups: list[list[int]] | None = None
+    # Per rank (runtime/steptime.py): seconds in data loading, compute, communication and pipeline
+    # bubble, and MFU; None where not measured (compute and communication on CUDA).
+    data_s: list[float] | None = None
+    compute_s: list[float] | None = None
+    comm_s: list[float] | None = None
+    bubble_s: list[float] | None = None
+    rank_mfu: list[float] | None = None
     # MoE models: token-slots per expert of each MoE block, all-to-all bytes and router losses per
     # step (runtime/expert_parallel.py `moe_step_stats`).
     moe: dict | None = None
@@ -77,8 +85,8 @@ class PendingRecord:
     grad_norm: torch.Tensor | float
     lr: float
     span: StepSpan
-    peaks: list[torch.Tensor]
-    work: object  # the peak-memory all-gather in flight
+    peaks: list[torch.Tensor]  # per rank: [peak memory, data, compute, comm, bubble seconds]
+    work: object  # the all-gather in flight
     step_plan: object = None  # an adaptive run's step plan
     moe: dict | None = None
     rank_times_s: list[float] | None = None  # predicted compute per rank (balanced loader)
@@ -128,6 +136,22 @@ class StepClock:
         return span
 
 
+class EventWriter:
+    """Append one JSON line per event of the run (resume, restart, non-finite step, rollback,
+    probe, re-plan, stop) to `events.jsonl`; `tessera diagnose` reads it with the metrics."""
+
+    def __init__(self, path: str | Path | None):
+        self.path = Path(path) if path is not None else None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, event: str, step: int, **fields) -> None:
+        if self.path is None:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps({"event": event, "step": step, "time": time.time(), **fields}) + "\n")
+
+
 class MetricsWriter:
     """The run's records of each logged step and evaluation: one JSON line each, carrying the run
     id (`runs.MetricsFile`), TensorBoard scalars and Weights & Biases, each only when asked for and
@@ -155,6 +179,21 @@ class MetricsWriter:
             else:
                 # `id` + resume="allow": a resumed run continues the same W&B run.
                 self.wandb = wandb_module.init(resume="allow", **wandb)
+
+    def losses_after(self, step: int) -> dict[int, tuple[float, float]]:
+        """step -> (loss, gradient norm) of the training lines of steps after `step` (what a
+        resume drops)."""
+        out: dict[int, tuple[float, float]] = {}
+        if self.file is None or not self.file.path.exists():
+            return out
+        for line in self.file.path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+                if int(record["step"]) > step and "loss" in record:
+                    out[int(record["step"])] = (float(record["loss"]), float(record.get("grad_norm", "nan")))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # a torn line, an evaluation line
+        return out
 
     def truncate_after(self, step: int) -> int:
         """A resumed run: drop the JSONL lines of steps after `step` (see `runs.MetricsFile`)."""

@@ -85,11 +85,12 @@ class RunPaths:
         return self.dir / "tensorboard"
 
 
-def resolve_run(config, model_name: str, now: float | None = None):
+def resolve_run(config, model_name: str, now: float | None = None, continuing: bool = False):
     """(config with run.name, run.id, run.out, checkpoint.dir filled in, RunPaths).
 
     A resume of a run directory continues it (same directory, same id); otherwise `run.out` is
-    filled with {name} and {id} and must not already hold a run's metrics."""
+    filled with {name} and {id} and must not already hold a run's metrics, unless `continuing`
+    (the ranks of a restarted job, or `--resume auto`: the run goes on where it is)."""
     run, ckpt = config.run, config.checkpoint
     resumed = run_dir_of(ckpt.resume) if ckpt.resume else None
     name = run.name or _safe(model_name)
@@ -115,7 +116,7 @@ def resolve_run(config, model_name: str, now: float | None = None):
                 run_id = f"{run_id}-{n}"
         checkpoints = Path(ckpt.dir) if ckpt.dir else out / CHECKPOINTS
         metrics = out / METRICS_FILE
-        continuing = ckpt.resume and resumed == out
+        continuing = continuing or (ckpt.resume and resumed == out)
         if metrics.is_file() and metrics.stat().st_size and not continuing:
             raise TesseraError(f"run directory {out} already holds a run's metrics; continue it with "
                                f"--resume {out}, or give another --out or --run-id")
@@ -174,11 +175,12 @@ def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else float("inf")
 
 
-def agree_across_ranks(value):
+def agree_across_ranks(value, timeout=None):
     """Rank 0's `value` on every rank of a torchrun job (each rank passes its own; one rank: itself).
 
     Starts the default process group if torchrun started several ranks and none exists yet (the
-    trainer then uses it), with the backend the trainer would choose."""
+    trainer then uses it), with the backend the trainer would choose and the collectives' deadline
+    `timeout` (a timedelta; `ResilienceConfig.process_group_timeout`)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 or "RANK" not in os.environ:
         return value
@@ -188,7 +190,10 @@ def agree_across_ranks(value):
     if not dist.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        from .resilience import ResilienceConfig, init_rank_process_group
+
+        init_rank_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                timeout or ResilienceConfig().process_group_timeout)
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]

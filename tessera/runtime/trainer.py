@@ -33,12 +33,15 @@ from .expert_parallel import moe_step_stats
 from .grad_sync import settle_gradients
 from .materialize import materialize
 from .mesh import ParallelDims
-from .metrics import (MetricsWriter, PendingRecord, StepClock, StepRecord, model_flops_utilisation,
+from .metrics import (EventWriter, MetricsWriter, PendingRecord, StepClock, StepRecord, model_flops_utilisation,
                       peak_memory_bytes)
 from .optim import OptimConfig, build_optimizer, build_scheduler, clip_grad_norm_
 from .parallel_model import data_parallel_size, pad_sequences, sequence_multiple
 from .parallelize import Parallelized, check_plan_supported, parallelize, uses_ddp
 from .precision import autocast, compute_dtype, configure_matmul, fsdp_mixed_precision, peak_dtype
+from .resilience import ResilienceConfig, all_finite, init_rank_process_group
+from .steptime import StepTimer, rank_mfu
+from .stragglers import StragglerConfig
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +81,12 @@ class TrainConfig:
     adaptive_switching: bool = True  # length groups may switch ZeRO working mode and recompute
     long_documents: str = "error"  # adaptive: a document no plan holds is an "error", "skip" or "truncate"
     balance_data: bool = True  # packed rows to data-parallel ranks by predicted time (runtime/balanced_data.py)
+    # Recovery (runtime/resilience.py): hang timeout, non-finite policy; async checkpoints;
+    # stragglers (runtime/stragglers.py); `events_path`: the run's events.jsonl.
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
+    checkpoint_async: bool = True
+    stragglers: StragglerConfig = field(default_factory=StragglerConfig)
+    events_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -158,6 +167,12 @@ class Trainer:
         self.eval_loader = None
         self.metrics = (MetricsWriter(config.metrics_path, config.tensorboard_dir, config.run_id, config.wandb)
                         if self.rank == 0 else None)
+        self.events = EventWriter(config.events_path if self.rank == 0 else None)
+        self.timer = StepTimer(self.device, self.rank)
+        self.bad_step = False  # the last step's loss or gradient norm was not finite (not applied)
+        self.guard = None  # `train` starts it (runtime/guard.py)
+        self.redo: dict[int, tuple] = {}  # after a resume, rank 0: step -> (loss, grad norm) logged before it
+        self.redone: list[tuple[int, tuple, tuple]] = []
         # Read a logged step's figures after the next step is queued (`train`): on CUDA reading
         # them right away would leave the device idle while the host queues the next step.
         self.defer_records = self.device.type == "cuda"
@@ -173,8 +188,8 @@ class Trainer:
             backend = "gloo"
         self.owns_process_group = False
         if not dist.is_initialized():
-            if "RANK" in os.environ:
-                dist.init_process_group(backend)
+            if "RANK" in os.environ:  # a collective waiting past the hang deadline raises (gloo) or aborts (NCCL)
+                init_rank_process_group(backend, self.config.resilience.process_group_timeout)
             else:  # one process without torchrun: an in-memory store, no port to collide on
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
                 self.owns_process_group = True  # `close` ends it: nothing else in the process uses it
@@ -302,8 +317,10 @@ class Trainer:
         holdout = self.config.eval_fraction if self.config.eval_every else 0.0
         if self.config.synthetic_data:  # held-out batches: another seed's stream
             seed = self.config.seed if split == "train" else self.config.seed + 7_919
-            return SyntheticLoader(self.plan.model.config.vocab_size, w.seq_len, w.global_batch,
-                                   self.data_rank, self.data_size, seed)
+            loader = SyntheticLoader(self.plan.model.config.vocab_size, w.seq_len, w.global_batch,
+                                     self.data_rank, self.data_size, seed)
+            loader.rows = self.data_rows()
+            return loader
         from .data import build_dataloader
 
         tokenizer = None
@@ -314,7 +331,9 @@ class Trainer:
             tokenizer.check_fits(self.plan.model.config.vocab_size)
         # An adaptive run hands every rank the whole global batch (the step plan splits it); a
         # balanced one reads it whole too and keeps the rows the balancer gives this rank.
-        balance = self.adaptive is None and self.config.balance_data and self.data_size > 1
+        # Replicas of unequal speed take the plan's uneven shares instead (`Plan.batch_shares`).
+        balance = (self.adaptive is None and self.config.balance_data and self.data_size > 1
+                   and not self.plan.batch_shares)
         rank, size = (0, 1) if self.adaptive is not None or balance else (self.data_rank, self.data_size)
         loader = build_dataloader(self.config.data, w.seq_len, w.global_batch, rank, size,
                                   self.config.seed, pack=True, tokenizer=tokenizer, holdout=holdout, split=split)
@@ -327,6 +346,8 @@ class Trainer:
 
             lin, attn = plan_sequence_cost(self.plan)
             loader = BalancedLoader(loader, self.data_rank, self.data_size, self.plan.num_micro_batches, lin, attn)
+        elif self.adaptive is None:
+            loader.rows = self.data_rows()
         return loader
 
     # --- data placement ---------------------------------------------------------------------------
@@ -338,8 +359,19 @@ class Trainer:
     def data_rank(self) -> int:
         return self.dims.stage_rank(self.rank) // (self.plan.stage_size // self.data_size)
 
+    def data_rows(self) -> slice | None:
+        """This rank's rows of the global batch when replicas take uneven shares (`Plan.batch_shares`);
+        None: the equal block `data_rank` of `data_size`."""
+        if not self.plan.batch_shares:
+            return None
+        shares = self.plan.batch_shares
+        start = sum(shares[:self.data_rank])
+        return slice(start, start + shares[self.data_rank])
+
     def local_rows(self, global_batch: torch.Tensor) -> torch.Tensor:
         """This rank's block of a global-batch tensor (tests feed the same global batch everywhere)."""
+        if self.plan.batch_shares:
+            return global_batch[self.data_rows()]
         rows = global_batch.shape[0] // self.data_size
         return global_batch[self.data_rank * rows:(self.data_rank + 1) * rows]
 
@@ -362,8 +394,10 @@ class Trainer:
         """`train_step` queued on the device without waiting for it: the global batch's mean loss
         as a 0-dim tensor, which `float()` reads once the step is done. `num_targets`: the labels
         that are not -100 in the whole global batch, when some are (the loss is then their mean)."""
+        if num_targets is None and self.plan.batch_shares:  # uneven rows: the global count weighs them
+            num_targets = self.plan.workload.global_batch * tokens.shape[1]
         loss = self.compute_gradients(tokens, labels, positions, doc_ids, num_targets)
-        self.optimizer_step()
+        self.optimizer_step(loss)
         if self.placer is not None:
             self.placer.observe()
         return torch.as_tensor(loss)
@@ -419,16 +453,22 @@ class Trainer:
         peek = getattr(self.loader, "batch_at", None)
         next_batch = peek(self.loader.samples_seen) if peek is not None else None
         loss = self.adaptive.forward_backward(self.step, batch, next_batch)
-        self.optimizer_step()
+        self.optimizer_step(loss)
         return loss
 
-    def optimizer_step(self) -> None:
-        """Clip the global gradient norm, step every optimizer and LR schedule."""
+    def optimizer_step(self, loss=None) -> None:
+        """Clip the global gradient norm, step every optimizer and LR schedule. Given the step's
+        (global) loss, a step whose loss or gradient norm is not finite is not applied: its
+        gradients are dropped and `bad_step` is set (the loop decides what follows, see
+        runtime/resilience.py); the LR schedule still advances, as the step counter does."""
         pp_group = self.dims.mesh.get_group("pp") if self.plan.pipeline.degree > 1 else None
         self.grad_norm = clip_grad_norm_(self.params, self.config.optim.grad_clip, pp_group,
                                          skip_in_norm=self.tied_copies)
+        # Loss and norm are the same on every rank (reduced), so every rank decides alike.
+        self.bad_step = loss is not None and not all_finite(loss, self.grad_norm)
         for opt, sched in zip(self.optimizers, self.schedulers):
-            opt.step()
+            if not self.bad_step:
+                opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
 
@@ -462,29 +502,73 @@ class Trainer:
 
     # --- the loop ---------------------------------------------------------------------------------
     def train(self) -> list[StepRecord]:
-        """Resume if asked; then step, log and checkpoint until `steps`. Returns the logged records."""
-        self.maybe_resume()
-        if self.data_iter is None:
-            self.loader = self.build_data()
-            self.data_iter = iter(self.loader)
+        """Resume if asked (or after a restart: the latest valid checkpoint); then step, log and
+        checkpoint until `steps`, or until a SIGTERM (checkpoint, stop). Returns the logged records.
+        Around each step, `runtime/guard.py`: non-finite steps, hangs, stragglers."""
+        from .guard import TrainingGuard
+
+        self.guard = TrainingGuard(self)
+        try:
+            self.settle_ddp_buckets()
+            path = self.guard.resume_path()
+            if path is not None:
+                self.guard.load(path)
+                self._after_resume(path)
+            if self.data_iter is None:
+                self.loader = self.build_data()
+                self.data_iter = iter(self.loader)
+            return self._steps()
+        finally:
+            self.guard.close()
+
+    def settle_ddp_buckets(self) -> None:
+        """DDP reduces a process's first backward in one bucket of every gradient, and each later
+        one in buckets rebuilt in the order the gradients became ready: the sums round
+        differently, so the first step of a process would not equal the same step run later in a
+        longer one (a resumed run's first step against the uninterrupted run's). One backward of
+        a batch of zeros before the first step makes DDP rebuild its buckets first; its gradients
+        are dropped, nothing else changes (the model has no dropout; a resume restores the RNG)."""
+        module = self.parallel.module if self.parallel is not None else None
+        if module is None or not hasattr(module, "reducer") or self.world_size == 1 or self.placer is not None:
+            return
+        if type(self).compute_gradients is not Trainer.compute_gradients:  # a trainer with its own step's inputs
+            return
+        w = self.plan.workload
+        rows = self.data_rows()
+        count = rows.stop - rows.start if rows is not None else w.global_batch // self.data_size
+        zeros = torch.zeros(count, w.seq_len, dtype=torch.long)
+        self.compute_gradients(zeros, zeros.clone(), num_targets=w.global_batch * w.seq_len)
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+
+    def _steps(self) -> list[StepRecord]:
         records = []
         clock = StepClock(self.device)
         pending: PendingRecord | None = None
         while self.step < self.config.steps:
-            batch = next(self.data_iter)
+            self.timer.start()
+            with self.timer.data():
+                batch = next(self.data_iter)
             self._rank_times_s = getattr(batch, "rank_times_s", None)
             clock.start()
+            self.timer.compute_starts(self.step + 1)
             if self.adaptive is not None:
                 loss = self.adaptive_step(batch)
             else:
                 loss = self.run_batch(batch)
             self.step += 1
             span = clock.stop()
+            times = self.timer.stop(self.step)
             if pending is not None:  # the previous step's, now that this one is queued
                 records.append(self.log_step(pending))
                 pending = None
+            if self.bad_step:  # not applied: skip it, roll back, or stop (raises)
+                self.guard.on_bad_step(loss)
+                clock.restart()
+                continue
+            self.guard.good_step()
             if self.step % self.config.log_every == 0 or self.step == self.config.steps:
-                pending = self.pending_record(loss, span)
+                pending = self.pending_record(loss, span, times)
                 if not self.defer_records:
                     records.append(self.log_step(pending))
                     pending = None
@@ -492,14 +576,23 @@ class Trainer:
                 clock.restart()  # the evaluation is not the next step's time
             if self.maybe_checkpoint():
                 clock.restart()  # the save is not the next step's time
+            if self.guard.end_of_step(clock):
+                break
         if pending is not None:
             records.append(self.log_step(pending))
+        self.guard.finish()
         return records
 
-    def pending_record(self, loss, span) -> PendingRecord:
+    def pending_record(self, loss, span, times=None) -> PendingRecord:
         """What `log_step` will report about the step just queued, without waiting for it: its
-        loss and norm as device tensors, and every rank's peak memory being gathered (collective)."""
-        mine = torch.full((1,), peak_memory_bytes(self.device), dtype=torch.float64, device=self.device)
+        loss and norm as device tensors, and every rank's peak memory and step times being
+        gathered (collective)."""
+        nan = float("nan")
+        values = [peak_memory_bytes(self.device)]
+        values += [nan] * 4 if times is None else [
+            times.data_s, nan if times.compute_s is None else times.compute_s,
+            nan if times.comm_s is None else times.comm_s, times.bubble_s]
+        mine = torch.tensor(values, dtype=torch.float64, device=self.device)
         peaks = [torch.empty_like(mine) for _ in range(self.world_size)]
         work = dist.all_gather(peaks, mine, async_op=True)
         step_plan = self.adaptive.last_plan if self.adaptive is not None else None
@@ -513,13 +606,17 @@ class Trainer:
         pending.work.wait()
         elapsed = pending.span.seconds()
         tokens_per_s = self.plan.workload.tokens_per_step / elapsed
+        gathered = [t.tolist() for t in pending.peaks]
+        column = (lambda i: None if any(x[i] != x[i] for x in gathered) else [x[i] for x in gathered])  # NaN: not measured
+        peak = peak_dtype(self.dtype, self.device.type)
         record = StepRecord(
             step=pending.step, loss=float(pending.loss), lr=pending.lr, grad_norm=float(pending.grad_norm),
             step_time_s=elapsed, tokens_per_s=tokens_per_s,
-            mfu=model_flops_utilisation(self.plan, tokens_per_s, self.world_size,
-                                        peak_dtype(self.dtype, self.device.type)),
-            peak_memory_bytes=[float(t) for t in pending.peaks],
+            mfu=model_flops_utilisation(self.plan, tokens_per_s, self.world_size, peak),
+            peak_memory_bytes=[x[0] for x in gathered],
             predicted_step_time_s=self.plan.prediction.step_time_s if self.plan.prediction else None,
+            data_s=column(1), compute_s=column(2), comm_s=column(3), bubble_s=column(4),
+            rank_mfu=rank_mfu(self.plan, self.world_size, elapsed, self.plan.cluster.device.peak_flops.get(peak)),
             moe=pending.moe)
         if pending.step_plan is not None:
             record.predicted_step_time_s = pending.step_plan.predicted_time_s
@@ -527,10 +624,14 @@ class Trainer:
         times = pending.step_plan.unit_times() if pending.step_plan is not None else pending.rank_times_s
         if times:
             record.rank_time_max_s, record.rank_time_mean_s = max(times), sum(times) / len(times)
+        if self.guard is not None:
+            self.guard.observe(record)
         if self.rank == 0:
             log.info("step %d loss %.4f %.0f tok/s", record.step, record.loss, record.tokens_per_s)
             if self.metrics is not None:
                 self.metrics.write(record)
+            if self.redo:
+                self._check_redone(record)
             if self.on_step is not None:
                 self.on_step(record)
         return record
@@ -629,41 +730,121 @@ class Trainer:
                                  model_files=model_files(self.plan.model.config, self.config.init_from))
 
     def extra_state(self) -> dict:
-        state = {"step": self.step, "schedulers": [s.state_dict() for s in self.schedulers]}
+        """What a checkpoint holds beside the model and optimizer: step, LR schedule, data
+        position and this rank's RNG states (tensors and plain values only)."""
+        from .rng import rng_state
+
+        state = {"step": self.step, "schedulers": [s.state_dict() for s in self.schedulers], "rng": rng_state()}
         if self.loader is not None and hasattr(self.loader, "state_dict"):
             state["data"] = self.loader.state_dict()
         return state
 
     def maybe_checkpoint(self) -> bool:
-        """Save when due; returns whether it saved."""
+        """Save when due (only finite parameters, written in the background); returns whether it saved."""
         cfg = self.config
         every = cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
         if cfg.checkpoint_dir and (every or (cfg.checkpoint_final and self.step == cfg.steps)):
-            path = self._checkpoint_manager(cfg.checkpoint_dir).save(self.step, self.model_parts, self.optimizers,
-                                                                     self.extra_state())
-            self._event("save", step=self.step, path=str(path))
+            background = False
+            if self.guard is not None:
+                if not self.guard.save_checkpoint():
+                    return False
+                background = self.guard.manager.async_save
+            else:
+                self._checkpoint_manager(cfg.checkpoint_dir).save(self.step, self.model_parts, self.optimizers,
+                                                                  self.extra_state())
+            self._event("save", step=self.step, path=str(Path(cfg.checkpoint_dir) / f"step-{self.step}"),
+                        asynchronous=background)
             return True
         return False
 
-    def maybe_resume(self) -> None:
-        if not self.config.resume:
-            return
-        resume = Path(self.config.resume)
-        # Either a checkpoint directory (its latest step) or one `step-N` inside it.
-        is_step = resume.name.startswith("step-") and (resume / "manifest.json").exists()
-        manager = self._checkpoint_manager(str(resume.parent if is_step else resume))
-        extra = manager.load(self.model_parts, self.optimizers, path=resume if is_step else None)
+    def load_checkpoint(self, path, keep_data_position: bool = False) -> None:
+        """Load checkpoint `path` (a `step-N` directory) into the model, optimizers, schedules, RNG and
+        data position (kept as it is with `keep_data_position`: a rollback skips the bad batches)."""
+        from .rng import restore_rng_state
+
+        path = Path(path)
+        manager = self._checkpoint_manager(str(path.parent))
+        extra = manager.load(self.model_parts, self.optimizers, path=path)
         self.step = int(extra["step"])
         # The schedule depends on the step only; another plan may have other chunk counts.
         for sched in self.schedulers:
             sched.load_state_dict(extra["schedulers"][0])
+        if extra.get("_own_rank") and "rng" in extra:
+            restore_rng_state(extra["rng"])
+        if not keep_data_position:
+            self.loader = self.build_data()
+            if "data" in extra and hasattr(self.loader, "load_state_dict"):
+                self.loader.load_state_dict(extra["data"])
+            self.data_iter = iter(self.loader)
+        log.info("loaded %s: at step %d", path, self.step)
+
+    # --- switching plans (stragglers) -------------------------------------------------------------
+    def switch_plan(self, plan: Plan) -> str:
+        """Run `plan` from the next step, losing none. When only the data shares (and device speeds)
+        differ, the ranks take their new rows ("rebalanced"); otherwise the state goes through a DCP
+        checkpoint, the model is rebuilt under the new plan and loads it ("resharded")."""
+        check_plan_supported(plan, self.world_size, pipeline_available=_pipeline_available())
+        same_layout = (plan.layers == self.plan.layers and plan.pipeline == self.plan.pipeline
+                       and plan.num_micro_batches == self.plan.num_micro_batches)
+        if same_layout:
+            self.plan = plan
+            self._reload_data()
+            return "rebalanced"
+        from .checkpoint import CheckpointManager
+
+        where = Path(self.config.checkpoint_dir or Path(self.config.metrics_path or "runs").parent) / "replan"
+        manager = CheckpointManager(where, keep=1)
+        path = manager.save(self.step, self.model_parts, self.optimizers, self.extra_state())
+        self.plan = plan
+        self.dims = ParallelDims.from_plan(plan, self.world_size, self.device.type)
+        self.build_model()
+        self.build_optimizer()
+        self.load_checkpoint(path, keep_data_position=True)
+        self._reload_data()
+        if self.pipeline is not None:
+            from .steptime import hook_pipeline_waits
+
+            hook_pipeline_waits()
+        return "resharded"
+
+    def _reload_data(self) -> None:
+        """The data loader for the current plan (its rows per rank), at the same data position."""
+        if self.loader is None:
+            return
+        state = self.loader.state_dict() if hasattr(self.loader, "state_dict") else None
         self.loader = self.build_data()
-        if "data" in extra and hasattr(self.loader, "load_state_dict"):
-            self.loader.load_state_dict(extra["data"])
+        if state is not None and hasattr(self.loader, "load_state_dict"):
+            self.loader.load_state_dict(state)
         self.data_iter = iter(self.loader)
-        dropped = self.metrics.truncate_after(self.step) if self.metrics is not None else 0
-        log.info("resumed from %s at step %d", self.config.resume, self.step)
-        self._event("resume", step=self.step, path=str(resume), dropped_lines=dropped)
+        self.eval_loader = None  # built again for the new rows when next needed
+
+    def _after_resume(self, path: Path) -> None:
+        """The metrics lines of steps after the checkpoint are dropped (the file holds each step
+        once); their losses are kept to compare with the steps as computed again (`redone`)."""
+        dropped = 0
+        if self.metrics is not None:
+            self.redo = self.metrics.losses_after(self.step)
+            dropped = self.metrics.truncate_after(self.step)
+        self._event("resume", step=self.step, path=str(path), dropped_lines=dropped)
+
+    def _check_redone(self, record: StepRecord) -> None:
+        """A step computed before a failure and again after the resume: once past the last such
+        step, one `recomputed` event says whether the losses and gradient norms are the same, bit
+        for bit (the norm is of the reduced gradients: it shows a different reduction order)."""
+        before = self.redo.get(record.step)
+        if before is not None:
+            self.redone.append((record.step, before, (record.loss, record.grad_norm)))
+        if record.step >= max(self.redo):
+            same = all(a == b for _, a, b in self.redone)
+            self.events.write("recomputed", record.step, steps=[s for s, _, _ in self.redone], identical=same,
+                              losses_before=[a[0] for _, a, _ in self.redone],
+                              losses_after=[b[0] for _, _, b in self.redone],
+                              grad_norms_before=[a[1] for _, a, _ in self.redone],
+                              grad_norms_after=[b[1] for _, _, b in self.redone])
+            if not same:
+                log.warning("steps %s computed again after the resume have other losses than before",
+                            [s for s, a, b in self.redone if a != b])
+            self.redo, self.redone = {}, []
 
     def _event(self, kind: str, **info) -> None:
         if self.rank == 0 and self.on_event is not None:
@@ -699,6 +880,7 @@ class SyntheticLoader:
         self.vocab, self.seq_len, self.global_batch = vocab, seq_len, global_batch
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         self.step = 0
+        self.rows: slice | None = None  # uneven replica shares (Plan.batch_shares)
 
     @staticmethod
     def global_batch_at(vocab: int, seq_len: int, global_batch: int, seed: int, step: int):
@@ -723,7 +905,7 @@ class SyntheticLoader:
         step = first_sample // self.global_batch
         tokens, labels = self.global_batch_at(self.vocab, self.seq_len, self.global_batch, self.seed, step)
         rows = self.global_batch // self.dp_size
-        mine = slice(self.dp_rank * rows, (self.dp_rank + 1) * rows)
+        mine = self.rows or slice(self.dp_rank * rows, (self.dp_rank + 1) * rows)
         return SyntheticBatch(tokens=tokens[mine], labels=labels[mine])
 
     def state_dict(self) -> dict:

@@ -533,4 +533,11 @@ def search(model: ModelSpec, cluster: ClusterSpec, workload: Workload, options: 
     Raises NoFeasiblePlanError when no plan fits, TesseraError when the problem is larger than the
     search supports (`limits.py`)."""
     check_search_size(num_gpus=cluster.num_gpus, num_layers=len(model.layers), global_batch=workload.global_batch)
+    if cluster.device_speeds:  # devices of unequal speed: the strategies at full speed, then re-cut
+        from .replan import search_for_speeds
+
+        uniform = cluster.model_copy(update={"device_speeds": {}})
+        s = _Search(model, uniform, workload, options or SearchOptions())
+        return search_for_speeds(s.run, lambda: [x.plan.model_copy(update={"cluster": cluster}) for x in s.scored],
+                                 cluster)
     return _Search(model, cluster, workload, options or SearchOptions()).run()

@@ -114,6 +114,24 @@ class ClusterSpec(Frozen):
     # rank waiting in a pipeline bubble lends its cores to the others (see `cost.evaluate`).
     oversubscription: float = Field(default=1.0, ge=1)
     collectives: tuple[CollectiveCurve, ...] = ()
+    # Relative compute speed of devices that are not as fast as the rest, by global rank (a
+    # straggler measured at 0.5 runs its kernels in twice the time); absent ranks run at 1.0.
+    # The cost model slows each data-parallel replica's pipeline stages by their slowest device
+    # (cost/evaluate.py) and `search.replan` re-cuts layers and data around them (Malleus).
+    device_speeds: dict[int, float] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_speeds(self) -> "ClusterSpec":
+        for rank, speed in self.device_speeds.items():
+            if not 0 <= rank < self.num_gpus:
+                raise ValueError(f"device_speeds names rank {rank}, outside the cluster's {self.num_gpus} devices")
+            if not (math.isfinite(speed) and 0 < speed <= 1000):
+                raise ValueError(f"device_speeds[{rank}] must be a speed factor in (0, 1000], got {speed}")
+        return self
+
+    def speed(self, rank: int) -> float:
+        """Relative compute speed of the device of global rank `rank` (1.0 unless measured slower)."""
+        return self.device_speeds.get(rank, 1.0)
 
     @property
     def num_gpus(self) -> int:
@@ -133,10 +151,10 @@ class ClusterSpec(Frozen):
 
     def with_gpus(self, num_gpus: int) -> "ClusterSpec":
         """The same kind of cluster with another GPU count (whole nodes, or one partial node)."""
-        if num_gpus <= self.gpus_per_node:
-            return self.model_copy(update={"num_nodes": 1, "gpus_per_node": num_gpus})
+        if num_gpus <= self.gpus_per_node:  # device speeds name ranks of the old size: dropped
+            return self.model_copy(update={"num_nodes": 1, "gpus_per_node": num_gpus, "device_speeds": {}})
         if num_gpus % self.gpus_per_node:
             raise ValueError(
                 f"{num_gpus} GPUs is not a multiple of {self.gpus_per_node} GPUs per node"
             )
-        return self.model_copy(update={"num_nodes": num_gpus // self.gpus_per_node})
+        return self.model_copy(update={"num_nodes": num_gpus // self.gpus_per_node, "device_speeds": {}})

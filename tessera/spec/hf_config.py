@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,35 @@ def load_hf_config(path: str | Path, name: str | None = None) -> TransformerConf
     return hf_dict_to_config(read_hf_config_dict(file), name=name or default_name, source=str(file))
 
 
+# A field larger than this is not a model anyone trains (and would make the planner enumerate for ever).
+_MAX_SIZE = 1 << 31
+
+
+def _int(d: dict[str, Any], key: str, source: str, default: int | None = None, limit: int = _MAX_SIZE) -> int:
+    """A positive integer field (JSON 12 or 12.0; not true, "12" or 12.5), at most `limit`."""
+    value = d.get(key)
+    if value is None:
+        if default is None:
+            raise TesseraError(f"{source}: missing required field '{key}'")
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value != int(value):
+        raise TesseraError(f"{source}: {key} must be a whole number, got {value!r}")
+    if not 0 < value <= limit:
+        raise TesseraError(f"{source}: {key} must be between 1 and {limit:,}, got {value!r}")
+    return int(value)
+
+
+def _bool(d: dict[str, Any], key: str, default: bool, source: str) -> bool:
+    """A JSON true/false field: a string such as "no" is refused, not read as true."""
+    value = d.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise TesseraError(f"{source}: {key} must be true or false, got {value!r}")
+    return value
+
+
 def _rope_theta(d: dict[str, Any], default: float) -> float:
     params = d.get("rope_parameters") or {}
     if isinstance(params, dict) and "rope_theta" in params:
@@ -116,7 +146,7 @@ def hf_dict_to_config(d: dict[str, Any], name: str = "hf-model", source: str = "
     if model_type is None:
         raise TesseraError(f"{source}: missing required field 'model_type' "
                            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    if model_type not in ARCHITECTURES:
+    if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
         raise TesseraError(f"{source}: unsupported model_type '{model_type}'; "
                            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     required = _GPT2_REQUIRED if model_type == "gpt2" else _LLAMA_LIKE_REQUIRED
@@ -125,7 +155,10 @@ def hf_dict_to_config(d: dict[str, Any], name: str = "hf-model", source: str = "
             raise TesseraError(f"{source}: missing required field '{key}' for model_type '{model_type}'")
     for feature in unsupported_features(d):
         log.warning("%s: %s is not computed by the Tessera model (planning is unaffected)", source, feature)
-    fields = _gpt2_fields(d, source) if model_type == "gpt2" else _llama_like_fields(d, model_type, source)
+    try:
+        fields = _gpt2_fields(d, source) if model_type == "gpt2" else _llama_like_fields(d, model_type, source)
+    except (TypeError, ValueError) as e:  # e.g. a number field holding a list
+        raise TesseraError(f"{source}: a field has the wrong type ({str(e).splitlines()[0]})") from None
     try:
         return TransformerConfig(name=name, family=model_type, **fields)
     except ValidationError as e:
@@ -135,7 +168,7 @@ def hf_dict_to_config(d: dict[str, Any], name: str = "hf-model", source: str = "
 
 def _llama_like_fields(d: dict[str, Any], model_type: str, source: str) -> dict[str, Any]:
     defaults = _LLAMA_LIKE_DEFAULTS[model_type]
-    hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
+    hidden, heads = _int(d, "hidden_size", source), _int(d, "num_attention_heads", source)
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise TesseraError(f"{source}: hidden_act '{act}' is not supported (Tessera's gated MLP uses 'silu')")
@@ -143,23 +176,25 @@ def _llama_like_fields(d: dict[str, Any], model_type: str, source: str) -> dict[
     if head_dim is not None and heads and int(head_dim) * heads != hidden:
         raise TesseraError(f"{source}: head_dim={head_dim} differs from hidden_size/num_attention_heads="
                            f"{hidden}/{heads}, which the Tessera model does not support")
-    attention_bias, mlp_bias = bool(d.get("attention_bias", False)), bool(d.get("mlp_bias", False))
+    attention_bias, mlp_bias = _bool(d, "attention_bias", False, source), _bool(d, "mlp_bias", False, source)
     if attention_bias != mlp_bias:
         raise TesseraError(f"{source}: attention_bias={attention_bias} with mlp_bias={mlp_bias} is not "
                            "supported (both or neither)")
     fields: dict[str, Any] = dict(
-        vocab_size=int(d["vocab_size"]), hidden=hidden, num_layers=int(d["num_hidden_layers"]),
-        num_heads=heads, num_kv_heads=int(d.get("num_key_value_heads") or heads),
-        ffn_hidden=int(d["intermediate_size"]),
-        max_seq_len=int(d.get("max_position_embeddings") or defaults["max_position_embeddings"]),
+        vocab_size=_int(d, "vocab_size", source), hidden=hidden,
+        num_layers=_int(d, "num_hidden_layers", source),
+        num_heads=heads, num_kv_heads=_int(d, "num_key_value_heads", source, default=heads),
+        ffn_hidden=_int(d, "intermediate_size", source),
+        max_seq_len=_int(d, "max_position_embeddings", source, default=defaults["max_position_embeddings"]),
         norm="rmsnorm", norm_eps=float(d.get("rms_norm_eps", defaults["rms_norm_eps"])), mlp="swiglu",
         position="rope", rope_theta=_rope_theta(d, defaults["rope_theta"]),
         # Qwen2 always has biases on q, k, v (and on nothing else).
         qkv_bias=model_type in ("qwen2", "qwen2_moe") or attention_bias, linear_bias=attention_bias and mlp_bias,
-        tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+        tie_embeddings=_bool(d, "tie_word_embeddings", False, source),
     )
     if model_type == "mixtral":
-        fields.update(num_experts=int(d.get("num_local_experts", 8)), top_k=int(d.get("num_experts_per_tok", 2)),
+        fields.update(num_experts=_int(d, "num_local_experts", source, default=8),
+                      top_k=_int(d, "num_experts_per_tok", source, default=2),
                       router_aux_loss_coef=float(d.get("router_aux_loss_coef", _ROUTER_AUX_LOSS_COEF)))
     if model_type == "qwen2_moe":
         fields.update(_qwen2_moe_fields(d, source))
@@ -186,10 +221,11 @@ def _qwen2_moe_fields(d: dict[str, Any], source: str) -> dict[str, Any]:
     if step != 1 or dense:
         raise TesseraError(f"{source}: decoder_sparse_step={step} / mlp_only_layers={dense} (dense layers among "
                            "the MoE layers) is not supported: Tessera's Qwen2-MoE has experts in every layer")
-    return dict(num_experts=int(d.get("num_experts", 60)), top_k=int(d.get("num_experts_per_tok", 4)),
-                ffn_hidden=int(d.get("moe_intermediate_size", 1408)), router="softmax_topk",
-                norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-                shared_expert_ffn=int(d.get("shared_expert_intermediate_size", 5632)),
+    return dict(num_experts=_int(d, "num_experts", source, default=60),
+                top_k=_int(d, "num_experts_per_tok", source, default=4),
+                ffn_hidden=_int(d, "moe_intermediate_size", source, default=1408), router="softmax_topk",
+                norm_topk_prob=_bool(d, "norm_topk_prob", False, source),
+                shared_expert_ffn=_int(d, "shared_expert_intermediate_size", source, default=5632),
                 router_aux_loss_coef=float(d.get("router_aux_loss_coef", _ROUTER_AUX_LOSS_COEF)))
 
 
@@ -198,13 +234,15 @@ def _gpt2_fields(d: dict[str, Any], source: str) -> dict[str, Any]:
     if act not in _TANH_GELU:
         raise TesseraError(f"{source}: activation_function '{act}' is not supported "
                            f"(the Tessera GPT-2 MLP computes {'/'.join(_TANH_GELU)})")
-    hidden = int(d["n_embd"])
+    hidden = _int(d, "n_embd", source)
     return dict(
-        vocab_size=int(d["vocab_size"]), hidden=hidden, num_layers=int(d["n_layer"]),
-        num_heads=int(d["n_head"]), num_kv_heads=int(d["n_head"]),
-        ffn_hidden=int(d.get("n_inner") or 4 * hidden), max_seq_len=int(d.get("n_positions", 1024)),
+        vocab_size=_int(d, "vocab_size", source), hidden=hidden,
+        num_layers=_int(d, "n_layer", source),
+        num_heads=_int(d, "n_head", source), num_kv_heads=_int(d, "n_head", source),
+        ffn_hidden=_int(d, "n_inner", source, default=4 * hidden),
+        max_seq_len=_int(d, "n_positions", source, default=1024),
         norm="layernorm", norm_eps=float(d.get("layer_norm_epsilon", 1e-5)), mlp="gelu",
-        position="learned", linear_bias=True, tie_embeddings=bool(d.get("tie_word_embeddings", True)),
+        position="learned", linear_bias=True, tie_embeddings=_bool(d, "tie_word_embeddings", True, source),
     )
 
 

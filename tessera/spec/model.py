@@ -278,6 +278,24 @@ class ModelSpec(Frozen):
     layers: tuple[LayerSpec, ...]
     config: TransformerConfig | None = None
 
+    @model_validator(mode="after")
+    def _check_config(self) -> "ModelSpec":
+        """The layers are the config's: a file whose config says one model and whose layers say
+        another would train the one and be priced as the other."""
+        if self.config is None:
+            return self
+        want = ModelSpec.from_config(self.config).layers
+        have = self.layers
+        if len(want) != len(have):
+            raise ValueError(f"model.config describes {len(want)} layers (with embedding and head), "
+                             f"model.layers has {len(have)}")
+        for i, (a, b) in enumerate(zip(want, have)):
+            if (a.kind, a.hidden, a.params) != (b.kind, b.hidden, b.params):
+                raise ValueError(f"model.layers[{i}] ({b.name}: {b.kind.value}, hidden {b.hidden}, {b.params:,} "
+                                 f"parameters) is not what model.config describes ({a.kind.value}, hidden "
+                                 f"{a.hidden}, {a.params:,} parameters)")
+        return self
+
     @property
     def num_params(self) -> int:
         """Parameters of the model, a tied weight counted once (the LM head's copy of the
@@ -303,7 +321,8 @@ class ModelSpec(Frozen):
         layers = [embedding_layer(config, way)]
         layers += [block_layer(config, i, way) for i in range(config.num_layers)]
         layers.append(head_layer(config, way))
-        return cls(name=config.name, layers=tuple(layers), config=config)
+        # Built from the config: consistent by construction (and `_check_config` builds one).
+        return cls.model_construct(name=config.name, layers=tuple(layers), config=config)
 
 
 def _norm_params(c: TransformerConfig) -> int:
