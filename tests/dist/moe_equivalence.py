@@ -133,10 +133,10 @@ def check(name: str, config: TransformerConfig, plan, placement: bool | str = Fa
     captured = {}
     step_fn = trainer.optimizer_step
 
-    def optimizer_step():  # the gradients the optimizer is about to use (before clipping)
+    def optimizer_step(loss=None):  # the gradients the optimizer is about to use (before clipping)
         if not captured:
             captured.update(full_grads(trainer))
-        step_fn()
+        step_fn(loss)
         captured.setdefault("__norm__", float(trainer.grad_norm))
 
     trainer.optimizer_step = optimizer_step
