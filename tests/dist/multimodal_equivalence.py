@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from runtime_common import LLAMA, OPTIM, S, make_plan  # noqa: E402
+from runtime_common import LLAMA, OPTIM, S, make_plan, train_one_process  # noqa: E402
 
 from tessera.models.vision import build_vlm  # noqa: E402
 from tessera.runtime.image_data import ImageTextLoader, load_image_text  # noqa: E402
@@ -57,22 +57,10 @@ def reference_gradients(vlm):
 
 
 def reference_losses(vlm, steps: int):
-    model = build_vlm(vlm, seed=0)
     optim = OptimConfig(**{**OPTIM.__dict__, "total_steps": steps})
-    opt, losses = build_optimizer(model.parameters(), optim), []
-    sched = build_scheduler(opt, optim)
     loader = ImageTextLoader(load_image_text(DATA), vlm, SEQ, BATCH)
-    for _ in range(steps):
-        b = next(loader)
-        loss = torch.nn.functional.cross_entropy(model(b.tokens, b.images).flatten(0, 1), b.labels.flatten(),
-                                                 ignore_index=-100)
-        loss.backward()
-        clip_grad_norm_(list(model.parameters()), optim.grad_clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
+    batches = [(b.tokens, b.labels, b.images) for b in (next(loader) for _ in range(steps))]
+    return train_one_process(build_vlm(vlm, seed=0), optim, batches)
 
 
 _GRADS: dict = {}

@@ -67,7 +67,12 @@ _REFERENCE: dict = {}
 def one_process_losses(config: TransformerConfig, optim: OptimConfig, batches) -> list[float]:
     """One process, plain model: the trainer's AdamW, LR schedule and clipping on `batches`, each
     (tokens, labels) or (tokens, labels, positions, mask)."""
-    model = build_model(config, seed=0)
+    return train_one_process(build_model(config, seed=0), optim, batches)
+
+
+def train_one_process(model, optim: OptimConfig, batches) -> list[float]:
+    """AdamW steps of `model` on `batches` ((tokens, labels, *model inputs)), as the trainer steps
+    (its optimizer, LR schedule and clipping); the loss of each step."""
     opt = build_optimizer(model.parameters(), optim)
     sched = build_scheduler(opt, optim)
     losses = []
