@@ -301,11 +301,16 @@ class AdaptiveStepRunner:
         dist.all_reduce(local)
         return float(local) / self.tp / max(total_targets, 1)
 
+    @property
+    def unit(self) -> tuple[int, ...]:
+        """The tp ranks of this rank's unit (consecutive ranks)."""
+        first = self.rank - self.rank % self.tp
+        return tuple(range(first, first + self.tp))
+
     def evaluation_rows(self, rows: int) -> slice:
         """Forward-only evaluation: every unit of tp ranks runs its own share of `rows` alone (its
         attention cores on the unit's own sequence group, no recompute); the rows of this rank."""
-        unit = tuple(range(self.rank - self.rank % self.tp, self.rank - self.rank % self.tp + self.tp))
-        group = self.groups.sequence_group(unit, self.rank)
+        group = self.groups.sequence_group(self.unit, self.rank)
         for core in self.cores:
             core.group = group
         self.recompute.mode = Recompute.NONE
@@ -315,8 +320,7 @@ class AdaptiveStepRunner:
     def _run_group(self, group, samples, device, no_sync: bool) -> torch.Tensor:
         """Forward and backward of this rank's slice of its group; returns its summed token loss."""
         units = len(group.ranks) // self.tp if group.sequences else 1  # idle: alone in its unit
-        unit = tuple(range(self.rank - self.rank % self.tp, self.rank - self.rank % self.tp + self.tp))
-        ulysses = self.groups.sequence_group(group.ranks if group.sequences else unit, self.rank)
+        ulysses = self.groups.sequence_group(group.ranks if group.sequences else self.unit, self.rank)
         for core in self.cores:
             core.group = ulysses
         self.recompute.mode = Recompute(group.recompute or self.default_recompute)
