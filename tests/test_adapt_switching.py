@@ -148,6 +148,8 @@ def test_cost_model_of_a_plan_and_what_it_refuses():
     assert costs.default.degrees.tolist() == [1, 2, 4, 8, 16]  # 32 heads over 2 TP ranks: 16 each
     with pytest.raises(TesseraError, match="without pipeline parallelism"):
         cost_model(LLAMA, cluster, manual_plan(LLAMA, cluster, workload, pp=2, zero=1))
+    with pytest.raises(TesseraError, match="does not run expert parallelism, context parallelism or offload"):
+        layout_of_plan(manual_plan(LLAMA, cluster, workload, cp=2, zero=1))
 
 
 def test_profiled_overheads_reach_the_groups():
