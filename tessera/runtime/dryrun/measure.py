@@ -194,6 +194,14 @@ def _skip_pipeline_setup(trainer, counter: CollectiveCounter) -> bool:
     return True
 
 
+def _step_whatever_the_values(trainer) -> None:
+    """The fake process group leaves collective outputs unwritten (any bytes, NaN included), so a
+    materialized rank's loss and norm mean nothing: the optimizer steps as the plan does, and the
+    non-finite guard (for real runs) is not consulted."""
+    step_as_planned = trainer.optimizer_step
+    trainer.optimizer_step = lambda *_: step_as_planned()
+
+
 def measure_rank(plan: Plan, rank: int, materialize: bool = False, step: bool = True) -> RankMeasurement:
     """Build and step `rank` of the plan in a fake world (see the module docstring).
 
@@ -209,6 +217,7 @@ def measure_rank(plan: Plan, rank: int, materialize: bool = False, step: bool = 
             start = time.perf_counter()
             trainer = rank_trainer(plan, rank)
             _register_fake_backend_hooks(trainer)
+            _step_whatever_the_values(trainer)
             built = time.perf_counter()
             tokens, labels = step_batch(trainer, fake=not materialize)
             probe = StateProbe(trainer.model_parts, trainer.optimizers, plan.workload.dtype)
