@@ -217,6 +217,8 @@ def h100_case(row: H100Row, device_note: bool = False):
     if device_note:  # torchtitan's H100s: 96 GB of HBM2e at 2.4 TB/s (compute as the SXM's, see the docstring)
         cluster = cluster.model_copy(update={"device": cluster.device.model_copy(
             update={"name": "h100-96gb-hbm2e", "memory_bytes": 96e9, "memory_bandwidth": 2.4e12})})
+    # Gradients in fp32 (the default): Llama 3 accumulated gradients over micro-batches and
+    # reduce-scattered them in FP32 (paper, section 3.3.4); torchtitan's FSDP2 reduces in fp32.
     workload = Workload(global_batch=row.batch, seq_len=row.seq, dtype="bf16")
     plan = manual_plan(model, cluster, workload, tp=row.tp, pp=row.pp, zero=row.zero, sp=row.sp,
                        recompute=row.recompute, micro_batch_size=row.micro_batch,
@@ -282,7 +284,9 @@ def main() -> None:
     print(f"{'model':>8} {'GPUs':>5} {'TP':>3} {'PP':>3} {'v':>2} {'MBS':>4} {'GBS':>5} | " + HEADER)
     for row in SC21:
         model, cluster = model_of(row), make_cluster("a100-80gb", row.gpus)
-        workload = Workload(global_batch=row.batch, seq_len=SEQ, dtype="fp16")
+        # Gradients in fp16: Megatron-LM forces fp32 gradient accumulation and all-reduce for bf16
+        # only; CONFIG.sh's --fp16 runs without --accumulate-allreduce-grads-in-fp32.
+        workload = Workload(global_batch=row.batch, seq_len=SEQ, dtype="fp16", grad_dtype="fp16")
         plan = published_plan(row, model, cluster, workload)
         units = lambda step, row=row: megatron_flops(row) / step / row.gpus / 1e12  # noqa: E731
         line = score(a100, row.tflops, units(plan.prediction.step_time_s), plan, units, model, cluster, workload,

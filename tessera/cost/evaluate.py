@@ -74,7 +74,7 @@ def _simulate(plan: Plan, ctx: StepContext, costs: list[LayerCosts]) -> tuple[Sc
         f = sum(_scalar(costs[i], "fwd") for i in range(start, end))
         b = sum(_scalar(costs[i], "bwd") for i in range(start, end))
         w = sum(_scalar(costs[i], "wgrad") for i in range(start, end))
-        for i in range(start + 1, end):
+        for i in range(max(start, 1), end):  # a chunk re-shards its input to its first layer too
             trans = transition_time(plan.model.layers[i].hidden, shape_key(plan.layers[i - 1]),
                                     shape_key(plan.layers[i]), ctx)
             f += trans / 2
