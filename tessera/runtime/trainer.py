@@ -344,10 +344,12 @@ class Trainer:
         pp_group = self.dims.mesh.get_group("pp") if self.plan.pipeline.degree > 1 else None
         self.grad_norm = clip_grad_norm_(self.params, self.config.optim.grad_clip, pp_group,
                                          skip_in_norm=self.tied_copies)
+        # DDP's gradients are views into its buckets: zeroed in place (no second copy next step).
+        in_buckets = self.parallel is not None and self.parallel.grads_in_buckets
         for opt, sched in zip(self.optimizers, self.schedulers):
             opt.step()
             sched.step()
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=not in_buckets)
 
     def forward_backward(self, tokens, labels, positions, doc_ids) -> float:
         n = self.plan.num_micro_batches
