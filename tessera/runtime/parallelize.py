@@ -348,12 +348,15 @@ def parallelize(model: Transformer, plan: Plan, dims: ParallelDims, rank: int,
     if last is not None:
         units.append(([chunk.norm] if tied and not untie else [chunk.norm, chunk.output], last))
     unsharded: set[nn.Parameter] = set()  # parameters of layers that live on one rank (dp * sp = 1)
+    in_order: list[ShardedUnit] = []  # the plan layers' units in forward order
     for modules, s in units:
         experts = shard_experts(modules[0], s, plan, dims, mp_policy, result) if len(modules) == 1 else False
         kw = _fsdp_kwargs(s, dims, mp_policy)
         if kw is not None:
             fully_shard(modules[0] if len(modules) == 1 else modules, **kw)
             result.sync.units.append(ShardedUnit(modules[0], s.zero))  # a unit's modules share its state
+            in_order.append(result.sync.units[-1])
+            sharded_kw = kw
         else:
             unsharded.update(p for m in modules for p in m.parameters())
         _note_rescale(result, dense_modules(modules[0]) if experts else modules, s, pieces)
@@ -361,7 +364,30 @@ def parallelize(model: Transformer, plan: Plan, dims: ParallelDims, rank: int,
     if kw is not None:
         fully_shard(chunk, **kw, **({"ignored_params": unsharded} if unsharded else {}))
         result.sync.units.append(ShardedUnit(chunk, root.zero))
+        # The root's own parameters: the embedding's (first in forward), else a tied head's (last).
+        in_order.insert(0 if first is not None else len(in_order), result.sync.units[-1])
+    elif in_order:
+        # The root's parameters live on one rank, but FSDP2 needs one root over its units (a unit
+        # of several modules cannot be a root): a root that shards none of its own.
+        in_units = {p for modules, _ in units for m in modules for p in m.parameters()}
+        ignored = unsharded | {p for p in chunk.parameters() if p not in in_units}
+        fully_shard(chunk, **sharded_kw, ignored_params=ignored)
+        result.sync.units.append(ShardedUnit(chunk, in_order[-1].zero))
+    _backward_prefetch(in_order)
     return result
+
+
+def _backward_prefetch(order: list[ShardedUnit]) -> None:
+    """Each unit's backward prefetches the unit before it in forward order when that one is
+    ZeRO-3 (the gather the contract prices), else nothing (the unit prefetches itself: a no-op).
+
+    FSDP2's default walks its post-forward order, which spans the micro-batches of a step: the
+    first unit of a micro-batch's backward would gather the previous micro-batch's last unit
+    again after the step's last backward resharded it (one all-gather and an unsharded copy the
+    contract does not have)."""
+    for prev, unit in zip([None] + order[:-1], order):
+        target = prev if prev is not None and prev.zero >= 3 else unit
+        unit.module.set_modules_to_backward_prefetch([target.module])
 
 
 def _note_rescale(result: Parallelized, modules: list[nn.Module], s: LayerStrategy, pieces: int) -> None:
