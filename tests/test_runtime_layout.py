@@ -135,6 +135,9 @@ def test_refusals_name_the_field():
         check_plan_supported(make_plan(LLAMA, 4, S(dp=2), num_micro_batches=2, stages=((0, 3), (3, 6))), 4)
     with pytest.raises(TesseraError, match=r"plan.layers\[1\] \(block0\).tp=4 does not divide the 4 heads / 2 KV"):
         check_plan_supported(make_plan(LLAMA, 4, S(tp=4)), 4)
+    one_mb = make_plan(LLAMA, 4, S(dp=2), num_micro_batches=1, stages=((0, 3), (3, 6)))
+    with pytest.raises(TesseraError, match="plan.num_micro_batches=1: schedule 1f1b needs at least pipeline.degree=2"):
+        check_plan_supported(one_mb, 4, pipeline_available=True)
     with pytest.raises(TesseraError, match="offload_optimizer needs zero"):
         check_plan_supported(make_plan(LLAMA, 4, S(dp=4).model_copy(update={"offload_optimizer": True})), 4)
 

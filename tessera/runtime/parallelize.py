@@ -43,7 +43,7 @@ from torch import nn
 
 from ..errors import TesseraError
 from ..models.transformer import Transformer
-from ..plan import LayerStrategy, Plan, Recompute, SPKind
+from ..plan import LayerStrategy, Plan, Recompute, Schedule, SPKind
 from ..spec.model import LayerKind
 from .expert_parallel import check_moe_layer, dense_modules, parallelize_moe, shard_experts
 from .grad_sync import GradSync, ShardedUnit, sum_tied_gradients
@@ -73,6 +73,10 @@ def check_plan_supported(plan: Plan, world_size: int | None = None, *, pipeline_
     if plan.pipeline.degree > 1 and not pipeline_available:
         raise TesseraError(f"plan.pipeline.degree={plan.pipeline.degree}: pipeline parallelism is not "
                            "available in this runtime build")
+    pipe = plan.pipeline
+    if pipe.degree > 1 and pipe.schedule == Schedule.ONE_F_ONE_B and plan.num_micro_batches < pipe.degree:
+        raise TesseraError(f"plan.num_micro_batches={plan.num_micro_batches}: schedule 1f1b needs at least "
+                           f"pipeline.degree={pipe.degree} micro-batches (use gpipe or zero_bubble)")
     for i, s in enumerate(plan.layers):
         where = f"plan.layers[{i}] ({plan.model.layers[i].name})"
         check_moe_layer(plan, i, s, where)
