@@ -39,8 +39,13 @@ configuration is given in full:
   Llama 3 405B pre-training on 8,192 and 16,384 H100-80GB (700 W, HBM3; 8 per server over
   NVLink, 400 Gb/s RoCE per GPU: the DGX-H100 preset's figures), TP 8, PP 16, CP 1, BF16,
   sequences of 8,192 tokens, 16M tokens per batch (32 and 16 sequences per data-parallel
-  replica: global batch 2,048), 430 and 400 TFLOP/s per GPU. Its third row (CP 16 at 131K
-  tokens) needs context parallelism: not encoded. As the paper describes the run (section
+  replica: global batch 2,048), 430 and 400 TFLOP/s per GPU; and its third row, the long-context
+  stage: 16,384 GPUs, TP 8, CP 16, PP 16, DP 8, sequences of 131,072 tokens, 16 per replica
+  (global batch 128, 16M tokens), 380 TFLOP/s per GPU, encoded like the other two (ZeRO-2, no
+  recomputation, v = 2, one sequence per micro-batch, Megatron SP) with the plan's context
+  parallelism, which the runtime runs as ring attention (the paper's CP all-gathers K/V instead,
+  section 3.3.2; with grouped-query attention both move little next to the attention they
+  overlap: the cost model prices the ring). As the paper describes the run (section
   3.3.2): FSDP sharding optimizer states and gradients but not re-sharding parameters after the
   forward, gradients accumulated over the micro-batches in FP32 and then reduce-scattered in FP32
   (section 3.3.4): one reduce-scatter per step, ZeRO-1 in Tessera's contract (ZeRO-2 would
@@ -143,6 +148,7 @@ class H100Row:
     kernels: str
     published_tflops: float = 0.0  # as published, in the source's units
     published_tokens_per_gpu: float = 0.0  # torchtitan publishes tokens/s per GPU
+    cp: int = 1  # context-parallel degree
 
 
 # Llama 3 paper, Table 4 (see the module docstring for what is read and what is chosen).
@@ -151,6 +157,8 @@ LLAMA3 = [
             published_tflops=430),
     H100Row("Llama3 405B", "llama3-405b", 16384, 8, 16, 2, 2048, 1, 8192, 1, "megatron", "none", "fused",
             published_tflops=400),
+    H100Row("Llama3 405B CP16", "llama3-405b", 16384, 8, 16, 2, 128, 1, 131072, 2, "megatron", "none", "fused",
+            published_tflops=380, cp=16),
 ]
 # torchtitan, benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3, BF16 rows (not scored).
 TORCHTITAN = [
@@ -225,7 +233,7 @@ def h100_case(row: H100Row, device_note: bool = False):
     plan = manual_plan(model, cluster, workload, tp=row.tp, pp=row.pp, zero=row.zero, sp=row.sp,
                        recompute=row.recompute, micro_batch_size=row.micro_batch,
                        schedule="interleaved_1f1b" if row.virtual > 1 else "1f1b", virtual_stages=row.virtual,
-                       name="published")
+                       name="published", cp=row.cp)
     if row.pp > 1:
         plan = equal_chunks(plan, row.pp * row.virtual)
     return cfg, plan
@@ -299,15 +307,15 @@ def main() -> None:
 
     print("\nH100 — Llama 3 paper Table 4 (BF16; NVIDIA publishes Megatron-Core's H100 dense rows as FP8 only, "
           "see the docstring), teraFLOP/s per GPU by 6N + 12LHQT")
-    print(f"{'model':>19} {'GPUs':>5} {'TP':>3} {'PP':>3} {'v':>2} {'MBS':>4} {'GBS':>5} | " + HEADER)
+    print(f"{'model':>19} {'GPUs':>5} {'TP':>3} {'CP':>3} {'PP':>3} {'v':>2} {'MBS':>4} {'GBS':>5} | " + HEADER)
     for row in LLAMA3:
         cfg, plan = h100_case(row)
         per_token = palm_flops_per_token(cfg, row.seq)
         units = lambda step, row=row, k=per_token: row.batch * row.seq / step / row.gpus * k / 1e12  # noqa: E731
         line = score(h100, row.published_tflops, units(plan.prediction.step_time_s), plan, units, plan.model,
                      plan.cluster, plan.workload, not args.no_search)
-        print(f"{row.label:>19} {row.gpus:>5} {row.tp:>3} {row.pp:>3} {row.virtual:>2} {row.micro_batch:>4} "
-              f"{row.batch:>5} | " + line, flush=True)
+        print(f"{row.label:>19} {row.gpus:>5} {row.tp:>3} {row.cp:>3} {row.pp:>3} {row.virtual:>2} "
+              f"{row.micro_batch:>4} {row.batch:>5} | " + line, flush=True)
     print(f"H100: spearman={h100.spearman():.2f} over {len(LLAMA3)} rows")
     print("\nReference, not scored — torchtitan Dec 2024 BF16 rows (op-level selective checkpointing and a 500 W "
           "HBM2e H100: outside the plan space and the presets; nearest plan: selective recompute, SXM compute)")
@@ -316,8 +324,8 @@ def main() -> None:
         per_token = palm_flops_per_token(cfg, row.seq)
         pub = row.published_tokens_per_gpu * per_token / 1e12
         pred = row.batch * row.seq / plan.prediction.step_time_s / row.gpus * per_token / 1e12
-        print(f"{row.label:>19} {row.gpus:>5} {row.tp:>3} {row.pp:>3} {row.virtual:>2} {row.micro_batch:>4} "
-              f"{row.batch:>5} | {pub:>9.0f} {pred:>9.1f} {100 * (pred / pub - 1):>+6.1f}%  "
+        print(f"{row.label:>19} {row.gpus:>5} {row.tp:>3} {row.cp:>3} {row.pp:>3} {row.virtual:>2} "
+              f"{row.micro_batch:>4} {row.batch:>5} | {pub:>9.0f} {pred:>9.1f} {100 * (pred / pub - 1):>+6.1f}%  "
               f"({row.published_tokens_per_gpu:,.0f} tokens/s/GPU published, {row.kernels} kernels)")
     print("\npublished/predicted in each table's units; GiB: the predicted peak ('!': above the planner's budget); "
           "search: the free search's plan in the same units; time s: process time on this machine")

@@ -6,11 +6,21 @@ laid out on the mesh, and what the cost model predicts. It is a frozen, versione
 `tessera plan -o plan.json` writes one and `tessera train --plan plan.json` executes it, never
 re-deciding anything. A plan made by hand (`--dp 4 --tp 2`) or a baseline is the same object.
 
-Rank layout (outermost to innermost mesh axis): pp, dp, sp, tp — tensor parallel innermost, so
+Rank layout (outermost to innermost mesh axis): pp, dp, cp, sp, tp — tensor parallel innermost, so
 that it stays inside a node. Inside a pipeline stage every layer uses all `world / pp` ranks of
-the stage: `dp * sp * tp == world / pp` for each layer, where `sp` is the Ulysses degree (1 when
-none; Megatron-style sequence parallelism reuses the TP group). Layers of a stage may choose
-different degrees: a (dp=4, tp=1) layer shards the batch over the stage's (dp, tp) axes both.
+the stage: `dp * cp * sp * tp == world / pp` for each layer, where `sp` is the Ulysses degree (1
+when none; Megatron-style sequence parallelism reuses the TP group) and `cp` the context-parallel
+(ring attention) degree. Layers of a stage may choose different degrees: a (dp=4, tp=1) layer
+shards the batch over the stage's (dp, tp) axes both.
+
+Why cp sits between dp and sp: the traffic of an axis decides how far inside it goes. TP (two
+collectives per block on the critical path) and Ulysses (four all-to-alls per attention layer,
+not overlapped) need NVLink; ring attention passes K/V blocks point to point and hides them
+behind each step's block attention, so it tolerates the network, and its messages (K/V only,
+small under grouped-query attention) are smaller than Ulysses'; data parallelism moves
+gradients once per step or overlaps ZeRO traffic with whole layers, the most tolerant of all.
+Megatron-LM orders tp, cp, dp, pp the same way (innermost first). Context parallel ranks hold
+the same parameters, so ZeRO shards model states over dp x cp (FSDP2's mesh, as torchtitan's).
 
 No torch import.
 """
@@ -54,7 +64,7 @@ class Schedule(StrEnum):
     ZERO_BUBBLE = "zero_bubble"  # ZB-H1 style split of backward into input- and weight-grad
 
 
-MESH_AXES: tuple[str, ...] = ("pp", "dp", "sp", "tp")  # outermost -> innermost
+MESH_AXES: tuple[str, ...] = ("pp", "dp", "cp", "sp", "tp")  # outermost -> innermost
 
 
 class LayerStrategy(Frozen):
@@ -71,6 +81,9 @@ class LayerStrategy(Frozen):
     recompute: Recompute = Recompute.NONE
     offload_optimizer: bool = False
     ep: int = Field(default=1, ge=1, description="expert-parallel degree (MoE layers)")
+    # Context parallelism (ring attention, runtime/context_parallel.py): the sequence is cut into
+    # 2 cp chunks and cp rank c holds chunks c and 2cp-1-c (the load-balanced causal split).
+    cp: int = Field(default=1, ge=1, description="context-parallel degree (ring attention)")
 
     @model_validator(mode="after")
     def _check(self) -> "LayerStrategy":
@@ -86,23 +99,28 @@ class LayerStrategy(Frozen):
             raise ValueError("dp_shard (hybrid sharding) needs zero >= 1")
         if (self.dp * self.sp_degree) % self.ep:
             raise ValueError(f"ep={self.ep} must divide dp*sp_degree={self.dp * self.sp_degree}")
+        if self.cp > 1 and self.ep > 1:
+            raise ValueError("cp > 1 with expert parallelism is not supported (ep needs cp=1)")
         return self
 
     @property
     def devices(self) -> int:
-        return self.dp * self.sp_degree * self.tp
+        return self.dp * self.cp * self.sp_degree * self.tp
 
     @property
     def shard_degree(self) -> int:
-        """Ranks over which ZeRO shards model states (1 without ZeRO)."""
+        """Ranks over which ZeRO shards model states (1 without ZeRO): the dp ranks (or the HSDP
+        group) times the context-parallel ranks, which hold the same parameters."""
         if not self.zero:
             return 1
-        return self.dp_shard or self.dp
+        return (self.dp_shard or self.dp) * self.cp
 
     def describe(self) -> str:
         parts = [f"dp{self.dp}"]
         if self.tp > 1:
             parts.append(f"tp{self.tp}" + ("+sp" if self.sp == SPKind.MEGATRON else ""))
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
         if self.sp == SPKind.ULYSSES:
             parts.append(f"ulysses{self.sp_degree}")
         if self.zero:
@@ -217,7 +235,7 @@ class Plan(Frozen):
         for i, s in enumerate(self.layers):
             if s.devices != per_stage:
                 raise ValueError(
-                    f"layer {i} ({self.model.layers[i].name}) uses dp*sp*tp={s.devices} devices, "
+                    f"layer {i} ({self.model.layers[i].name}) uses dp*cp*sp*tp={s.devices} devices, "
                     f"its stage has {per_stage}"
                 )
             experts = self.model.layers[i].num_experts
@@ -307,10 +325,13 @@ class Plan(Frozen):
 
 
 class SPGroupAssignment(Frozen):
-    """A sequence-parallel group of ranks and the sequences (indices into the step's batch) it runs."""
+    """A sequence-parallel group of ranks and the sequences (indices into the step's batch) it
+    runs, with its activation recompute (local to its ranks; None: the run's own)."""
 
     ranks: tuple[int, ...]
     sequences: tuple[int, ...]
+    recompute: Recompute | None = None
+    predicted_time_s: float = 0.0
 
     @property
     def degree(self) -> int:
@@ -322,11 +343,47 @@ class MicroBatchPlan(Frozen):
     predicted_time_s: float = 0.0
 
 
+class PhasePlan(Frozen):
+    """Micro-batches of one length group of a step, run under one ZeRO working mode (HotSPa):
+    3, parameters gathered every micro-batch; 2, gathered once for the phase, gradients
+    reduce-scattered every micro-batch; 1, gradients also accumulated unsharded until the phase
+    ends. None: the run's own (the static plan's)."""
+
+    micro_batches: tuple[MicroBatchPlan, ...]
+    zero: int | None = Field(default=None, ge=1, le=3)
+
+
 class StepPlan(Frozen):
-    """How one step's batch of variable-length sequences is split (see `tessera.adapt`)."""
+    """How one step's batch of variable-length sequences is split (see `tessera.adapt`): phases
+    run one after the other, each a list of micro-batches of sequence-parallel groups. Group ranks
+    come in units of `tp` consecutive ranks (tensor parallel inside a group). A plan given with
+    `micro_batches` only is one phase under the run's own strategy."""
 
     step: int
     seq_lens: tuple[int, ...]
-    micro_batches: tuple[MicroBatchPlan, ...]
+    phases: tuple[PhasePlan, ...]
+    tp: int = Field(default=1, ge=1)
     predicted_time_s: float = 0.0
-    strategy: Literal["adaptive", "static"] = "adaptive"
+    strategy: Literal["adaptive", "static", "switching"] = "adaptive"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_phase(cls, data):
+        if isinstance(data, dict) and "micro_batches" in data and "phases" not in data:
+            data = dict(data)
+            data["phases"] = ({"micro_batches": data.pop("micro_batches")},)
+        return data
+
+    @property
+    def micro_batches(self) -> tuple[MicroBatchPlan, ...]:
+        return tuple(m for p in self.phases for m in p.micro_batches)
+
+    def unit_times(self) -> list[float]:
+        """Predicted busy seconds of every unit of `tp` ranks over the step (its groups' times)."""
+        units = max((r for m in self.micro_batches for g in m.groups for r in g.ranks), default=-1) // self.tp + 1
+        busy = [0.0] * units
+        for m in self.micro_batches:
+            for g in m.groups:
+                for u in {r // self.tp for r in g.ranks}:
+                    busy[u] += g.predicted_time_s
+        return busy

@@ -21,29 +21,36 @@ def size_multisets(num_devices: int, largest: int | None = None) -> list[tuple[i
     return out
 
 
-def best_micro_batch(cost, lens, seqs) -> float:
-    """Optimal micro-batch time (with its ZeRO traffic) for the sequences `seqs`."""
-    slowest = best_slowest_group(cost, lens, seqs)
-    return cost.micro_batch_time(slowest) if slowest < math.inf else math.inf
+def best_micro_batch(costs, lens, seqs) -> float:
+    """Optimal micro-batch time (with its ZeRO traffic) for the sequences `seqs`; `costs` is one
+    SeqCostModel or a list of them (same working mode; each group picks one, its recompute)."""
+    costs = costs if isinstance(costs, (list, tuple)) else [costs]
+    slowest = best_slowest_group(costs, lens, seqs)
+    return costs[0].micro_batch_time(slowest) if slowest < math.inf else math.inf
 
 
-def best_slowest_group(cost, lens, seqs) -> float:
+def best_slowest_group(costs, lens, seqs) -> float:
     """Optimal slowest-group time for the sequences `seqs` (micro-batch time grows with it)."""
+    costs = costs if isinstance(costs, (list, tuple)) else [costs]
     lens = np.asarray(lens, dtype=np.float64)
-    C = cost.seq_time(lens)
+    times = [c.seq_time(lens) for c in costs]
+    first = costs[0]
     best = math.inf
-    for sizes in size_multisets(cost.num_devices):
-        js = [int(np.searchsorted(cost.degrees, d)) for d in sizes]
+    for sizes in size_multisets(first.num_devices):
+        js = [int(np.searchsorted(first.degrees, d)) for d in sizes]
         for assign in itertools.product(range(len(sizes)), repeat=len(seqs)):
             worst = 0.0
             for g, j in enumerate(js):
                 members = [s for s, a in zip(seqs, assign) if a == g]
                 if not members:
                     continue
-                if cost.act_bytes_per_token * lens[members].sum() / sizes[g] > cost.budget_bytes * (1 + 1e-12):
-                    worst = math.inf
+                group_best = math.inf  # the group's best class (recompute) that holds it
+                for c, C in zip(costs, times):
+                    if lens[members].sum() <= c.cap_tokens[j] * (1 + 1e-12):
+                        group_best = min(group_best, c.alpha_s[j] + C[members, j].sum())
+                worst = max(worst, group_best)
+                if worst == math.inf:
                     break
-                worst = max(worst, cost.a2a_alpha_s[j] + C[members, j].sum())
             best = min(best, worst)
     return best
 
@@ -60,8 +67,9 @@ def set_partitions(items):
 
 
 def best_step(cost, lens) -> float:
-    """Optimal step time over every split into micro-batches (run slowest last, which exposes the
-    least of the gradient sync)."""
+    """Optimal step time over every split into micro-batches under one working mode (run slowest
+    last, which exposes the least of the gradient sync); `cost` one model or a list (recomputes)."""
+    costs = cost if isinstance(cost, (list, tuple)) else [cost]
     cache: dict[tuple[int, ...], float] = {}
     best = math.inf
     for partition in set_partitions(list(range(len(lens)))):
@@ -69,8 +77,8 @@ def best_step(cost, lens) -> float:
         for block in partition:
             key = tuple(sorted(block))
             if key not in cache:
-                cache[key] = best_slowest_group(cost, lens, list(key))
+                cache[key] = best_slowest_group(costs, lens, list(key))
             slowest.append(cache[key])
         if math.inf not in slowest:
-            best = min(best, cost.step_time(sorted(slowest)))
+            best = min(best, costs[0].step_time(sorted(slowest)))
     return best

@@ -77,6 +77,20 @@ def test_ulysses_needs_its_degree(capsys):
     assert "--sp ulysses needs --sp-degree N with N >= 2" in err
 
 
+def test_context_parallel_hand_plans_and_their_refusals(capsys):
+    assert main(["plan", *SMALL, "--seq-len", "4096", "--tp", "2", "--sp", "megatron", "--cp", "4", "--zero", "3",
+                 "--json"]) == 0
+    plan = Plan.from_json(capsys.readouterr().out)
+    assert plan.layers[1].describe().startswith("dp2 tp2+sp cp4") and plan.prediction.fits
+    err = fails(capsys, ["plan", *SMALL, "--seq-len", "4004", "--cp", "4"])
+    assert "cp=4 needs the sequence of 4004 tokens to split into 2 x cp = 8 equal chunks" in err
+    err = fails(capsys, ["plan", "--model", "mixtral-8x7b", "--gpus", "16", "--global-batch", "16",
+                         "--seq-len", "4096", "--cp", "2"])
+    assert "context parallelism is not combined with expert parallelism" in err
+    err = fails(capsys, ["plan", *SMALL, "--cp", "3"])
+    assert "pp 1 x tp 1 x sp 1 x cp 3 = 3 does not divide 16 GPUs" in err
+
+
 def test_learned_positions_cap_the_sequence(capsys):
     err = fails(capsys, ["plan", "--model", "gpt2", "--seq-len", "4096"])
     assert "--seq-len 4096 is longer than gpt2's 1024 learned positions" in err

@@ -165,3 +165,27 @@ def test_cli(tmp_path):
     bad = run("--ranks", "8")
     assert bad.returncode == 2
     assert bad.stderr.strip() == "tessera dryrun: error: --ranks: rank 8 is outside the plan's world of 8 ranks"
+
+
+def test_context_parallel_ring_against_the_cost_model():
+    # tiny-llama (8 heads, 4 K/V heads of 32) on 32 ranks: dp2 tp2 cp2 Ulysses 4, ZeRO-3 over
+    # dp x cp, selective recompute, 2 micro-batches of one 512-token sequence. A tensor-parallel
+    # rank holds 2 K/V heads; Ulysses 4 repeats them twice, so the ring carries 1 K/V head of
+    # 256 tokens: K and V 2 x 256 x 32 x 2 bytes, their fp32 gradients twice that.
+    plan = manual_plan(get_model("tiny-llama"), make_cluster("h100-80gb", 32), Workload(global_batch=4, seq_len=512),
+                       tp=2, sp="ulysses", sp_degree=4, cp=2, zero=3, recompute="selective")
+    assert plan.num_micro_batches == 2
+    rows = dry_run(plan, [31], materialize=False).ranks[0].comparison.collectives
+    got = {(r.kind, r.group_size, r.bytes): (r.predicted, r.measured) for r in rows}
+    kv, m, blocks = 2 * 256 * 32 * 2, 2, 4
+    for kind in ("send", "recv"):
+        # Per block and micro-batch: cp - 1 K/V blocks forward, again in the selective replay,
+        # and backward; cp fp32 dK/dV accumulators backward.
+        assert got[(kind, 2, kv)] == (blocks * m * 3, blocks * m * 3)
+        assert got[(kind, 2, 2 * kv)] == (blocks * m * 2, blocks * m * 2)
+    # Ulysses: q, k, v, output each way and in the replay; k and v repeated to q's size.
+    tokens = 512 // (2 * 4)
+    assert got[("all_to_all", 4, tokens * 256 * 2 / 2)] == (blocks * m * 12, blocks * m * 12)
+    # ZeRO-3 shards a block's tp half over dp x cp = 4 ranks: gathered forward and backward.
+    assert got[("all_gather", 4, 725_504 / 2 * 2)] == (blocks * m * 2, blocks * m * 2)
+    assert not [r for r in rows if r.why.startswith(("ring", "Ulysses")) and not r.matches]

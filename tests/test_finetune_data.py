@@ -130,7 +130,7 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     hf_dir = tmp_path / "hf"
     save_hf_dir("llama", hf_dir)
     data = write_data(tmp_path / "data")
-    train = ["train", "--steps", "1", "--data", str(data), "--out", str(tmp_path / "run")]
+    train = ["train", "--steps", "1", "--data", str(data), "--out", str(tmp_path / "run"), "--cluster", "builtin"]
     capsys.readouterr()  # transformers' progress bars
 
     (tmp_path / "empty").mkdir()
@@ -211,7 +211,7 @@ def test_train_init_from_cli_single_process(tmp_path):
     data = write_data(tmp_path / "data")
     env = dict(os.environ, PYTHONPATH=os.getcwd(), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "tessera", "train", "--init-from", str(hf_dir), "--data", str(data), "--steps", "1",
-           "--seq-len", str(SEQ), "--global-batch", str(GLOBAL_BATCH), "--out", str(tmp_path / "run"),
+           "--seq-len", str(SEQ), "--global-batch", str(GLOBAL_BATCH), "--out", str(tmp_path / "run"), "--cluster", "builtin",
            "--checkpoint-dir", str(tmp_path / "ckpt")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -69,52 +69,54 @@ def test_act_layout_blocks_tile_the_activation():
     assert ActLayout(2, 1, 2, True).block(3, 8, 16) == (4, 8, 8, 16)
 
 
-def _layouts(stage: int):
+def _layouts(stage: int, cps=(1, 2)):
     out = []
-    for dp in range(1, stage + 1):
-        for sp in range(1, stage // dp + 1):
-            tp = stage // (dp * sp)
-            if dp * sp * tp == stage:
-                out += [ActLayout(dp, sp, tp)] + ([ActLayout(dp, sp, tp, True)] if tp > 1 else [])
+    for cp in cps:
+        for dp in range(1, stage // cp + 1):
+            for sp in range(1, stage // (dp * cp) + 1):
+                tp = stage // (dp * sp * cp)
+                if dp * sp * tp * cp == stage:
+                    out += [ActLayout(dp, sp, tp, cp=cp)] + ([ActLayout(dp, sp, tp, True, cp)] if tp > 1 else [])
     return out
+
+
+def _cells(rects):
+    return {(i, j) for b0, b1, s0, s1 in rects for i in range(b0, b1) for j in range(s0, s1)}
 
 
 @pytest.mark.parametrize("stage", [4, 6, 8])
 def test_resharding_exchanges_rebuild_every_block_moving_only_what_changes_hands(stage):
-    """Every pair of layouts of a stage, simulated over all ranks: each rank's target block is
-    rebuilt exactly from what it holds and what its peers send; nothing is sent twice to a rank,
-    no rank sends what the receiver holds, and the volumes the cost model prices are the sent ones."""
+    """Every pair of layouts of a stage (context parallel ones too, whose blocks are two ranges),
+    simulated over all ranks: each rank's target block is rebuilt exactly from what it holds and
+    what its peers send; nothing is sent twice to a rank, no rank sends what the receiver holds,
+    and the volumes the cost model prices are the sent ones."""
     from tessera.cost import reshard as rs
 
-    batch, seq = 24, 24  # divisible by every degree of the stages
-    act = [[(b, s) for s in range(seq)] for b in range(batch)]  # every element names itself
+    batch, seq = 24, 48  # divisible by every degree of the stages (and 2 cp chunks)
     for a, b in itertools.product(_layouts(stage), repeat=2):
         sent_total = 0
         for r in range(stage):
             ex = rs.exchange(a.key, b.key, r, batch, seq)
-            want = b.block(r, batch, seq)
-            got = set()
-            pieces = [ex.local] if ex.local else []
+            want = _cells(rs.block(b.key, r, batch, seq))
+            mine = _cells(rs.block(a.key, r, batch, seq))
+            got = _cells(ex.local)
+            assert got <= mine
             for peer, rect in ex.recvs:
                 sender = rs.exchange(a.key, b.key, ex.first + peer, batch, seq)
                 assert (r - ex.first, rect) in sender.sends  # the peer sends it
-                held = a.block(ex.first + peer, batch, seq)
-                assert held[0] <= rect[0] and rect[1] <= held[1] and held[2] <= rect[2] and rect[3] <= held[3]
-                pieces.append(rect)
-            for b0, b1, s0, s1 in pieces:
-                cells = {act[i][j] for i in range(b0, b1) for j in range(s0, s1)}
-                assert not cells & got  # received once
-                got |= cells
-            assert got == {act[i][j] for i in range(want[0], want[1]) for j in range(want[2], want[3])}
-            mine = a.block(r, batch, seq)
-            for _, (b0, b1, s0, s1) in ex.recvs:  # nothing the rank holds itself crosses the network
-                assert b1 <= mine[0] or mine[1] <= b0 or s1 <= mine[2] or mine[3] <= s0
+                assert _cells([rect]) <= _cells(rs.block(a.key, ex.first + peer, batch, seq))
+                assert not _cells([rect]) & mine  # nothing the rank holds itself crosses the network
+                assert not _cells([rect]) & got  # received once
+                got |= _cells([rect])
+            assert got == want
             sent_total += sum((x[1] - x[0]) * (x[3] - x[2]) for _, x in ex.sends)
             if b.refines(a, batch, seq):
                 assert not ex.sends and not ex.recvs
-        sent, received = rs.exchange_volume(a.key, b.key, batch, seq)
+        sent, received = rs.exchange_volume(a.key, b.key)
         groups = stage // len(sent)
-        assert sent_total == pytest.approx(groups * sent.sum()) and sent.sum() == pytest.approx(received.sum())
+        assert sent_total == pytest.approx(groups * sent.sum() * batch * seq)
+        assert sent.sum() == pytest.approx(received.sum())
+        assert (rs.busiest_share(a.key, b.key) == 0) == (sent_total == 0)
 
 
 def test_ddp_path_only_for_homogeneous_plain_data_parallel():

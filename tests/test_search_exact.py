@@ -17,7 +17,7 @@ SMALL = TransformerConfig(name="small", hidden=1024, num_layers=3, num_heads=16,
                           ffn_hidden=2816, vocab_size=32000, max_seq_len=4096)
 # A small space: tp 1 or 2, ZeRO 0 or 3, recompute none or full; the shipped DP settings.
 OPTIONS = dict(max_tp=2, zero_stages=(0, 3), recompute=("none", "full"), allow_offload=False,
-               allow_hsdp=False, allow_ulysses=False, schedules=("1f1b",))
+               allow_hsdp=False, allow_ulysses=False, allow_cp=False, schedules=("1f1b",))
 
 
 def _with_memory(cluster, gib):
@@ -74,6 +74,22 @@ def test_brute_force_objective_is_evaluate(space):
         pred = evaluate(plan)
         assert pred.step_time_s == pytest.approx(t, rel=1e-9)
         assert pred.peak_memory == pytest.approx(mem, rel=1e-9)
+
+
+def test_search_with_context_parallelism_finds_the_brute_force_optimum():
+    """cp 1, 2 or 4 (with tp 1 or 2, ZeRO 0 or 3) on a long sequence and a small batch: the search
+    equals the enumerated optimum at a tight and a roomy memory budget."""
+    model = ModelSpec.from_config(SMALL.model_copy(update={"num_layers": 1, "max_seq_len": 32768}))
+    cluster = make_cluster("h100-80gb", 4).model_copy(update={"memory_margin": 0.0})
+    workload = Workload(global_batch=2, seq_len=32768)
+    options = SearchOptions(pp=1, **{**OPTIONS, "allow_cp": True, "recompute": ("none",)})
+    results = _brute_force_pp1(model, cluster, workload, options)
+    assert {s.cp for r in results for s in r[3]} == {1, 2, 4}
+    peaks = sorted(r[1] for r in results)
+    for gib in (peaks[len(peaks) // 4] / 2**30 * 1.001, 80.0):
+        feasible = [r for r in results if r[1] <= gib * 2**30]
+        plan = search(model, _with_memory(cluster, gib), workload, options)
+        assert plan.prediction.step_time_s == pytest.approx(min(r[0] for r in feasible), rel=1e-9)
 
 
 def test_search_finds_the_brute_force_optimum_at_every_memory_budget(space):

@@ -68,7 +68,7 @@ def test_plan_refuses_other_version_and_typos():
 
 def test_plan_checks_degrees_against_devices():
     n = len(get_model("llama2-7b").layers)
-    with pytest.raises(ValueError, match="uses dp\\*sp\\*tp=8 devices, its stage has 4"):
+    with pytest.raises(ValueError, match="uses dp\\*cp\\*sp\\*tp=8 devices, its stage has 4"):
         _plan(layers=tuple(LayerStrategy(dp=4, tp=2) for _ in range(n)), micro_batch_size=1)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tessera.adapt.seqcost import cost_model_from_plan
 from tessera.search import manual_plan
 from tessera.spec import LinkSpec, Workload
 from tessera.spec.presets import get_model, local_cpu_cluster
@@ -34,7 +35,7 @@ def _documents(directory: Path) -> None:
 def _train(*args: str, out: Path) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "tessera", "train", "--steps", "3", "--lr", "1e-3", "--warmup", "1",
-           "--out", str(out), *args]
+           "--out", str(out), "--no-final-checkpoint", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -46,20 +47,26 @@ def test_adaptive_groups_train_like_one_process(tmp_path):
     _documents(docs)
     model = get_model("tiny-llama")
     workload = Workload(global_batch=4, seq_len=64, dtype="fp32")
-    base = local_cpu_cluster(4)
-    states = manual_plan(model, base, workload, dp=4, micro_batch_size=1).prediction.stage_memory[0]
-    # Room for the activations of ~24 tokens beside the model states, so longer documents need SP,
-    # and a slow link, so that SP costs and short documents are better off alone.
+    # Room for the activations of ~24 tokens per rank beside the model states (under the strategy
+    # that holds the most), so longer documents need SP, and a slow link, so that SP costs and
+    # short documents are better off alone.
     link = LinkSpec(bandwidth=1e7, latency=50e-6)
-    tight = base.model_copy(update={"intra_node": link, "inter_node": link, "device": base.device.model_copy(
-        update={"memory_bytes": states.params + states.grads + states.optimizer + states.buffers + 24 * 465_800})})
-    plan = manual_plan(model, tight, workload, dp=4, micro_batch_size=1, name="data-parallel")
+    base = local_cpu_cluster(4).model_copy(update={"intra_node": link, "inter_node": link})
+    plan = manual_plan(model, base, workload, dp=4, micro_batch_size=1, name="data-parallel")
+    lo, hi = 0.0, base.device.memory_bytes
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        trial = plan.model_copy(update={"cluster": base.model_copy(
+            update={"device": base.device.model_copy(update={"memory_bytes": mid})})})
+        lo, hi = (mid, hi) if max(c.cap_tokens[0] for c in cost_model_from_plan(trial, True)) < 24 else (lo, mid)
+    plan = plan.model_copy(update={"cluster": base.model_copy(
+        update={"device": base.device.model_copy(update={"memory_bytes": hi})})})
     plan.save(tmp_path / "plan.json")
 
     adaptive = _train("--plan", str(tmp_path / "plan.json"), "--adaptive", "--nproc", "4", "--data", str(docs),
                       out=tmp_path / "adaptive")
     single = _train("--model", "tiny-llama", "--global-batch", "4", "--seq-len", "64", "--data", str(docs),
-                    out=tmp_path / "single")
+                    "--cluster", "builtin", out=tmp_path / "single")
     assert [r["step"] for r in adaptive] == [1, 2, 3]
     for a, s in zip(adaptive, single):
         assert a["loss"] == pytest.approx(s["loss"], rel=1e-5), (a, s)
@@ -68,13 +75,13 @@ def test_adaptive_groups_train_like_one_process(tmp_path):
     assert all(sum(mb) == 4 for r in adaptive for mb in r["sp_groups"])
 
 
-def test_adaptive_refuses_a_sharded_plan(tmp_path, capsys):
+def test_adaptive_refuses_a_pipelined_plan(tmp_path, capsys):
     from tessera.cli import main
 
     plan = manual_plan(get_model("tiny-llama"), local_cpu_cluster(2), Workload(global_batch=4, seq_len=64),
-                       dp=2, zero=3, micro_batch_size=2)
+                       pp=2, zero=1, micro_batch_size=2)
     plan.save(tmp_path / "plan.json")
     assert main(["train", "--plan", str(tmp_path / "plan.json"), "--adaptive", "--steps", "1"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("tessera train: error: --adaptive needs a replicated data-parallel plan")
-    assert "zero3" in err and len(err.splitlines()) == 1
+    assert err.startswith("tessera train: error: adaptive sequence parallelism needs a plan without pipeline")
+    assert "pipeline.degree is 2" in err and len(err.splitlines()) == 1

@@ -17,6 +17,10 @@ largest sum is as small as we can make it, and give micro-batch m the parts m*R 
    the lightest of the other; usually much closer to optimal than LPT when a few items dominate.
 3. `balance_ranks` keeps whichever has the smaller largest part.
 
+Packed rows (the data loader's windows, all of the same token count) must go R*M ways in equal
+numbers: `balance_rows` is LPT with a cardinality cap (a part that has its share of rows takes no
+more), then swaps of one row between the heaviest part and another while that lowers the heaviest.
+
 Deterministic: ties break on the sequence index, so every rank computes the same assignment from
 the same lengths, and balancing only permutes sequences within a global batch, which keeps the
 data position (and so exact resume) unchanged. No torch import.
@@ -149,3 +153,62 @@ def balance_ranks(seq_lens, num_ranks: int, num_micro_batches: int = 1, lin: flo
     # Heaviest parts first, so that micro-batch m holds parts of similar weight across ranks.
     flat.sort(key=lambda p: (-float(costs[p].sum()) if p else 0.0, p[0] if p else len(costs)))
     return _assignment(costs, flat, num_ranks, num_micro_batches)
+
+
+def balance_rows(costs, num_ranks: int, num_micro_batches: int = 1, swaps: int = 64) -> RankAssignment:
+    """Rows of equal size (a global batch of packed windows, `len(costs)` divisible by R*M) to
+    R ranks x M micro-batches, the same number each, the slowest part as fast as we can make it
+    (module docstring); the parts of a micro-batch are of similar weight, and go to the ranks so
+    that rank totals balance too (a step that synchronises only once sees those). Deterministic."""
+    costs = np.asarray(costs, dtype=np.float64)
+    k = num_ranks * num_micro_batches
+    if num_ranks < 1 or num_micro_batches < 1 or len(costs) % k:
+        raise ValueError(f"{len(costs)} rows do not split evenly over {num_ranks} ranks x "
+                         f"{num_micro_batches} micro-batches")
+    share = len(costs) // k
+    parts: list[list[int]] = [[] for _ in range(k)]
+    loads = np.zeros(k)
+    heap = [(0.0, p) for p in range(k)]
+    for i in _order(costs):  # heaviest first onto the lightest part that still has room
+        load, p = heapq.heappop(heap)
+        parts[p].append(int(i))
+        loads[p] = load + float(costs[i])
+        if len(parts[p]) < share:
+            heapq.heappush(heap, (loads[p], p))
+    for _ in range(swaps):  # one row from the heaviest part for a lighter row of another
+        hi = int(np.argmax(loads))
+        best = None
+        for p in np.argsort(loads).tolist():
+            if p == hi:
+                continue
+            for a in parts[hi]:
+                for b in parts[p]:
+                    delta = costs[a] - costs[b]
+                    if delta <= 0:
+                        continue
+                    new_max = max(loads[hi] - delta, loads[p] + delta)
+                    if new_max < loads[hi] - 1e-12 and (best is None or new_max < best[0]):
+                        best = (new_max, p, a, b)
+            if best is not None:
+                break
+        if best is None:
+            break
+        _, p, a, b = best
+        parts[hi][parts[hi].index(a)], parts[p][parts[p].index(b)] = b, a
+        delta = costs[a] - costs[b]
+        loads[hi] -= delta
+        loads[p] += delta
+    parts = [sorted(part) for part in parts]
+    parts.sort(key=lambda part: (-float(costs[part].sum()), part[0] if part else len(costs)))
+    # Micro-batch m takes the next R parts (similar weights, so its lock-step maximum is low); within
+    # it, the heaviest part goes to the rank with the least so far, so that rank totals balance too.
+    totals = np.zeros(num_ranks)
+    ordered: list[list[int]] = []
+    for m in range(num_micro_batches):
+        group = parts[m * num_ranks:(m + 1) * num_ranks]
+        slots: list[list[int]] = [[] for _ in range(num_ranks)]
+        for part, r in zip(group, np.lexsort((np.arange(num_ranks), totals)).tolist()):
+            slots[r] = part
+            totals[r] += float(costs[part].sum())
+        ordered += slots
+    return _assignment(costs, ordered, num_ranks, num_micro_batches)

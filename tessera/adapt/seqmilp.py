@@ -1,7 +1,8 @@
 """The exact mixed-integer form of one micro-batch's sequence-parallel groups (HiGHS via scipy).
 
-Slots: for each power-of-two degree d, min(N/d, n) possible groups; y[q] = 1 when slot q is open,
-x[s, q] = 1 when item s runs in slot q (only where d_q is at least the item's smallest degree).
+Slots: for each class c (a degree d_c with a recompute, `seqpar.Items`), min(N/d_c, n) possible
+groups; y[q] = 1 when slot q is open, x[s, q] = 1 when item s runs in slot q (only where the
+class's memory holds the item).
 
     min T
     sum_q x[s, q] = 1                                  every item runs once
@@ -26,7 +27,7 @@ def milp_micro_batch(b: Items, idx: np.ndarray, time_limit_s: float = 1.0) -> Mi
     """Optimal groups for the items `idx` (within the time limit: else HiGHS's best found, or None)."""
     n = len(idx)
     slots = milp_slots(b, n)
-    pairs = [(s, q) for s in range(n) for q, (c, _) in enumerate(slots) if c >= b.jmin[idx[s]]]
+    pairs = [(s, q) for s in range(n) for q, (c, _) in enumerate(slots) if b.fit[idx[s], c]]
     nx, ny = len(pairs), len(slots)
     nv = nx + ny + 1
     T = nv - 1

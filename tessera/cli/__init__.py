@@ -14,9 +14,9 @@ import sys
 # verb -> (module, one-line help). Modules are imported only for the verb that runs, so that
 # `tessera plan` never imports torch.
 VERBS: dict[str, tuple[str, str]] = {
-    "plan": ("tessera.cli.plan", "search the fastest hybrid-parallel plan that fits memory"),
-    "show": ("tessera.cli.show", "show a plan as tables and a picture"),
-    "train": ("tessera.cli.train", "train a model with a plan (launches torchrun for --nproc)"),
+    "plan": ("tessera.cli.plan", "find the fastest way to split a model over GPUs that fits in memory"),
+    "show": ("tessera.cli.show", "show a plan as tables and pictures (pipeline timeline, memory)"),
+    "train": ("tessera.cli.train", "train a model from a config file or flags, on this machine or under torchrun"),
     "convert": ("tessera.cli.convert", "convert Hugging Face checkpoints to and from Tessera"),
     "export": ("tessera.cli.export", "write a training checkpoint as a Hugging Face model directory"),
     "profile": ("tessera.cli.profile", "measure the hardware or a model and write a profile JSON"),
@@ -32,8 +32,29 @@ def _available_verbs() -> dict[str, tuple[str, str]]:
     return {verb: spec for verb, spec in VERBS.items() if find_spec(spec[0]) is not None}
 
 
+DESCRIPTION = """\
+Tessera trains large Transformer models on many GPUs without you choosing how to split them. It
+finds the fastest combination of data, tensor, pipeline and sequence parallelism, ZeRO sharding and
+activation recompute that fits in memory, predicts its step time and memory, and trains with
+exactly that plan on PyTorch (torchrun, FSDP2, DTensor, pipelining)."""
+
+EPILOG = """\
+getting started:
+  tessera plan                                   plan LLaMA-2 7B on 64 H100s (no GPU needed)
+  tessera plan --model llama3-70b --gpus 1024 --global-batch 1024 --seq-len 8192 -o plan.json
+  tessera show plan.json                         the plan as tables, its pipeline timeline and memory
+  tessera train --model tiny-llama --nproc 2     train on this CPU with 2 ranks
+  tessera train --config examples/demo.toml      the same from a config file
+
+`tessera VERB --help` lists a verb's options with their defaults."""
+
+
 def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tessera", description=__doc__.splitlines()[0])
+    from .. import __version__
+
+    parser = argparse.ArgumentParser(prog="tessera", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"tessera {__version__}")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     for name, (module, help_text) in _available_verbs().items():
         p = sub.add_parser(name, help=help_text, description=help_text)

@@ -22,28 +22,32 @@ DEFAULT_MODEL = "llama2-7b"
 DEFAULT_GPUS = 64
 DEFAULT_GPUS_PER_NODE = 8
 DEFAULT_GPU = "h100-80gb"
-DEFAULT_GLOBAL_BATCH = 512
-DEFAULT_SEQ_LEN = 4096
 
 # Flags that make a hand-made plan; None means "not given".
 MANUAL_FLAGS = ("dp", "tp", "pp", "sp", "sp_degree", "zero", "dp_shard", "recompute", "offload",
-                "ep", "schedule", "virtual_stages", "micro_batch_size")
+                "ep", "schedule", "virtual_stages", "micro_batch_size", "cp")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = (f"default job: {DEFAULT_MODEL} on {DEFAULT_GPUS // DEFAULT_GPUS_PER_NODE} nodes x "
-                f"{DEFAULT_GPUS_PER_NODE} {DEFAULT_GPU}, global batch {DEFAULT_GLOBAL_BATCH} x "
-                f"{DEFAULT_SEQ_LEN} tokens")
+                f"{DEFAULT_GPUS_PER_NODE} {DEFAULT_GPU}, global batch 512 x 4096 tokens in bf16. The global batch "
+                "and sequence length default by model, as in `tessera train`: 8 x 128 for models under 100M "
+                "parameters, else 512 x 4096 (capped at the model's maximum).")
     what = p.add_argument_group("what to train")
     what.add_argument("--model", default=DEFAULT_MODEL,
-                      help="preset name (e.g. llama3-70b) or a Hugging Face config.json (file or directory)")
+                      help=f"preset name (e.g. llama3-70b) or a Hugging Face config.json (file or directory) "
+                           f"(default: {DEFAULT_MODEL})")
     what.add_argument("--model-profile", metavar="JSON", help="measured model profile (tessera profile model)")
-    what.add_argument("--global-batch", type=int, metavar="N", default=DEFAULT_GLOBAL_BATCH, help="sequences per step")
+    what.add_argument("--global-batch", type=int, metavar="N", default=None,
+                      help="sequences per step (default: 8 for models under 100M parameters, else 512)")
     what.add_argument("--seq-len", type=int, metavar="N", default=None,
-                      help=f"tokens per sequence (default {DEFAULT_SEQ_LEN}, capped at the model's maximum)")
-    what.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
-    what.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+                      help="tokens per sequence (default: 128 for models under 100M parameters, else 4096, "
+                           "capped at the model's maximum)")
+    what.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                      help="training precision (default: the model profile's; else fp32 on a CPU cluster, "
+                           "bf16 on GPUs)")
+    what.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="(default: adamw)")
     where = p.add_argument_group("on what")
     where.add_argument("--gpus", type=int, metavar="N", default=None, help=f"number of GPUs (default {DEFAULT_GPUS})")
     where.add_argument("--gpus-per-node", type=int, metavar="N", default=None,
@@ -62,15 +66,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     manual.add_argument("--sp-degree", type=int, metavar="N", help="Ulysses degree")
     manual.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage")
     manual.add_argument("--dp-shard", type=int, metavar="N", help="hybrid sharding group size (HSDP)")
-    manual.add_argument("--recompute", choices=("none", "selective", "full"))
+    manual.add_argument("--recompute", choices=("none", "selective", "full"), help="activation recompute")
     manual.add_argument("--offload", action="store_true", default=None, help="offload optimizer state")
     manual.add_argument("--ep", type=int, metavar="N", help="expert-parallel degree")
-    manual.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"))
+    manual.add_argument("--cp", type=int, metavar="N",
+                        help="context-parallel degree (ring attention over N ranks, load-balanced causal split)")
+    manual.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"),
+                        help="pipeline schedule")
     manual.add_argument("--virtual-stages", type=int, metavar="N", help="model chunks per pipeline rank")
     manual.add_argument("--micro-batch-size", type=int, metavar="N", help="sequences per micro-batch")
     out = p.add_argument_group("output")
     out.add_argument("--compare", action="store_true", help="show the plan beside the baselines")
-    out.add_argument("-o", "--output", metavar="PLAN_JSON", help="write the plan JSON here")
+    out.add_argument("-o", "--out", dest="output", metavar="PLAN_JSON", help="write the plan JSON here")
+    out.add_argument("--output", dest="output", help=argparse.SUPPRESS)  # the earlier name
     out.add_argument("--json", action="store_true", help="print the plan JSON to stdout (no tables)")
     out.add_argument("--expert-offload", type=float, metavar="HOST_TFLOPS", default=None,
                      help="APTMoE: experts in host memory, each computed on the GPU or the host (this many "
@@ -119,23 +127,39 @@ def build_model(args: argparse.Namespace):
     return model
 
 
-def build_workload(args: argparse.Namespace, model):
+def default_dtype(args: argparse.Namespace, cluster) -> str:
+    """The model profile's dtype (its timings are of it), else fp32 on a CPU (what a CPU computes
+    in), else bf16."""
+    if getattr(args, "dtype", None):
+        return args.dtype
+    if getattr(args, "model_profile", None):
+        from ..profile.apply import load_model_profile
+
+        dtype = load_model_profile(args.model_profile).dtype
+        if dtype in ("bf16", "fp16", "fp32"):
+            return dtype
+    return "fp32" if cluster.device.name.lower().startswith("cpu") else "bf16"
+
+
+def build_workload(args: argparse.Namespace, model, dtype: str = "bf16"):
+    from ..config import default_shape
     from ..spec.workload import Workload
 
     config = model.config
+    batch, seq = default_shape(model.num_params, config.max_seq_len if config else None)
     seq_len = args.seq_len
+    global_batch = args.global_batch if args.global_batch is not None else batch
     if seq_len is None:
-        seq_len = min(DEFAULT_SEQ_LEN, config.max_seq_len) if config else DEFAULT_SEQ_LEN
+        seq_len = seq
     elif config is not None and config.position == "learned" and seq_len > config.max_seq_len:
         raise TesseraError(f"--seq-len {seq_len} is longer than {model.name}'s {config.max_seq_len} "
                            "learned positions")
-    if args.global_batch <= 0 or seq_len <= 0:
-        raise TesseraError(f"--global-batch and --seq-len must be positive (got {args.global_batch}, {seq_len})")
+    if global_batch <= 0 or seq_len <= 0:
+        raise TesseraError(f"--global-batch and --seq-len must be positive (got {global_batch}, {seq_len})")
     from ..search.limits import check_search_size
 
-    check_search_size(global_batch=args.global_batch)
-    return Workload(global_batch=args.global_batch, seq_len=seq_len, dtype=args.dtype,
-                    optimizer=args.optimizer)
+    check_search_size(global_batch=global_batch)
+    return Workload(global_batch=global_batch, seq_len=seq_len, dtype=dtype, optimizer=args.optimizer)
 
 
 def manual_options(args: argparse.Namespace) -> dict:
@@ -154,17 +178,25 @@ def check_batch_divides(workload, cluster, opts: dict) -> None:
     """The global batch must split into dp replicas of micro-batches: say by what it does not divide."""
     if opts.get("sp") == "ulysses" and opts.get("sp_degree", 1) < 2:
         raise TesseraError("--sp ulysses needs --sp-degree N with N >= 2 (the ranks a sequence is split over)")
-    tp, pp = opts.get("tp", 1), opts.get("pp", 1)
+    tp, pp, cp = opts.get("tp", 1), opts.get("pp", 1), opts.get("cp", 1)
     sp_degree = opts.get("sp_degree", 1)
-    per_stage, rest = divmod(cluster.num_gpus, pp * tp * sp_degree)
+    per_stage, rest = divmod(cluster.num_gpus, pp * tp * sp_degree * cp)
     if rest or per_stage == 0:
-        raise TesseraError(f"pp {pp} x tp {tp} x sp {sp_degree} = {pp * tp * sp_degree} does not "
-                           f"divide {cluster.num_gpus} GPUs")
+        degrees = f"pp {pp} x tp {tp} x sp {sp_degree}" + (f" x cp {cp}" if cp > 1 else "")
+        raise TesseraError(f"{degrees} = {pp * tp * sp_degree * cp} does not divide {cluster.num_gpus} GPUs")
     dp = opts.get("dp") or per_stage
     mbs = opts.get("micro_batch_size", 1)
     if workload.global_batch % (dp * mbs):
         raise TesseraError(f"global batch {workload.global_batch} is not divisible by dp {dp} x "
                            f"micro-batch size {mbs} = {dp * mbs}")
+
+
+def search_options(cluster):
+    """The search space for `cluster`: a CPU has no host memory apart from its own, so nothing is
+    offloaded there (it would save no memory and add copies)."""
+    from ..search.space import SearchOptions
+
+    return SearchOptions(allow_offload=not cluster.device.name.lower().startswith("cpu"))
 
 
 def evaluated(plan):
@@ -199,7 +231,7 @@ def make_plan(args, model, cluster, workload, console):
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
         progress.add_task(f"searching plans for {model.name} on {cluster.num_gpus} GPUs", total=None)
-        plan = evaluated(search(model, cluster, workload, None))
+        plan = evaluated(search(model, cluster, workload, search_options(cluster)))
     return plan, time.perf_counter() - start
 
 
@@ -212,10 +244,11 @@ def run(args: argparse.Namespace) -> int:
     manual_options(args)  # refuse bad flags before printing anything
     model = build_model(args)
     cluster = build_cluster(args)
-    workload = build_workload(args, model)
+    workload = build_workload(args, model, default_dtype(args, cluster))
     if _is_default_job(args) and not args.json:
         out.print(f"[dim]built-in default job: {model.name} on {cluster.name}, global batch "
                   f"{workload.global_batch} x {workload.seq_len} tokens (see tessera plan --help)[/dim]")
+    _check_profile_matches(args, cluster, workload, out)
     plan, elapsed = make_plan(args, model, cluster, workload, status)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
@@ -232,6 +265,11 @@ def run(args: argparse.Namespace) -> int:
         out.print(comparison_table(plan, baselines))
     if args.expert_offload is not None:
         out.print(expert_offload_summary(plan, args.expert_offload))
+    from ..search.explain import bubble_warning
+
+    warning = bubble_warning(plan)
+    if warning and warning not in plan.search.explanation:  # a searched plan's explanation says it already
+        out.print(f"[bold yellow]{warning}[/bold yellow]")
     out.print(f"[dim]planned in {elapsed:.2f} s[/dim]")
     if args.output:
         out.print(f"wrote {args.output} (show it with: tessera show {args.output})")
@@ -260,6 +298,24 @@ def expert_offload_summary(plan, host_tflops: float) -> str:
             f"host {decision.host_all_s:.3f} s")
 
 
+def _check_profile_matches(args, cluster, workload, out) -> None:
+    """A model profile's timings are of its dtype and of its ranks sharing the machine: refuse
+    another dtype; say so when a CPU cluster runs another number of ranks per node."""
+    if not args.model_profile:
+        return
+    from ..profile.apply import load_model_profile
+
+    profile = load_model_profile(args.model_profile)
+    if profile.dtype != workload.dtype:
+        raise TesseraError(f"the model profile {args.model_profile} timed {profile.dtype}, not {workload.dtype}: "
+                           f"plan with --dtype {profile.dtype}, or profile again with --dtype {workload.dtype}")
+    cpu = cluster.device.name.lower().startswith("cpu")
+    if cpu and profile.ranks_measuring != cluster.gpus_per_node and not args.json:
+        out.print(f"[dim]note: the model profile was measured by {profile.ranks_measuring} ranks sharing this "
+                  f"CPU, the cluster runs {cluster.gpus_per_node} per node; profile the model with torchrun "
+                  f"--nproc-per-node {cluster.gpus_per_node} for timings of that many[/dim]")
+
+
 def _is_default_job(args: argparse.Namespace) -> bool:
     return (args.model == DEFAULT_MODEL and args.gpus is None and args.cluster is None
-            and args.gpu is None and args.global_batch == DEFAULT_GLOBAL_BATCH and args.seq_len is None)
+            and args.gpu is None and args.global_batch is None and args.seq_len is None)

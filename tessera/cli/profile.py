@@ -17,17 +17,19 @@ from pathlib import Path
 from ..errors import TesseraError
 from ..profile.fit import STATISTICS
 
-STATISTIC_HELP = "summary of repeated timings (see tessera.profile.fit.STATISTICS)"
+STATISTIC_HELP = "summary of repeated timings (default: median; see tessera.profile.fit.STATISTICS)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="what", metavar="WHAT", required=True)
     hw = sub.add_parser("hardware", help="collective curves, matmul FLOP/s, overlap -> cluster JSON")
-    hw.add_argument("-o", "--output", default="cluster.json", help="where to write the ClusterSpec JSON")
-    hw.add_argument("--min-bytes", type=_size, default=4 * 1024, help="smallest message (e.g. 4K)")
+    hw.add_argument("-o", "--out", dest="output", default="cluster.json",
+                    help="where to write the ClusterSpec JSON (default: cluster.json)")
+    hw.add_argument("--output", dest="output", help=argparse.SUPPRESS)  # the earlier name
+    hw.add_argument("--min-bytes", type=_size, default=4 * 1024, help="smallest message (e.g. 4K; default 4K)")
     hw.add_argument("--max-bytes", type=_size, default=None,
                     help="largest message (default 16M on CPU, 1G on CUDA)")
-    hw.add_argument("--reps", type=int, default=5, help="timed repetitions per point (median kept)")
+    hw.add_argument("--reps", type=int, default=5, help="timed repetitions per point (default 5)")
     hw.add_argument("--matmul-size", type=int, default=None, help="side of the square matmuls")
     hw.add_argument("--dtypes", default=None, help="comma-separated matmul dtypes (default per device)")
     hw.add_argument("--collectives", default=None, help="comma-separated subset of the collectives")
@@ -35,9 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hw.add_argument("--statistic", choices=tuple(STATISTICS), default="median", help=STATISTIC_HELP)
     m = sub.add_parser("model", help="per-layer time and activation memory, fitted scales -> model profile JSON")
     m.add_argument("--model", required=True, help="preset name or a model config JSON")
-    m.add_argument("-o", "--output", default="model-profile.json")
+    m.add_argument("-o", "--out", dest="output", default="model-profile.json",
+                   help="where to write the model profile JSON (default: model-profile.json)")
+    m.add_argument("--output", dest="output", help=argparse.SUPPRESS)  # the earlier name
     m.add_argument("--sizes", default=None, help="batch x seq sizes, e.g. 1x128,2x128,1x256")
-    m.add_argument("--reps", type=int, default=3)
+    m.add_argument("--reps", type=int, default=3, help="timed repetitions per size (default 3)")
     m.add_argument("--dtype", default=None, help="fp32 / bf16 / fp16 (default: bf16 on CUDA, fp32 on CPU)")
     m.add_argument("--statistic", choices=tuple(STATISTICS), default="median", help=STATISTIC_HELP)
     m.add_argument("--window", type=_seconds, default=0.0, metavar="SECONDS",
@@ -171,6 +175,11 @@ def _model(args) -> int:
 
     spec = resolve_model(args.model)
     sizes = _parse_sizes(args.sizes)
+    if not torch.cuda.is_available():  # refused in one line before the allocator fails
+        from ..runtime.machine import check_model_fits_host
+
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        check_model_fits_host(spec, ranks, "profile", 2 if args.dtype in ("bf16", "fp16") else 4)
     if "RANK" in os.environ and not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():

@@ -12,8 +12,9 @@ from pathlib import Path
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("plan", help="plan JSON written by `tessera plan -o`")
-    p.add_argument("-o", "--output-dir", metavar="DIR",
+    p.add_argument("-o", "--out", dest="output_dir", metavar="DIR",
                    help="where to write the pictures (default: next to the plan file)")
+    p.add_argument("--output-dir", dest="output_dir", help=argparse.SUPPRESS)  # the earlier name
     p.add_argument("--no-plots", action="store_true", help="tables only")
 
 

@@ -20,10 +20,13 @@ from ..profile.fit import STATISTICS
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", nargs="+", required=True, help="plan JSON file(s), run one after another")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per plan")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (lazy initialisation)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per plan (default 20)")
+    parser.add_argument("--untimed-steps", dest="warmup", type=int, default=1, metavar="N",
+                        help="untimed steps first, for lazy initialisation (default 1)")
+    parser.add_argument("--warmup", dest="warmup", type=int, help=argparse.SUPPRESS)  # the earlier name
     parser.add_argument("--statistic", choices=tuple(STATISTICS), default="median",
-                        help="summary of the timed steps: the model profile's (see tessera.profile.fit.STATISTICS)")
+                        help="summary of the timed steps (default: median, as the model profile's; see "
+                             "tessera.profile.fit.STATISTICS)")
     parser.add_argument("--plot", default=None, help="write a bar chart of predicted vs measured here (PNG)")
     parser.add_argument("--json", default=None, help="write the results here as JSON")
     parser.add_argument("--model-profile", default=None,
@@ -38,10 +41,14 @@ def run(args: argparse.Namespace) -> int:
         raise TesseraError(f"--steps must be at least 1, got {args.steps}")
     plans = [Plan.load(p) for p in args.plan]
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    from ..runtime.machine import check_plan_fits_machine, this_machine
+
+    machine, local_world = this_machine(), int(os.environ.get("LOCAL_WORLD_SIZE", world))
     for path, plan in zip(args.plan, plans):
         if plan.world_size != world:
             raise TesseraError(f"plan {path} was made for {plan.world_size} ranks, but {world} are running; "
                                f"launch with torchrun --nproc-per-node {plan.world_size}")
+        check_plan_fits_machine(plan, machine, local_world, f"plan {path}")  # its predictions are of that machine
     gauge = None
     if args.model_profile:
         from ..profile.apply import load_model_profile

@@ -9,10 +9,11 @@ follows `cost/layer.py` (what each strategy communicates) and the runtime/cost-m
 Bytes use `cost/comm.py`'s convention: the full (gathered) size for all-gather, reduce-scatter
 and all-reduce, what each rank sends for all-to-all, the message for send / recv. Notation per
 layer: m micro-batches; b = micro_batch_size * dp_of_batch sequences per micro-batch over the
-stage; t = b / dp * seq_len / u tokens on the device (u: Ulysses degree); h hidden size;
-ab = activation bytes per element (2, or 4 for fp32); pb = parameter bytes; gb = gradient bytes
-(`Workload.grad_bytes`: 4, the runtime reduces in fp32); P = the layer's
-parameters / tp; S the ZeRO shard degree; R = dp * u / S replicas.
+stage; t = b / dp * seq_len / (u cp) tokens on the device (u: Ulysses degree, cp: context
+parallel degree); h hidden size; ab = activation bytes per element (2, or 4 for fp32); pb =
+parameter bytes; gb = gradient bytes (`Workload.grad_bytes`: 4, the runtime reduces in fp32);
+P = the layer's parameters / tp; S the ZeRO shard degree (dp, or the HSDP group, times cp);
+R = dp * cp * u / S replicas.
 
 Per micro-batch (count m):
     TP (tp > 1)        of t*h*ab over tp (`tp_collective_counts`): blocks 2 all-reduces forward
@@ -22,18 +23,24 @@ Per micro-batch (count m):
                        backward (SP: an all-gather forward, a reduce-scatter backward). Full
                        recompute replays a block's forward collectives but its last.
     Ulysses (u > 1)    4 all-to-alls forward (q, k, v, output) and 4 backward over u, q and
-                       output t*h*ab/tp, k and v scaled by kv_heads/heads; replayed by full
-                       recompute.
+                       output t*h*ab/tp, k and v scaled by kv_heads r/heads (r: the repeats of
+                       a tensor-parallel rank's KV heads for the group); replayed by full
+                       and selective recompute (selective saves only matmul outputs).
+    ring attention (cp > 1, attention layers): the K/V block, kv = 2 (b / dp) (seq / cp)
+                       (kv_heads r / (tp u)) head_dim ab bytes (r: Ulysses KV repeats), sent to
+                       the next cp rank and received from the previous one cp - 1 times forward
+                       and cp - 1 times backward, and the fp32 dK/dV accumulator (kv * 4 / ab)
+                       cp times backward; full or selective recompute replays the forward's.
     ZeRO-3             all-gather pb*P forward and backward, reduce-scatter gb*P backward, over S.
     ZeRO-2             reduce-scatter gb*P over S.
     re-sharding        two adjacent layers with different activation blocks (the second's input
                        moved on its chunk, across a pipeline boundary too): one all-to-all forward
-                       and one backward over the lcm(tp*u) consecutive ranks that exchange, of
+                       and one backward over the lcm(tp*u*cp) consecutive ranks that exchange, of
                        what this rank sends (`cost/reshard.py`, `layer.transition_time`).
     pipeline           each chunk boundary: the activation forward and its gradient backward,
                        micro_batch_seqs * seq_len * h * ab / stage_size bytes (send + recv).
 Per step (count 1):
-    ZeRO-0             all-reduce gb*P over dp*u.
+    ZeRO-0             all-reduce gb*P over dp*cp*u.
     ZeRO-1             reduce-scatter gb*P + all-gather pb*P over S.
     ZeRO-2             all-gather pb*P over S (parameters kept unsharded across micro-batches).
     HSDP (R > 1)       replica all-reduce of the shard gb*P/S over R (ZeRO >= 1).
@@ -55,11 +62,12 @@ Collectives over one rank move nothing and are left out. No torch.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..plan import LayerStrategy, Plan, Recompute, SPKind
 from ..spec.model import LayerKind, LayerSpec
-from .reshard import exchange, layout_of, same_blocks, sent_by
+from .reshard import exchange, layout_of, same_blocks, sent_by, seq_multiple
 
 @dataclass(frozen=True)
 class Collective:
@@ -92,15 +100,20 @@ class _Rank:
 
     def tokens(self, s: LayerStrategy) -> float:
         """Tokens of a micro-batch on this device under strategy `s`."""
-        return self.b / s.dp * self.seq / s.sp_degree
+        return self.b / s.dp * self.seq / (s.sp_degree * s.cp)
 
     def shard_group(self, s: LayerStrategy) -> tuple[int, ...]:
-        """Global ranks of this rank's ZeRO shard group under `s` (mesh.py's layer layout)."""
-        u, tp, shard = s.sp_degree, s.tp, s.shard_degree
-        d, rest = divmod(self.stage_rank, u * tp)
-        d_rep = d // shard
+        """Global ranks of this rank's ZeRO shard group under `s` (mesh.py's layer layout: the
+        dp ranks of the shard group times the cp ranks under ZeRO)."""
+        u, tp, cp = s.sp_degree, s.tp, s.cp
+        shard_cp = cp if s.zero else 1
+        shard_dp = s.shard_degree // shard_cp
+        dc, rest = divmod(self.stage_rank, u * tp)
+        d, c = divmod(dc, cp)
+        d_rep = d // shard_dp
         base = self.pp_rank * self.plan.stage_size
-        return tuple(base + ((d_rep * shard + k) * u * tp) + rest for k in range(shard))
+        return tuple(base + ((d_rep * shard_dp + k) * cp + (j if shard_cp > 1 else c)) * u * tp + rest
+                     for k in range(shard_dp) for j in range(shard_cp))
 
     def tp_group(self, s: LayerStrategy) -> tuple[int, ...]:
         first = self.rank - self.stage_rank % s.tp
@@ -167,17 +180,25 @@ def _layer_collectives(r: _Rank, i: int, add) -> None:
     # Ulysses: 4 all-to-alls each way per micro-batch.
     if s.sp_degree > 1 and layer.num_heads and layer.attn_flops_coeff:
         q = tokens * layer.hidden * r.ab / s.tp
-        kv = q * layer.num_kv_heads / layer.num_heads
-        ways = 3 if s.recompute == Recompute.FULL else 2
+        kv = q * min(1.0, layer.num_kv_heads * _kv_repeats(layer, s) / layer.num_heads)
+        ways = 3 if s.recompute in (Recompute.FULL, Recompute.SELECTIVE) else 2
         add("all_to_all", s.sp_degree, q, m * 2 * ways, name, "Ulysses q and output")
         add("all_to_all", s.sp_degree, kv, m * 2 * ways, name, "Ulysses k and v")
+    # Ring attention: K/V blocks to the next cp rank (and their gradients, backward).
+    if s.cp > 1 and layer.num_heads and layer.attn_flops_coeff:
+        replay = s.recompute in (Recompute.FULL, Recompute.SELECTIVE)
+        kv = 2 * r.b / s.dp * r.seq / s.cp * _ring_kv_heads(layer, s) * layer.head_dim * r.ab
+        blocks = m * (s.cp - 1) * (3 if replay else 2)
+        for kind in ("send", "recv"):
+            add(kind, 2, kv, blocks, name, "ring attention: K/V blocks")
+            add(kind, 2, kv * 4 / r.ab, m * s.cp, name, "ring attention: dK/dV accumulators (fp32)")
     # Data parallel / ZeRO on the parameters (P = params / tp): parameters gathered in the
     # working dtype (pb bytes), gradients reduced in `grad_dtype` (gb bytes).
     p, g = r.pb * layer.params / s.tp, r.gb * layer.params / s.tp
     z, shard = s.zero, s.shard_degree
-    replicas = s.dp * s.sp_degree // shard
+    replicas = s.dp * s.cp * s.sp_degree // shard
     if z == 0:
-        add("all_reduce", s.dp * s.sp_degree, g, 1, name, "gradient all-reduce (ZeRO-0), once per step")
+        add("all_reduce", s.dp * s.cp * s.sp_degree, g, 1, name, "gradient all-reduce (ZeRO-0), once per step")
     elif z == 1:
         add("reduce_scatter", shard, g, 1, name, "gradient reduce-scatter (ZeRO-1), once per step")
         add("all_gather", shard, p, 1, name, "parameter all-gather (ZeRO-1), once per step")
@@ -191,6 +212,18 @@ def _layer_collectives(r: _Rank, i: int, add) -> None:
         add("all_reduce", replicas, g / shard, 1, name, "HSDP replica all-reduce of the gradient shard")
 
 
+def _kv_repeats(layer: LayerSpec, s: LayerStrategy) -> int:
+    """Repeats of each KV head of a tensor-parallel rank for its Ulysses group (`layer.kv_repeats`)."""
+    from .layer import kv_repeats  # layer.py imports this module
+
+    return kv_repeats(layer.num_heads // s.tp, layer.num_kv_heads // s.tp, s.sp_degree)
+
+
+def _ring_kv_heads(layer: LayerSpec, s: LayerStrategy) -> float:
+    """K/V heads per rank inside the ring (after tp, and Ulysses with its KV repeats)."""
+    return layer.num_kv_heads * _kv_repeats(layer, s) / (s.tp * s.sp_degree)
+
+
 def _transition(r: _Rank, i: int, add) -> None:
     """Re-sharding from plan layer i-1's activation layout to layer i's (`cost/reshard.py`): one
     all-to-all forward and one backward per micro-batch over the re-sharding group, of what this
@@ -198,17 +231,20 @@ def _transition(r: _Rank, i: int, add) -> None:
     a, b = (_layout(r.plan.layers[j]) for j in (i - 1, i))
     if same_blocks(a, b):
         return
-    fwd, bwd = exchange(a, b, r.stage_rank, r.b, r.seq), exchange(b, a, r.stage_rank, r.b, r.seq)
+    # The runtime pads the sequence to a multiple every layer's blocks divide (`sequence_multiple`).
+    multiple = math.lcm(*(seq_multiple(_layout(s)) for s in r.plan.layers))
+    seq = -(-r.seq // multiple) * multiple
+    fwd, bwd = exchange(a, b, r.stage_rank, r.b, seq), exchange(b, a, r.stage_rank, r.b, seq)
     unit = r.plan.model.layers[i].hidden * r.ab
     name = r.plan.model.layers[i].name
     for ex, layouts, way in ((fwd, (a, b), "forward"), (bwd, (b, a), "backward")):
         if ex.active and ex.size > 1:
-            add("all_to_all", ex.size, sent_by(*layouts, r.stage_rank, r.b, r.seq) * unit, r.m, name,
+            add("all_to_all", ex.size, sent_by(*layouts, r.stage_rank, r.b, seq) * unit, r.m, name,
                 f"re-sharding the activation between layouts, {way}", empty=True)
 
 
 def _layout(s: LayerStrategy):
-    return layout_of(s.dp, s.sp_degree, s.tp, s.sp == SPKind.MEGATRON)
+    return layout_of(s.dp, s.sp_degree, s.tp, s.sp == SPKind.MEGATRON, s.cp)
 
 
 def _pipeline_p2p(r: _Rank, chunk: int, add) -> None:
@@ -255,7 +291,7 @@ def _bookkeeping(r: _Rank, layers: list[int], add) -> None:
     for i in layers:
         layer, s = plan.model.layers[i], plan.layers[i]
         if s.tp > 1 and layer.kind == LayerKind.LM_HEAD:
-            t = plan.micro_batch_size * plan.dp_of_batch / s.dp * r.seq / s.sp_degree
+            t = plan.micro_batch_size * plan.dp_of_batch / s.dp * r.seq / (s.sp_degree * s.cp)
             add("all_reduce", s.tp, t * 4, r.m, layer.name, "bookkeeping: loss parallel, per-token maximum")
             add("all_reduce", s.tp, t * 4, 2 * r.m, layer.name,
                 "bookkeeping: loss parallel, sum of exponentials and target logit")
@@ -289,8 +325,8 @@ def _norm_params(plan: Plan, layer: LayerSpec) -> int:
 def _uses_ddp(plan: Plan) -> bool:
     """The runtime's DDP path (`runtime.parallelize.uses_ddp`, restated without torch)."""
     first = plan.layers[0]
-    same = all((s.dp, s.sp_degree, s.tp, s.zero, s.dp_shard) == (first.dp, first.sp_degree, first.tp,
-                                                                  first.zero, first.dp_shard)
+    same = all((s.dp, s.cp, s.sp_degree, s.tp, s.zero, s.dp_shard)
+               == (first.dp, first.cp, first.sp_degree, first.tp, first.zero, first.dp_shard)
                for s in plan.layers)
     return (same and plan.pipeline.degree == 1 and first.tp == 1 and first.zero == 0
             and not first.dp_shard and not any(s.offload_optimizer for s in plan.layers)

@@ -25,7 +25,9 @@ A layer's forward per micro-batch, t tokens on the device (after Ulysses), b = t
     attention  flash: F / (P a_f w_a), F = t s coeff / tp (causal FLOPs of the spec), backward
                2.5 F / (P a_b w_a) (FlashAttention's backward does 5 of the 2 forward matmuls'
                work); a_f, a_b = `DeviceSpec.attention_efficiency`, w_a = wave quantisation of its
-               b x heads x ceil(s / 128) thread blocks;
+               b x heads x ceil(s / 128) thread blocks; context parallel (ring attention over cp
+               ranks, load-balanced): F / cp per rank in cp kernels (one per ring step) of
+               b x heads x ceil(s / (cp 128)) thread blocks, cp - 1 more launches each way;
                unfused: batched GEMM(s, s, d) + GEMM(s, d, s) over b heads/(tp u) forward,
                GEMM(s, s, d) + 3 GEMM(s, d, s) backward, plus s^2 (score_bytes) / BW
     memory     t (elementwise_bytes_tp / tp + elementwise_bytes_replicated / tp_sp) / BW forward,
@@ -114,10 +116,11 @@ def linear_seconds(layer: LayerSpec, cluster: ClusterSpec, dtype: str, elt: floa
 
 
 def attention_seconds(layer: LayerSpec, cluster: ClusterSpec, dtype: str, elt: float, seqs, seq_len: int,
-                      tp, sp):
+                      tp, sp, cp=1):
     """(forward, backward) seconds of the attention core over `seqs` sequences of `seq_len` per
-    replica, heads split over tp * sp ranks (Ulysses gives each rank whole sequences)."""
-    seqs, tp, sp = (np.asarray(x, dtype=float) for x in np.broadcast_arrays(seqs, tp, sp))
+    replica, heads split over tp * sp ranks (Ulysses gives each rank whole sequences), the causal
+    work split evenly over cp ranks (ring attention, one kernel per ring step)."""
+    seqs, tp, sp, cp = (np.asarray(x, dtype=float) for x in np.broadcast_arrays(seqs, tp, sp, cp))
     if not (layer.num_heads and layer.attn_flops_coeff):
         return np.zeros(seqs.shape), np.zeros(seqs.shape)
     dev = cluster.device
@@ -130,14 +133,15 @@ def attention_seconds(layer: LayerSpec, cluster: ClusterSpec, dtype: str, elt: f
                + scores * layer.score_bytes_fwd / dev.streaming_bandwidth)
         bwd = (gemm_seconds(cluster, dtype, elt, s, s, d, batch) + 3 * gemm_seconds(cluster, dtype, elt, s, d, s, batch)
                + scores * layer.score_bytes_bwd / dev.streaming_bandwidth)
-        return fwd, bwd
-    flops = seqs * seq_len * layer.attn_flops_coeff * seq_len / (tp * sp)
+        return fwd / cp, bwd / cp  # (context parallelism is searched with flash attention only)
+    flops = seqs * seq_len * layer.attn_flops_coeff * seq_len / (tp * sp * cp)
     eff_f, eff_b = dev.attention_efficiency
     eff_f, eff_b = eff_f or cluster.compute_efficiency, eff_b or cluster.compute_efficiency
-    waves = _waves(seqs * heads * np.ceil(seq_len / ATTENTION_BLOCK), dev.sm_count)
+    waves = _waves(seqs * heads * np.ceil(seq_len / (cp * ATTENTION_BLOCK)), dev.sm_count)
     peak = cluster.peak(dtype)
-    return (flops / (peak * eff_f * waves) + dev.kernel_launch_s,
-            ATTENTION_BACKWARD_FLOPS * flops / (peak * eff_b * waves) + dev.kernel_launch_s)
+    launches = cp * dev.kernel_launch_s
+    return (flops / (peak * eff_f * waves) + launches,
+            ATTENTION_BACKWARD_FLOPS * flops / (peak * eff_b * waves) + launches)
 
 
 def memory_bound_seconds(layer: LayerSpec, cluster: ClusterSpec, elt: float, tokens, tp, tp_sp):

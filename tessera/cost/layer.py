@@ -32,7 +32,22 @@ parameters / tp (experts / (tp ep)), S = ZeRO shard degree, m = micro-batches:
     Ulysses  4 all-to-alls forward (q, k, v, output; message t h a / tp per rank for q and the
              output, x kv_heads r / heads for k and v, r = the runtime's KV repeats when the group
              outnumbers the KV heads) and 4 backward over the sp group (stride tp); full
-             recompute replays the forward's.
+             and selective recompute replay the forward's (selective saves matmul outputs only:
+             the attention core and the all-to-alls around it run again).
+    CP       ring attention (runtime/context_parallel.py) over the cp group (stride tp sp): the
+             sequence is cut into 2 cp chunks, rank c holding chunks c and 2cp-1-c, so each rank
+             does 1/cp of the causal attention work in cp equal steps. A K/V block per step
+             point to point, forward cp - 1 of them, each of
+                 kv = 2 (t_cp) (kv_heads r / (tp sp)) head_dim a      (t_cp = tokens / cp per replica)
+             (grouped-query K/V heads on the wire; r = Ulysses KV repeats), and backward cp - 1
+             K/V blocks plus cp dK/dV accumulators (fp32, 4 bytes an element) travelling with
+             them. Block j's transfer is posted before step j - 1's block attention and overlaps
+             it (c_a = the attention core's time / cp per step):
+                 forward   (cp - 1) overlapped(c_a, p2p(kv))
+                 backward  (cp - 1) overlapped(c_a', p2p(kv) + p2p(dkv)) + p2p(dkv)   (the last
+                           hop returns each block's gradient to its owner, nothing to hide it)
+             with p2p over the network when the cp group spans nodes; full and selective
+             recompute replay the forward's ring (selective recomputes the attention core).
     EP       MoE layers: cost/moe.py — a counts all-to-all, dispatch and combine all-to-alls (t top_k h a
              per rank, the busiest rank's load x the routing skew; the inter-node share scaled by
              `a2a_internode_scale`) forward, the two token ones backward, over ep ranks (stride
@@ -59,8 +74,10 @@ parameters / tp (experts / (tp ep)), S = ZeRO shard degree, m = micro-batches:
 Per step (seconds, once) besides: the optimizer update, memory-bound, (2 (ob + [fp32] pb) + gb) P / S
     bytes (the fp32 states read and written, the gradient read) at the device's streaming
     bandwidth, or offloaded at the host's.
-Group spans follow the rank layout (tp innermost, then sp, then dp): the tp group has stride 1,
-Ulysses stride tp, ZeRO shard groups stride tp * sp (comm.py enumerates the groups).
+Group spans follow the rank layout (tp innermost, then sp, then cp, then dp): the tp group has
+stride 1, Ulysses stride tp, the cp ring stride tp sp, ZeRO shard groups (dp x cp ranks, which hold
+the same parameters) stride tp sp (comm.py enumerates the groups). Every per-token term of a
+context-parallel layer (its GEMMs, TP and Ulysses messages, activations) counts t / cp tokens.
 
 Memory: see memory.py. No torch.
 """
@@ -108,22 +125,24 @@ class StrategyTable:
     recompute: np.ndarray
     offload: np.ndarray
     ep: np.ndarray
+    cp: np.ndarray  # context-parallel (ring attention) degree
 
     @property
     def shard(self) -> np.ndarray:
-        return np.where(self.zero > 0, np.where(self.dp_shard > 0, self.dp_shard, self.dp), 1)
+        """ZeRO shard group: the dp ranks (or the HSDP group) times the cp ranks."""
+        return np.where(self.zero > 0, np.where(self.dp_shard > 0, self.dp_shard, self.dp) * self.cp, 1)
 
     @classmethod
     def build(cls, strategies: Sequence[LayerStrategy]) -> "StrategyTable":
         return cls.from_rows([(x.dp, x.tp, x.sp_degree, x.sp == SPKind.MEGATRON, x.zero, x.dp_shard,
-                               _RC_CODE[x.recompute.value], x.offload_optimizer, x.ep) for x in strategies])
+                               _RC_CODE[x.recompute.value], x.offload_optimizer, x.ep, x.cp) for x in strategies])
 
     @classmethod
     def from_rows(cls, rows: Sequence[tuple]) -> "StrategyTable":
-        """Rows of (dp, tp, sp, megatron, zero, dp_shard, recompute code, offload, ep)."""
-        a = np.array(rows, dtype=np.int64).reshape(-1, 9)
+        """Rows of (dp, tp, sp, megatron, zero, dp_shard, recompute code, offload, ep[, cp])."""
+        a = np.array([tuple(r) + (1,) * (10 - len(r)) for r in rows], dtype=np.int64).reshape(-1, 10)
         return cls(dp=a[:, 0], tp=a[:, 1], sp=a[:, 2], megatron=a[:, 3].astype(bool), zero=a[:, 4],
-                   dp_shard=a[:, 5], recompute=a[:, 6], offload=a[:, 7].astype(bool), ep=a[:, 8])
+                   dp_shard=a[:, 5], recompute=a[:, 6], offload=a[:, 7].astype(bool), ep=a[:, 8], cp=a[:, 9])
 
     def get(self, i: int) -> LayerStrategy:
         u = int(self.sp[i])
@@ -131,7 +150,7 @@ class StrategyTable:
         return LayerStrategy(dp=int(self.dp[i]), tp=int(self.tp[i]), sp=kind, sp_degree=u,
                              zero=int(self.zero[i]), dp_shard=int(self.dp_shard[i]),
                              recompute=_RC_NAME[int(self.recompute[i])],
-                             offload_optimizer=bool(self.offload[i]), ep=int(self.ep[i]))
+                             offload_optimizer=bool(self.offload[i]), ep=int(self.ep[i]), cp=int(self.cp[i]))
 
     def __len__(self) -> int:
         return len(self.dp)
@@ -181,6 +200,13 @@ class LayerCosts:
     # model-state tensors and saved tensors cannot see (tessera.profile.results.predicted_memory).
     copies: np.ndarray | None = None
     held: np.ndarray | None = None
+    # The data-parallel collectives the times above charge, unexposed (seconds, offload copies
+    # included): the all-gather of the layer's parameters over its shard group, the reduce-scatter
+    # of its gradients, and the all-reduce of the gradient shard across replicas. For planners that
+    # compose micro-batches themselves (tessera.adapt prices per-step groups with them).
+    zero_gather: np.ndarray | None = None
+    zero_reduce: np.ndarray | None = None
+    replica_reduce: np.ndarray | None = None
 
     @property
     def states(self) -> np.ndarray:
@@ -219,19 +245,23 @@ def kv_repeats(num_heads: int, num_kv_heads: int, size: int) -> int:
     return group
 
 
-def _kv_repeats(layer: LayerSpec, sp: np.ndarray) -> np.ndarray:
-    degrees, index = np.unique(sp, return_inverse=True)
-    reps = np.array([kv_repeats(layer.num_heads, layer.num_kv_heads, int(d)) for d in degrees], dtype=float)
-    return reps[index.reshape(np.shape(sp))]
+def _kv_repeats(layer: LayerSpec, tp, sp) -> np.ndarray:
+    """`kv_repeats` per strategy: the runtime repeats the KV heads of a tensor-parallel rank
+    (num_heads / tp query heads, num_kv_heads / tp KV heads) for its Ulysses group of sp ranks."""
+    tp, sp = np.broadcast_arrays(np.asarray(tp), np.asarray(sp))
+    pairs, index = np.unique(np.stack([np.ravel(tp), np.ravel(sp)], axis=1), axis=0, return_inverse=True)
+    reps = np.array([kv_repeats(layer.num_heads // int(a), layer.num_kv_heads // int(a), int(b)) for a, b in pairs],
+                    dtype=float)
+    return reps[np.ravel(index)].reshape(np.shape(sp))
 
 
 def _compute(layer: LayerSpec, t: StrategyTable, ctx: StepContext, tokens, slowdown):
-    """(forward, backward incl. recompute, weight-gradient, attention forward) compute seconds
-    per micro-batch, per strategy (cost/compute.py)."""
+    """(forward, backward incl. recompute, weight-gradient, attention core forward, attention core
+    backward) compute seconds per micro-batch, per strategy (cost/compute.py)."""
     cl, wl = ctx.cluster, ctx.workload
     seq = wl.seq_len
     if not per_operation(layer, cl):
-        rate = achieved_flops(cl, wl.dtype) * t.tp * t.sp / slowdown
+        rate = achieved_flops(cl, wl.dtype) * t.tp * t.sp * t.cp / slowdown
         lin = tokens * layer.flops_per_token * layer.linear_time_scale
         att = tokens * layer.attn_flops_coeff * seq * layer.attn_time_scale
         cf = (lin + att) / rate
@@ -240,27 +270,87 @@ def _compute(layer: LayerSpec, t: StrategyTable, ctx: StepContext, tokens, slowd
         cb = cb + np.where(t.recompute == RC_SELECTIVE,
                            (att * layer.selective_attn_fraction
                             + tokens * layer.selective_flops_per_token * layer.linear_time_scale) / rate, 0.0)
-        return cf, cb, lin / rate
+        return cf, cb, lin / rate, att / rate, BACKWARD_FACTOR * att / rate
     ab = ctx.act_elt
-    lf, ld, lw = linear_seconds(layer, cl, wl.dtype, ab, tokens / t.sp, t.tp, t.ep)
-    af, abk = attention_seconds(layer, cl, wl.dtype, ab, tokens / seq, seq, t.tp, t.sp)
+    local = tokens / (t.sp * t.cp)
+    lf, ld, lw = linear_seconds(layer, cl, wl.dtype, ab, local, t.tp, t.ep)
+    af, abk = attention_seconds(layer, cl, wl.dtype, ab, tokens / seq, seq, t.tp, t.sp, t.cp)
     tp_sp = np.where(t.megatron, t.tp, 1)
-    mf, mb = memory_bound_seconds(layer, cl, ab, tokens / t.sp, t.tp, tp_sp)
-    cf = (lf + af) * slowdown + mf
-    cb = (ld + lw + abk) * slowdown + mb
+    mf, mb = memory_bound_seconds(layer, cl, ab, local, t.tp, tp_sp)
+    rf, rb = ring_memory_seconds(layer, cl, ab, tokens, t)
+    cf = (lf + af) * slowdown + mf + rf
+    cb = (ld + lw + abk) * slowdown + mb + rb
     cb = cb + np.where(t.recompute == RC_FULL, cf, 0.0)
-    cb = cb + np.where(t.recompute == RC_SELECTIVE, af * slowdown * layer.selective_attn_fraction, 0.0)
-    return cf, cb, lw * slowdown
+    cb = cb + np.where(t.recompute == RC_SELECTIVE, (af * slowdown + rf) * layer.selective_attn_fraction, 0.0)
+    return cf, cb, lw * slowdown, af * slowdown, abk * slowdown
+
+
+def ring_heads(layer: LayerSpec, t: StrategyTable) -> tuple[np.ndarray, np.ndarray]:
+    """(query heads, K/V heads) per rank inside the ring: split over tp, then over the Ulysses
+    group after the KV repeats the runtime makes for a tensor-parallel rank's heads."""
+    reps = _kv_repeats(layer, t.tp, t.sp)
+    return layer.num_heads / (t.tp * t.sp), layer.num_kv_heads * reps / (t.tp * t.sp)
+
+
+def ring_memory_seconds(layer: LayerSpec, cl: ClusterSpec, ab: float, tokens, t: StrategyTable):
+    """(forward, backward) memory-bound seconds ring attention adds per micro-batch (0 unless
+    cp > 1), over the cp - 1 steps after the first, each covering 3/4 of the L = tokens / cp
+    local rows on average (all of them against the first half of a block, or half of them
+    against a whole block): forward, the online-softmax merge (read and write the fp32
+    accumulator, read the block's output: 8 + a bytes per output element) and the K/V heads
+    copied to the query heads' layout (K and V written and read: 4 a per element); backward, the fp32
+    dQ and dK/dV accumulations (read and write, 8 + a per element) and the same K/V copies (each
+    step's block is sliced and, under grouped-query attention, repeated to the query heads)."""
+    if not (layer.num_heads and layer.attn_flops_coeff and layer.head_dim):
+        return 0.0, 0.0
+    q_heads, kv_heads = ring_heads(layer, t)
+    rows = 0.75 * tokens / t.cp * (t.cp - 1)
+    q, kv, rep = rows * q_heads * layer.head_dim, rows * kv_heads * layer.head_dim, rows * q_heads * layer.head_dim
+    bw = cl.device.streaming_bandwidth
+    fwd = (q * (8.0 + ab) + rep * 4.0 * ab) / bw
+    bwd = ((q + 2.0 * kv) * (8.0 + ab) + rep * 4.0 * ab) / bw
+    return fwd, bwd
+
+
+def ring_buffer_bytes(layer: LayerSpec, ab: float, tokens, t: StrategyTable):
+    """Transient bytes of ring attention's backward (0 unless cp > 1), with L = tokens / cp local
+    rows, h_q and h_kv the heads per rank (`ring_heads`), d the head dimension:
+        L d [h_q (4 + 5 a) + h_kv (24 + 4 a)]
+    = the fp32 dQ accumulator, the block's K/V repeated to h_q heads (2 a) and its dQ, dK, dV
+    (3 a); three fp32 dK/dV accumulators (travelling, received, this step's: 3 x 2 x 4) and the
+    held and incoming K/V blocks (2 x 2 a). The forward's (fp32 output and log-sum-exp
+    accumulators, K/V blocks) is smaller."""
+    if not (layer.num_heads and layer.attn_flops_coeff and layer.head_dim):
+        return 0.0
+    q_heads, kv_heads = ring_heads(layer, t)
+    per_row = layer.head_dim * (q_heads * (4.0 + 5.0 * ab) + kv_heads * (24.0 + 4.0 * ab))
+    return np.where(t.cp > 1, tokens / t.cp * per_row, 0.0)
+
+
+def ring_attention_comm(layer: LayerSpec, cl: ClusterSpec, ab: float, tokens, t: StrategyTable,
+                        attn_fwd, attn_bwd, slow: float):
+    """(forward, backward) exposed seconds of ring attention's K/V (and dK/dV) transfers per
+    micro-batch (the module docstring's CP line); 0 unless cp > 1."""
+    if not (layer.num_heads and layer.attn_flops_coeff and layer.head_dim):
+        return 0.0, 0.0
+    _, kv_heads = ring_heads(layer, t)
+    kv = 2.0 * tokens / t.cp * kv_heads * layer.head_dim
+    p_kv = collective_times(cl, "p2p", kv * ab, t.cp, t.tp * t.sp)
+    p_grad = collective_times(cl, "p2p", kv * 4.0, t.cp, t.tp * t.sp)
+    steps = t.cp - 1
+    fwd = steps * overlap_extra(attn_fwd / t.cp, p_kv, slow)
+    bwd = steps * overlap_extra(attn_bwd / t.cp, p_kv + p_grad, slow) + p_grad
+    return np.where(t.cp > 1, fwd, 0.0), np.where(t.cp > 1, bwd, 0.0)
 
 
 def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCosts:
     cl, wl = ctx.cluster, ctx.workload
     ab, pb, gb, ob = ctx.act_elt, wl.param_bytes, wl.grad_bytes, wl.optimizer_bytes
     tokens = ctx.micro_batch_seqs / t.dp * wl.seq_len  # per data-parallel replica
-    tokens_dev = tokens / t.sp  # Ulysses shards the sequence
+    tokens_dev = tokens / (t.sp * t.cp)  # Ulysses and context parallelism shard the sequence
     tp_overhead, tp_slowdown = tp_terms(layer, t.tp)
     slowdown = 1.0 + tp_slowdown + np.where(t.sp > 1, layer.sp_slowdown, 0.0)
-    cf, cb, wgrad = _compute(layer, t, ctx, tokens, slowdown)
+    cf, cb, wgrad, attn_f, attn_b = _compute(layer, t, ctx, tokens, slowdown)
     # Fixed per-call costs (measured): 1/3 forward, 2/3 backward; full recompute replays the forward's.
     fixed = (layer.call_overhead_s + tp_overhead
              + np.where(t.sp > 1, layer.sp_overhead_s, 0.0)
@@ -283,13 +373,18 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
     repeats = np.ones(np.shape(t.sp))
     if layer.num_heads and layer.attn_flops_coeff:
         # Ulysses: q, k, v and the output; K and V repeated when the group outnumbers the KV heads.
-        repeats = _kv_repeats(layer, t.sp)
+        repeats = _kv_repeats(layer, t.tp, t.sp)
         kv = np.minimum(1.0, layer.num_kv_heads * repeats / layer.num_heads)
         q_msg = tokens_dev * layer.hidden * ab / t.tp
         a2a = (2 * collective_times(cl, "all_to_all", q_msg, t.sp, t.tp)
                + 2 * collective_times(cl, "all_to_all", q_msg * kv, t.sp, t.tp))
         comm_f = comm_f + a2a
-        comm_b = comm_b + a2a + np.where(full, a2a, 0.0)
+        comm_b = comm_b + a2a + np.where(full | (t.recompute == RC_SELECTIVE), a2a, 0.0)
+        # Context parallel: the ring's K/V (and dK/dV) blocks, hidden behind each step's block
+        # attention; recompute (full, or selective's attention core) replays the forward's ring.
+        ring_f, ring_b = ring_attention_comm(layer, cl, ab, tokens, t, attn_f, attn_b, cl.overlap_slowdown)
+        comm_f = comm_f + ring_f
+        comm_b = comm_b + ring_b + np.where(full | (t.recompute == RC_SELECTIVE), ring_f, 0.0)
     if layer.num_experts:  # all-to-alls, routing skew, node crossing: cost/moe.py
         comm_f, comm_b = (a + b for a, b in zip((comm_f, comm_b), moe_times(layer, t, cl, tokens_dev, ab, cf)))
 
@@ -299,11 +394,11 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
     pp = max(1, cl.num_gpus // ctx.stage_size)
     shared = layer.tied_params if pp == 1 else 0
     shard = t.shard
-    es = expert_shard(shard, t.dp, t.sp, t.ep)
+    es = expert_shard(shard, t.dp * t.cp, t.sp, t.ep)
     slow = cl.overlap_slowdown
     pd, pe = (layer.dense_params - shared) / t.tp, layer.expert_params / (t.tp * t.ep)
     ag = rs = ar_step = rep = h2d = d2h = 0.0
-    for p, s, group in ((pd, shard, t.dp * t.sp), (pe, es, t.dp * t.sp // t.ep)):
+    for p, s, group in ((pd, shard, t.dp * t.cp * t.sp), (pe, es, t.dp * t.cp * t.sp // t.ep)):
         if not np.any(p):
             continue
         st = t.tp * t.sp
@@ -370,16 +465,20 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
         q_dim = layer.num_heads * layer.head_dim
         act = act + np.where(full | (t.recompute == RC_SELECTIVE), 0.0,
                              tokens_dev * ab * ((repeats - 1) * 2 * kv_dim + np.where(t.sp > 1, q_dim, 0)) / t.tp)
+        # Ring attention keeps its output (the activation dtype) and fp32 log-sum-exp like
+        # SDPA does; what it adds is transient (`ring_buffer_bytes`).
     buf = buffer_bytes(layer, wl, tokens_dev, t.tp, t.ep, t.megatron, z, t.recompute, offload=t.offload,
                        seq_len=wl.seq_len, sp=t.sp, dense_params=layer.dense_params - shared, elt=ab,
                        fused_norms=fused_norms)
+    buf = buf + ring_buffer_bytes(layer, ab, tokens, t)
     shape = np.shape(t.dp)
     full_ = lambda x: np.broadcast_to(np.asarray(x, dtype=float), shape)  # noqa: E731
     return LayerCosts(fwd=full_(fwd), bwd=full_(bwd), wgrad=full_(wgrad), compute_fwd=full_(cf),
                       compute_bwd=full_(cb), step=full_(sync + opt_time), optimizer_time=full_(opt_time),
                       params=full_(params), grads=full_(grads), optimizer=full_(optimizer),
                       act=full_(act), buf=full_(buf), host=full_(host), copies=full_(copies),
-                      held=full_(tokens_dev * (ab / 2.0) * layer.act_held_tp / t.tp))
+                      held=full_(tokens_dev * (ab / 2.0) * layer.act_held_tp / t.tp),
+                      zero_gather=full_(ag), zero_reduce=full_(rs), replica_reduce=full_(rep))
 
 
 def _runtime_copies(params, grads, wl: Workload, t: StrategyTable, z, pp: int, pd, pe, shard, es, m: float):
@@ -397,25 +496,34 @@ def _runtime_copies(params, grads, wl: Workload, t: StrategyTable, z, pp: int, p
     return params, grads
 
 
-def shape_key(s: LayerStrategy) -> tuple[int, int, int, bool]:
-    """What decides how activations are laid out between layers: (dp, tp, sp, megatron)."""
-    return (s.dp, s.tp, s.sp_degree, s.sp == SPKind.MEGATRON)
+Layout = tuple  # (dp, tp, sp, megatron[, cp]): what `shape_key` returns
 
 
-def transition_time(hidden: int, a: tuple[int, int, int, bool], b: tuple[int, int, int, bool],
-                    ctx: StepContext) -> float:
+def shape_key(s: LayerStrategy) -> Layout:
+    """What decides how activations are laid out between layers: (dp, tp, sp, megatron, cp)."""
+    return (s.dp, s.tp, s.sp_degree, s.sp == SPKind.MEGATRON, s.cp)
+
+
+def _layout_array(layouts) -> np.ndarray:
+    """Layouts as rows (dp, tp, sp, megatron, cp); cp 1 where a 4-element key leaves it out."""
+    return np.array([tuple(k) + (1,) * (5 - len(k)) for k in layouts], dtype=np.int64).reshape(-1, 5)
+
+
+def transition_time(hidden: int, a: Layout, b: Layout, ctx: StepContext) -> float:
     """Seconds per micro-batch (forward + backward) to re-shard the activation between two
     adjacent layers whose layouts differ (`cost/reshard.py`, what the runtime issues): an
-    all-to-all over the lcm(tp * sp) consecutive ranks whose blocks overlap (stride 1) forward,
-    each rank sending its peers only what they need and do not hold, and the gradient back the
-    same way; each priced by its busiest rank's bytes. Layouts with the same blocks cost nothing."""
+    all-to-all over the lcm(tp * sp * cp) consecutive ranks whose blocks overlap (stride 1)
+    forward, each rank sending its peers only what they need and do not hold, and the gradient
+    back the same way; each priced by its busiest rank's bytes. Layouts with the same blocks
+    cost nothing."""
     return float(transition_matrix(hidden, [a, b], ctx)[0, 1])
 
 
-def transition_matrix(hidden: int, layouts: Sequence[tuple[int, int, int, bool]], ctx: StepContext) -> np.ndarray:
-    """`transition_time` for every ordered pair of layouts (dp, tp, sp, megatron) at once."""
+def transition_matrix(hidden: int, layouts: Sequence[Layout], ctx: StepContext) -> np.ndarray:
+    """`transition_time` for every ordered pair of layouts (dp, tp, sp, megatron[, cp]) at once."""
     whole = ctx.micro_batch_seqs * ctx.workload.seq_len * hidden * ctx.act_elt  # one micro-batch's activation
-    keys = [layout_of(dp, sp, tp, meg) for dp, tp, sp, meg in layouts]
+    lay = _layout_array(layouts)
+    keys = [layout_of(int(dp), int(sp), int(tp), bool(meg), int(cp)) for dp, tp, sp, meg, cp in lay]
     n = len(keys)
     share = np.zeros((n, n))
     group = np.ones((n, n), dtype=np.int64)

@@ -6,6 +6,11 @@ zero-bubble) and weight-gradient (W) event, thin bars for the point-to-point sen
 stages, and grey boxes for the idle time (the bubble). Every event box carries an SVG id
 (`event-F-s0-m3-c0`), so the picture can be checked against the simulation it came from.
 
+A schedule of many micro-batches (more than `ZOOM_OVER`, e.g. 8 stages x 64) is too dense to
+read whole: the step is drawn on top and, below it, two zooms of the same events at a readable
+scale, the start of the step (the warm-up: which micro-batch enters each stage when) and its end
+(the cool-down), each box labelled with its micro-batch.
+
 `plot_memory` stacks parameters, gradients, optimizer state, activations and buffers per
 pipeline rank against the device capacity.
 
@@ -32,6 +37,7 @@ MEMORY_COLOURS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868
                   "activations": "#c44e52", "buffers": "#937860", "fragmentation": "#8c8c8c"}
 FORMATS = ("png", "svg")
 MAX_PATCHES = 3000  # events drawn one SVG element each; beyond, painted into one image
+ZOOM_OVER = 16  # micro-batches beyond which the start and end of the step are also drawn zoomed
 
 
 @dataclass(frozen=True)
@@ -91,13 +97,16 @@ class _Boxes:
     def add(self, x: float, y: float, w: float, h: float, gid: str, alpha: float = 1.0) -> None:
         self.xs.append((x, y, w, h, alpha, gid))
 
-    def draw(self, ax: Any) -> None:
+    def draw(self, ax: Any, window: tuple[float, float] | None = None) -> None:
+        """One patch per box; with `window` (x from, to), only the boxes in it, without SVG ids."""
         from matplotlib.patches import Rectangle
 
         edge = dict(edgecolor="white", linewidth=0.5) if self.hatch is None else dict(edgecolor="none")
         for x, y, w, h, alpha, gid in self.xs:
+            if window is not None and (x + w < window[0] or x > window[1]):
+                continue
             ax.add_patch(Rectangle((x, y), w, h, facecolor=self.colour, alpha=alpha, hatch=self.hatch,
-                                   gid=gid, zorder=self.zorder, **edge))
+                                   gid=gid if window is None else None, zorder=self.zorder, **edge))
 
     def paint(self, img: Any, x_px: float, y0: float, y_px: float) -> None:
         """Paint the boxes into an RGB image (row 0 at the top, `y0` the data y of its bottom edge)."""
@@ -114,13 +123,14 @@ class _Boxes:
 
 def plot_timeline(events: Sequence[Any], num_stages: int, stem: str | Path, *, title: str = "",
                   p2p: float = 0.0, tails: Sequence[float] = (),
-                  max_patches: int = MAX_PATCHES) -> TimelineDrawing:
+                  max_patches: int = MAX_PATCHES, zoom_over: int = ZOOM_OVER) -> TimelineDrawing:
     """Draw schedule events (stage, kind, micro_batch, chunk, start, end) to `stem`.png and .svg.
 
     `tails[r]`: seconds rank r spends after its last event on the once-per-step work (exposed
     gradient sync, optimizer update), drawn as one box; the step ends when the last tail does.
     Up to `max_patches` events each box is its own SVG element (id `event-F-s0-m3-c0`); beyond,
-    the boxes are painted into one image so that a 128-stage schedule still draws in seconds."""
+    the boxes are painted into one image so that a 128-stage schedule still draws in seconds. More
+    than `zoom_over` micro-batches: the start and the end of the step are drawn again, zoomed."""
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
@@ -130,12 +140,24 @@ def plot_timeline(events: Sequence[Any], num_stages: int, stem: str | Path, *, t
     num_chunks = max((e.chunk for e in events), default=0) + 1
     virtual = max(1, num_chunks // num_stages)
     one_by_one = len(events) <= max_patches
-    fig = Figure(figsize=(12, 1.5 + min(0.55 * num_stages, 12.0)))
+    micro_batches = max((e.micro_batch for e in events), default=0) + 1
+    zoom = micro_batches > zoom_over
+    rows_height = min(0.55 * num_stages, 12.0)
+    fig = Figure(figsize=(12, 1.5 + rows_height * (2.2 if zoom else 1.0)))
     _margins(fig, left=0.9, right=0.2, top=0.75, bottom=0.55)
-    ax = fig.add_subplot()
+    if zoom:
+        grid = fig.add_gridspec(2, 2, hspace=0.28, wspace=0.06)
+        ax = fig.add_subplot(grid[0, :])
+        zooms = [fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])]
+    else:
+        ax, zooms = fig.add_subplot(), []
     height = 0.8
     min_label_width = end / 60  # label a box with its micro-batch only where the number fits
     label = one_by_one and num_stages <= 32
+    # The zoomed windows span about (stages + 4) micro-batches' share of the step.
+    span = end * min(0.5, (num_stages + 4) / (micro_batches + num_stages))
+    windows = [(0.0, span), (end - span, end)] if zoom else []
+    labels: list[tuple[float, float, str]] = []  # (x, y, micro-batch) of every event, for the zooms
 
     def row(stage: int) -> float:
         return num_stages - 1 - stage - height / 2  # stage 0 on top
@@ -152,6 +174,8 @@ def plot_timeline(events: Sequence[Any], num_stages: int, stem: str | Path, *, t
         if label and e.end - e.start >= min_label_width:
             ax.text((e.start + e.end) / 2 * scale, row(e.stage) + height / 2, str(e.micro_batch),
                     ha="center", va="center", fontsize=7, color="white")
+        if zoom and num_stages <= 32:
+            labels.append(((e.start + e.end) / 2, e.end - e.start, row(e.stage) + height / 2, str(e.micro_batch)))
         # A forward sends to the next chunk, a backward to the previous one, except at the ends.
         sends = (e.kind == "F" and e.chunk < num_chunks - 1) or (e.kind == "B" and e.chunk > 0)
         if p2p > 0 and sends and num_stages > 1:
@@ -183,6 +207,21 @@ def plot_timeline(events: Sequence[Any], num_stages: int, stem: str | Path, *, t
     shown = range(0, num_stages, every)
     ax.set_yticks([num_stages - 1 - s for s in shown], [f"pp rank {s}" for s in shown])
     ax.set_xlabel(f"time ({unit})")
+    for zax, (lo, hi), what in zip(zooms, windows, ("start of the step (warm-up)", "end of the step (cool-down)")):
+        for group in groups:
+            group.draw(zax, (lo * scale, hi * scale))
+        for x, width, y, text in labels:
+            if lo <= x <= hi and width >= (hi - lo) / 60:
+                zax.text(x * scale, y, text, ha="center", va="center", fontsize=7, color="white")
+        zax.set_xlim(lo * scale, hi * scale)
+        zax.set_ylim(y_lo, y_hi)
+        zax.set_title(f"zoom: {what}, boxes labelled by micro-batch", loc="left", fontsize=9)
+        zax.set_xlabel(f"time ({unit})")
+        zax.set_yticks([num_stages - 1 - s for s in shown], [f"pp rank {s}" for s in shown] if zax is zooms[0] else [])
+        for side in ("top", "right"):
+            zax.spines[side].set_visible(False)
+        ax.axvspan(lo * scale, hi * scale, ymin=0, ymax=1, facecolor="none", edgecolor="black", linewidth=0.8,
+                   linestyle=":", zorder=5)
     ax.set_title(title, loc="left", fontsize=10, pad=24)
     kinds = [k for k in EVENT_STYLE if any(e.kind == k for e in events)]
     handles = [Patch(facecolor=EVENT_STYLE[k][0], label=EVENT_STYLE[k][1]) for k in kinds]

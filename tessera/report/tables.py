@@ -234,7 +234,8 @@ def memory_table(plan: Plan) -> Table:
 def explanation(plan: Plan) -> Group | None:
     info = plan.search
     # Padding indents the wrapped part of a long line too.
-    lines = [Padding(Text(line), (0, 0, 0, 2)) for line in info.explanation]
+    lines = [Padding(Text(line, style="bold yellow" if line.startswith("warning:") else ""), (0, 0, 0, 2))
+             for line in info.explanation]
     if info.search_time_s or info.candidates:
         lines.append(Padding(Text(f"searched {info.candidates:,} candidates in {info.search_time_s:.2f} s",
                                   style="dim"), (0, 0, 0, 2)))

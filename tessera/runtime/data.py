@@ -24,6 +24,10 @@ Order: global sample g is window perm_e[g mod W] with e = g // W and perm_e a pe
 by (seed, e). Each step takes the next `global_batch` samples; rank r of dp takes rows
 [r*B, (r+1)*B) with B = global_batch // dp. The stream of global batches therefore does not depend
 on dp, and the data position (`state_dict`) is one integer: samples consumed.
+
+Held-out split (`holdout=f`, evaluation): the last ceil(f * W) windows of the stream are the
+"eval" split, the others the "train" split, whatever the seed or the number of ranks; the eval
+split is read in order (no shuffle), so that every evaluation sees the same batches.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import tempfile
@@ -363,7 +368,7 @@ class TokenLoader:
 
     def __init__(self, stream: TokenStream, seq_len: int, global_batch: int, dp_rank: int = 0,
                  dp_size: int = 1, seed: int = 0, pack: bool = True, shuffle: bool = True,
-                 eot_id: int = EOT_ID):
+                 eot_id: int = EOT_ID, holdout: float = 0.0, split: str = "train"):
         if seq_len < 1 or global_batch < 1:
             raise TesseraError(f"seq_len ({seq_len}) and global batch ({global_batch}) must be positive")
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
@@ -373,9 +378,11 @@ class TokenLoader:
         self.stream, self.seq_len, self.global_batch = stream, seq_len, global_batch
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         self.pack, self.shuffle, self.eot_id = pack, shuffle, eot_id
-        self.num_windows = (len(stream) - 1) // seq_len
+        self.first_window, self.num_windows = split_windows((len(stream) - 1) // seq_len, holdout, split)
         if self.num_windows < global_batch:
-            raise TesseraError(f"'{stream.name}' has {len(stream):,} tokens: fewer than one global batch of "
+            part = f"its held-out {split} split has {self.num_windows} windows of {seq_len} tokens" if holdout else \
+                f"it has {len(stream):,} tokens"
+            raise TesseraError(f"'{stream.name}' is too small: {part}, fewer than one global batch of "
                                f"{global_batch} x {seq_len}")
         self.samples_seen = 0
         self._perm_epoch, self._perm = -1, np.empty(0, dtype=np.int64)
@@ -405,7 +412,7 @@ class TokenLoader:
                 perm = np.random.default_rng([self.seed, int(epoch)]).permutation(self.num_windows)
                 self._perm_epoch, self._perm = int(epoch), perm
             out[epochs == epoch] = perm[offsets[epochs == epoch]]
-        return out
+        return out + self.first_window
 
     def batch_at(self, first_sample: int, rows: slice | None = None) -> Batch:
         """The batch of global samples [first_sample, first_sample + global_batch), rows `rows`
@@ -471,15 +478,26 @@ class TokenLoader:
         self.samples_seen = int(state["samples_seen"])
 
 
+def split_windows(total: int, holdout: float, split: str) -> tuple[int, int]:
+    """(first window, number of windows) of `split` ("train" or "eval") when the last
+    ceil(holdout * total) of `total` windows are held out (none when `holdout` is 0)."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got '{split}'")
+    held = min(total, math.ceil(holdout * total)) if holdout > 0 else 0
+    return (0, total - held) if split == "train" else (total - held, held)
+
+
 def build_dataloader(source: str | Path | None, seq_len: int, global_batch: int, dp_rank: int = 0,
                      dp_size: int = 1, seed: int = 0, pack: bool = True, shuffle: bool = True,
-                     eot_id: int = EOT_ID, model_vocab_size: int | None = None, tokenizer=None) -> TokenLoader:
+                     eot_id: int = EOT_ID, model_vocab_size: int | None = None, tokenizer=None,
+                     holdout: float = 0.0, split: str = "train") -> TokenLoader:
     """This rank's loader over `source` (None = Shakespeare; else a directory, see module docstring).
 
     `eot_id` marks document starts in token files made with another tokenizer; with
     `model_vocab_size`, data whose token ids do not fit the model's embedding is refused.
     `tokenizer`: a model's own `HFTokenizer` instead of GPT-2's (`runtime/finetune_data.py`: chat
     data, target flags); its BOS (else EOS) then marks document starts in token files.
+    `holdout`, `split`: the held-out evaluation split or the rest (module docstring; eval is not shuffled).
     """
     if tokenizer is not None:
         from .finetune_data import finetune_stream
@@ -492,5 +510,5 @@ def build_dataloader(source: str | Path | None, seq_len: int, global_batch: int,
     if model_vocab_size is not None and stream.vocab_size > model_vocab_size:
         raise TesseraError(f"'{stream.name}' holds token ids up to {stream.vocab_size - 1}, beyond the "
                            f"model's vocabulary of {model_vocab_size}")
-    return TokenLoader(stream, seq_len, global_batch, dp_rank, dp_size,
-                       seed=seed, pack=pack, shuffle=shuffle, eot_id=eot_id)
+    return TokenLoader(stream, seq_len, global_batch, dp_rank, dp_size, seed=seed, pack=pack,
+                       shuffle=shuffle and split == "train", eot_id=eot_id, holdout=holdout, split=split)

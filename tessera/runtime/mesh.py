@@ -1,12 +1,13 @@
 """Ranks and meshes: where each rank sits for every layer of a plan.
 
-Words: a mesh *axis* is a named dimension of a `DeviceMesh` ("pp", "dp", "sp", "tp"); a tensor
-*dim* is a dimension of a tensor.
+Words: a mesh *axis* is a named dimension of a `DeviceMesh` ("pp", "dp", "cp", "sp", "tp"); a
+tensor *dim* is a dimension of a tensor.
 
-Rank layout (outermost to innermost): pp, dp, sp, tp. A rank's index inside its pipeline stage
-(`stage_rank`, 0 <= stage_rank < world / pp) decomposes, for a layer with degrees (dp, sp, tp), as
+Rank layout (outermost to innermost): pp, dp, cp, sp, tp (plan.py says why). A rank's index
+inside its pipeline stage (`stage_rank`, 0 <= stage_rank < world / pp) decomposes, for a layer
+with degrees (dp, cp, sp, tp), as
 
-    stage_rank = (d * sp + s) * tp + t,      0 <= d < dp, 0 <= s < sp, 0 <= t < tp
+    stage_rank = ((d * cp + c) * sp + s) * tp + t,   0 <= d < dp, 0 <= c < cp, 0 <= s < sp, 0 <= t < tp
 
 so tensor parallelism stays innermost (inside a node). Layers of one stage may choose different
 degrees; each decomposes the same stage ranks its own way. The arithmetic is pure
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 class Axis(StrEnum):
     PP = "pp"
     DP = "dp"
+    CP = "cp"
     SP = "sp"
     TP = "tp"
     # Axes of a layer's sharding mesh (FSDP2 HSDP wants (replicate, shard) as two axes).
@@ -44,20 +46,21 @@ class Axis(StrEnum):
 
 @dataclass(frozen=True)
 class LayerCoords:
-    """Where one rank sits for one layer: pipeline stage, and (d, s, t) inside the stage."""
+    """Where one rank sits for one layer: pipeline stage, and (d, c, s, t) inside the stage."""
 
     pp: int
     dp: int
     sp: int
     tp: int
+    cp: int = 0
 
 
-def layer_coords(rank: int, stage_size: int, dp: int, sp: int, tp: int) -> LayerCoords:
-    """Split a global rank into (pp, dp, sp, tp) coordinates; dp * sp * tp must equal stage_size."""
-    if dp * sp * tp != stage_size:
-        raise ValueError(f"dp*sp*tp = {dp * sp * tp} does not equal the stage size {stage_size}")
+def layer_coords(rank: int, stage_size: int, dp: int, sp: int, tp: int, cp: int = 1) -> LayerCoords:
+    """Split a global rank into (pp, dp, cp, sp, tp) coordinates; dp * cp * sp * tp must equal stage_size."""
+    if dp * cp * sp * tp != stage_size:
+        raise ValueError(f"dp*cp*sp*tp = {dp * cp * sp * tp} does not equal the stage size {stage_size}")
     pp, r = divmod(rank, stage_size)
-    return LayerCoords(pp=pp, dp=r // (sp * tp), sp=(r // tp) % sp, tp=r % tp)
+    return LayerCoords(pp=pp, dp=r // (cp * sp * tp), sp=(r // tp) % sp, tp=r % tp, cp=(r // (sp * tp)) % cp)
 
 
 def axis_groups(shape: dict[str, int], axis: str | tuple[str, ...]) -> list[list[int]]:
@@ -94,22 +97,33 @@ def axis_groups(shape: dict[str, int], axis: str | tuple[str, ...]) -> list[list
 class LayerLayout:
     """The degrees that decide which ranks share a layer's parameters.
 
-    `shard` is the ZeRO shard group size (1 without ZeRO; dp or the HSDP dp_shard otherwise);
-    the remaining `dp * sp / shard` ranks that hold the same tensor-parallel slice replicate.
+    `shard` is the ZeRO shard group size (1 without ZeRO; otherwise dp, or the HSDP dp_shard,
+    times cp: context-parallel ranks hold the same parameters and ZeRO shards over them too);
+    the remaining `dp * cp * sp / shard` ranks that hold the same tensor-parallel slice replicate.
     """
 
     dp: int
     sp: int
     tp: int
     shard: int
+    cp: int = 1
 
     @classmethod
     def of(cls, s: LayerStrategy) -> "LayerLayout":
-        return cls(dp=s.dp, sp=s.sp_degree, tp=s.tp, shard=s.shard_degree)
+        return cls(dp=s.dp, sp=s.sp_degree, tp=s.tp, shard=s.shard_degree, cp=s.cp)
 
     @property
     def replicate(self) -> int:
-        return self.dp * self.sp // self.shard
+        return self.dp * self.cp * self.sp // self.shard
+
+    @property
+    def shard_cp(self) -> int:
+        """The cp part of the shard group: cp under ZeRO (shard = dp part x cp), 1 without it."""
+        return self.cp if self.shard % self.cp == 0 else 1
+
+    @property
+    def shard_dp(self) -> int:
+        return self.shard // self.shard_cp
 
 
 @dataclass
@@ -117,9 +131,10 @@ class ParallelDims:
     """Validated degrees of a plan and the meshes built from them (torchtitan's ParallelDims).
 
     `mesh` is the stage-wide mesh ("pp", "dp", "sp", "tp") of the plan's reference layout (the
-    most common layer layout); `layer_mesh(strategy)` returns the sharding mesh of one layer,
-    ("pp", "dp_replicate", "dp_shard", "tp"), built once per distinct layout. Callers never build
-    process groups themselves.
+    most common layer layout; ("pp", "dp", "cp", "sp", "tp") when that layout is context
+    parallel); `layer_mesh(strategy)` returns the sharding mesh of one layer, ("pp",
+    "dp_replicate", "dp_shard", "tp"), built once per distinct layout; `sp_group` and `cp_group`
+    the Ulysses and ring-attention groups of a layout. Callers never build process groups themselves.
     """
 
     pp: int
@@ -137,8 +152,9 @@ class ParallelDims:
         if self.pp * self.stage_size != self.world_size:
             raise TesseraError(f"pp={self.pp} x stage size {self.stage_size} != world size {self.world_size}")
         r = self.reference
-        if r.dp * r.sp * r.tp != self.stage_size:
-            raise TesseraError(f"dp*sp*tp={r.dp * r.sp * r.tp} does not fill a stage of {self.stage_size} ranks")
+        if r.dp * r.cp * r.sp * r.tp != self.stage_size:
+            raise TesseraError(f"dp*cp*sp*tp={r.dp * r.cp * r.sp * r.tp} does not fill a stage of "
+                               f"{self.stage_size} ranks")
 
     @classmethod
     def from_plan(cls, plan: Plan, world_size: int, device_type: str = "cpu") -> "ParallelDims":
@@ -164,6 +180,8 @@ class ParallelDims:
             self.layer_mesh(layout)
             if s.sp_degree > 1:
                 self.sp_group(layout)
+            if s.cp > 1:
+                self.cp_group(layout)
         from .layout import ActLayout, reshard_sizes
 
         for size in reshard_sizes([ActLayout.of(s) for s in plan.layers]):
@@ -175,28 +193,38 @@ class ParallelDims:
 
     @property
     def mesh(self) -> "DeviceMesh":
-        """The world mesh ("pp", "dp", "sp", "tp") of the reference layout."""
+        """The world mesh ("pp", "dp", ["cp",] "sp", "tp") of the reference layout."""
         if self._mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
             r = self.reference
-            self._mesh = init_device_mesh(self.device_type, (self.pp, r.dp, r.sp, r.tp),
-                                          mesh_dim_names=(Axis.PP, Axis.DP, Axis.SP, Axis.TP))
+            if r.cp > 1:
+                self._mesh = init_device_mesh(self.device_type, (self.pp, r.dp, r.cp, r.sp, r.tp),
+                                              mesh_dim_names=(Axis.PP, Axis.DP, Axis.CP, Axis.SP, Axis.TP))
+            else:
+                self._mesh = init_device_mesh(self.device_type, (self.pp, r.dp, r.sp, r.tp),
+                                              mesh_dim_names=(Axis.PP, Axis.DP, Axis.SP, Axis.TP))
         return self._mesh
 
     def layer_mesh(self, layout: LayerLayout) -> "DeviceMesh":
         """Mesh ("pp", "dp_replicate", "dp_shard", "tp") for one layer layout.
 
-        Ranks (d, s, t) with d = d_rep * shard + d_shard: the shard axis runs over d_shard, the
-        replicate axis over (d_rep, s) — Ulysses ranks hold the same parameters, like dp ranks.
+        Ranks (d, c, s, t) with d = d_rep * shard_dp + d_shard: the shard axis runs over (d_shard,
+        c) under ZeRO (context-parallel ranks hold the same parameters: FSDP2 shards over dp x cp),
+        the replicate axis over (d_rep, s), and over c too without ZeRO — Ulysses ranks hold the
+        same parameters, like dp ranks.
         """
         if layout not in self._layer_meshes:
             import torch
             from torch.distributed.device_mesh import DeviceMesh
 
-            rep_dp = layout.dp // layout.shard
-            ranks = torch.arange(self.world_size).view(self.pp, rep_dp, layout.shard, layout.sp, layout.tp)
-            ranks = ranks.permute(0, 1, 3, 2, 4).reshape(self.pp, rep_dp * layout.sp, layout.shard, layout.tp)
+            rep_dp, shard_dp, cp = layout.dp // layout.shard_dp, layout.shard_dp, layout.cp
+            ranks = torch.arange(self.world_size).view(self.pp, rep_dp, shard_dp, cp, layout.sp, layout.tp)
+            if layout.shard_cp > 1:  # (pp, rep_dp, sp, shard_dp, cp, tp)
+                ranks = ranks.permute(0, 1, 4, 2, 3, 5)
+            else:  # (pp, rep_dp, cp, sp, shard_dp, tp)
+                ranks = ranks.permute(0, 1, 3, 4, 2, 5)
+            ranks = ranks.reshape(self.pp, layout.replicate, layout.shard, layout.tp)
             self._layer_meshes[layout] = DeviceMesh(
                 self.device_type, ranks,
                 mesh_dim_names=(Axis.PP, Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.TP))
@@ -221,20 +249,36 @@ class ParallelDims:
         mesh = self.rank_mesh((self.pp, self.stage_size // size, size), (Axis.PP, "reshard_blocks", "reshard"))
         return mesh.get_group("reshard")
 
-    def sp_group(self, layout: LayerLayout):
-        """Process group of the Ulysses ranks of a layer (those that differ only in s)."""
-        key = (layout.dp, layout.sp, layout.tp)
+    def _sequence_mesh(self, layout: LayerLayout) -> "DeviceMesh":
+        """Mesh ("pp", "dp", "cp", "sp", "tp") of a layout's degrees (its "sp" and "cp" groups)."""
+        key = (layout.dp, layout.cp, layout.sp, layout.tp)
         if key not in self._sp_meshes:
             import torch
             from torch.distributed.device_mesh import DeviceMesh
 
-            if key == (self.reference.dp, self.reference.sp, self.reference.tp):
+            r = self.reference
+            if key == (r.dp, r.cp, r.sp, r.tp):
                 self._sp_meshes[key] = self.mesh
+            elif layout.cp == 1:
+                ranks = torch.arange(self.world_size).view(self.pp, layout.dp, layout.sp, layout.tp)
+                self._sp_meshes[key] = DeviceMesh(self.device_type, ranks,
+                                                  mesh_dim_names=(Axis.PP, Axis.DP, Axis.SP, Axis.TP))
             else:
                 ranks = torch.arange(self.world_size).view(self.pp, *key)
                 self._sp_meshes[key] = DeviceMesh(self.device_type, ranks,
-                                                  mesh_dim_names=(Axis.PP, Axis.DP, Axis.SP, Axis.TP))
-        return self._sp_meshes[key].get_group(Axis.SP)
+                                                  mesh_dim_names=(Axis.PP, Axis.DP, Axis.CP, Axis.SP, Axis.TP))
+        return self._sp_meshes[key]
+
+    def sp_group(self, layout: LayerLayout):
+        """Process group of the Ulysses ranks of a layer (those that differ only in s)."""
+        return self._sequence_mesh(layout).get_group(Axis.SP)
+
+    def cp_group(self, layout: LayerLayout):
+        """Process group of the context-parallel ranks of a layer (those that differ only in c),
+        in ring order: group rank c holds the sequence chunks c and 2 cp - 1 - c."""
+        if layout.cp < 2:
+            raise TesseraError("cp_group needs a context-parallel layout (cp >= 2)")
+        return self._sequence_mesh(layout).get_group(Axis.CP)
 
     @property
     def stage_group(self):

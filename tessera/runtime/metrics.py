@@ -10,7 +10,6 @@ the dtype that actually runs (fp32 on CPU).
 """
 from __future__ import annotations
 
-import json
 import logging
 import resource
 import sys
@@ -41,6 +40,10 @@ class StepRecord:
     # MoE models: token-slots per expert of each MoE block, all-to-all bytes and router losses per
     # step (runtime/expert_parallel.py `moe_step_stats`).
     moe: dict | None = None
+    # Predicted compute of the busiest and of the mean data-parallel rank (balanced loaders) or
+    # sequence-parallel unit (adaptive runs) in the step, seconds.
+    rank_time_max_s: float | None = None
+    rank_time_mean_s: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -78,6 +81,7 @@ class PendingRecord:
     work: object  # the peak-memory all-gather in flight
     step_plan: object = None  # an adaptive run's step plan
     moe: dict | None = None
+    rank_times_s: list[float] | None = None  # predicted compute per rank (balanced loader)
 
 
 class StepSpan:
@@ -125,14 +129,15 @@ class StepClock:
 
 
 class MetricsWriter:
-    """Append one JSON line per step (and TensorBoard scalars when the package is installed)."""
+    """The run's records of each logged step and evaluation: one JSON line each, carrying the run
+    id (`runs.MetricsFile`), TensorBoard scalars and Weights & Biases, each only when asked for and
+    installed."""
 
-    def __init__(self, path: str | Path | None, tensorboard_dir: str | Path | None = None):
-        self.file = None
-        if path is not None:
-            path = Path(path)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self.file = path.open("a")
+    def __init__(self, path: str | Path | None, tensorboard_dir: str | Path | None = None,
+                 run_id: str | None = None, wandb: dict | None = None):
+        from .runs import MetricsFile
+
+        self.file = MetricsFile(path, run_id) if path is not None else None
         self.tb = None
         if tensorboard_dir is not None:
             try:
@@ -141,21 +146,46 @@ class MetricsWriter:
                 self.tb = SummaryWriter(str(tensorboard_dir))
             except ImportError:
                 log.info("tensorboard is not installed: metrics go to the JSONL file only")
+        self.wandb = None
+        if wandb is not None:
+            try:
+                import wandb as wandb_module
+            except ImportError:
+                log.info("wandb is not installed: metrics go to the JSONL file only")
+            else:
+                # `id` + resume="allow": a resumed run continues the same W&B run.
+                self.wandb = wandb_module.init(resume="allow", **wandb)
+
+    def truncate_after(self, step: int) -> int:
+        """A resumed run: drop the JSONL lines of steps after `step` (see `runs.MetricsFile`)."""
+        return self.file.truncate_after(step) if self.file is not None else 0
 
     def write(self, record: StepRecord) -> None:
         if self.file is not None:
-            self.file.write(json.dumps(record.to_dict()) + "\n")
-            self.file.flush()
+            self.file.write(record.to_dict())
+        scalars = {f"train/{key}": getattr(record, key)
+                   for key in ("loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "mfu")
+                   if getattr(record, key) is not None}
+        if record.peak_memory_bytes:
+            scalars["train/peak_memory_gib"] = max(record.peak_memory_bytes) / 2**30
+        self._scalars(scalars, record.step)
+
+    def write_eval(self, step: int, loss: float, perplexity: float, tokens: int) -> None:
+        if self.file is not None:
+            self.file.write({"step": step, "eval_loss": loss, "eval_perplexity": perplexity, "eval_tokens": tokens})
+        self._scalars({"eval/loss": loss, "eval/perplexity": perplexity}, step)
+
+    def _scalars(self, scalars: dict, step: int) -> None:
         if self.tb is not None:
-            for key in ("loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "mfu"):
-                value = getattr(record, key)
-                if value is not None:
-                    self.tb.add_scalar(f"train/{key}", value, record.step)
-            if record.peak_memory_bytes:
-                self.tb.add_scalar("train/peak_memory_gib", max(record.peak_memory_bytes) / 2**30, record.step)
+            for key, value in scalars.items():
+                self.tb.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
 
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()

@@ -1,4 +1,4 @@
-"""AdamW, the warmup-cosine learning-rate schedule, and gradient clipping across meshes.
+"""AdamW, the learning-rate schedule (warmup, then cosine or linear decay), and gradient clipping across meshes.
 
 A parallelised model mixes plain tensors and DTensors on several meshes (one per layer layout),
 so the optimizer keeps two parameter groups (decay or not: a checkpoint's groups then match any
@@ -32,6 +32,7 @@ class OptimConfig:
     warmup_steps: int = 10
     total_steps: int = 1000
     min_lr_ratio: float = 0.1
+    decay: str = "cosine"  # after warmup, to min_lr_ratio x lr at total_steps: "cosine", "linear", "constant"
     grad_clip: float = 1.0  # 0 disables clipping
     fused: bool | None = None  # None: fused where `implementation` allows it (CUDA); False: never
 
@@ -77,14 +78,25 @@ def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(param_groups(params, cfg.weight_decay), **kwargs, **implementation(params, cfg.fused))
 
 
+DECAYS = ("cosine", "linear", "constant")
+
+
 def lr_lambda(cfg: OptimConfig):
-    """Linear warmup over `warmup_steps`, then cosine decay to `min_lr_ratio` at `total_steps`."""
+    """The learning rate's factor at a step: linear warmup over `warmup_steps` ((step + 1) / warmup),
+    then, with p the share of the remaining steps done, decay to r = `min_lr_ratio` at
+    `total_steps`: cosine r + (1 - r)(1 + cos(pi p)) / 2, linear 1 - (1 - r) p, or constant 1."""
+    if cfg.decay not in DECAYS:
+        raise ValueError(f"learning-rate decay must be one of {', '.join(DECAYS)}, got '{cfg.decay}'")
 
     def factor(step: int) -> float:
         if step < cfg.warmup_steps:
             return (step + 1) / cfg.warmup_steps
         span = max(1, cfg.total_steps - cfg.warmup_steps)
         progress = min(1.0, (step - cfg.warmup_steps) / span)
+        if cfg.decay == "constant":
+            return 1.0
+        if cfg.decay == "linear":
+            return 1.0 - (1 - cfg.min_lr_ratio) * progress
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor

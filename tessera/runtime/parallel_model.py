@@ -60,8 +60,9 @@ class StageContext:
 
 
 def _seq_only(act: ActLayout) -> ActLayout:
-    """Same batch and Ulysses blocks, full sequence across tp (attention gathers over tp first)."""
-    return ActLayout(dp=act.dp, sp=act.sp, tp=act.tp, seq_over_tp=False)
+    """Same batch, context-parallel and Ulysses blocks, full sequence across tp (attention gathers
+    over tp first)."""
+    return ActLayout(dp=act.dp, sp=act.sp, tp=act.tp, seq_over_tp=False, cp=act.cp)
 
 
 class ParallelTransformer(nn.Module):
@@ -101,16 +102,15 @@ class ParallelTransformer(nn.Module):
         act = _seq_only(act)
         if positions is not None:
             return self.ctx.data_block(positions, act)
-        _, _, s0, s1 = act.block(self.ctx.stage_rank, act.dp, seq)
-        return torch.arange(s0, s1, device=device)
+        return act.seq_index(self.ctx.stage_rank, seq, device)
 
     def _freqs(self, positions, act: ActLayout, seq: int, device, cache: dict) -> torch.Tensor:
         """RoPE rotations of this rank's block, computed once per layout and forward."""
         key = _seq_only(act)
         if key not in cache:
-            if positions is None:  # a slice of the table, no copy
-                _, _, s0, s1 = key.block(self.ctx.stage_rank, key.dp, seq)
-                cache[key] = self.freqs[s0:s1]
+            ranges = key.seq_ranges(self.ctx.stage_rank, seq)
+            if positions is None and len(ranges) == 1:  # a slice of the table, no copy
+                cache[key] = self.freqs[ranges[0][0]:ranges[0][1]]
             else:
                 cache[key] = self.freqs[self._positions(positions, act, seq, device)]
         return cache[key]
@@ -171,7 +171,7 @@ class ParallelLoss:
         head = ctx.plan.layers[-1]
         self.vocab_parallel = head.tp > 1
         self.act = _seq_only(ctx.layer_acts[-1])
-        self.pieces = head.dp * head.sp_degree
+        self.pieces = head.dp * head.cp * head.sp_degree
         # Batches with masked labels (-100): the trainer sets, per step, pieces x micro-batches /
         # (targets in the global batch), and the loss is the sum over this piece's targets times
         # that, so that the averaged gradients are those of the global batch's mean over targets
@@ -208,8 +208,9 @@ IGNORE = -100  # label of a padding position (cross-entropy's ignore_index)
 
 def sequence_multiple(plan: Plan) -> int:
     """The sequence length must be a multiple of this for every layer's sequence shards to be
-    equal (Megatron sequence parallel x tp, Ulysses x sp)."""
-    return math.lcm(*(ActLayout.of(s).seq_parts for s in plan.layers))
+    equal (Megatron sequence parallel x tp, Ulysses x sp, 2 cp load-balanced chunks); the
+    embedding's output follows its layer's layout."""
+    return math.lcm(*(ActLayout.of(s).seq_multiple for s in plan.layers))
 
 
 def pad_sequences(multiple: int, tokens, labels, positions=None, doc_ids=None):

@@ -2,14 +2,15 @@
 
 Order per layer (torchtitan's): tensor parallel (DTensor `parallelize_module`: Colwise/Rowwise,
 Megatron sequence parallel, vocabulary-parallel embedding and LM head with loss parallel) ->
-Ulysses attention -> activation recompute (`checkpoint_wrapper`, selective via
+Ulysses or context-parallel (ring) attention -> activation recompute (`checkpoint_wrapper`, selective via
 `create_selective_checkpoint_contexts`) -> optional `torch.compile` -> data parallel.
 
 Data parallel and ZeRO:
 - DDP path (the plan is homogeneous, tp = 1, ZeRO 0, no pipeline): one `DistributedDataParallel`
-  over the dp x sp ranks, wrapped after the parameters are materialised (`wrap_ddp`).
+  over the dp x cp x sp ranks, wrapped after the parameters are materialised (`wrap_ddp`).
 - FSDP2 path (everything else): `fully_shard` per layer on that layer's mesh: ZeRO-3 reshards after
-  forward, ZeRO-1/2 do not, HSDP shards over `dp_shard` and replicates across, ZeRO-0 is HSDP
+  forward, ZeRO-1/2 do not, HSDP shards over `dp_shard` and replicates across (the shard group
+  takes in the context-parallel ranks, which hold the same parameters: dp x cp), ZeRO-0 is HSDP
   with a shard group of one (pure replication, an all-reduce), `CPUOffloadPolicy` for
   offload_optimizer. ZeRO-1 is FSDP2 that reduce-scatters once per step (`grad_sync`): the
   priced reduce-scatter + all-gather, sharded optimizer state, and a DTensor state that checkpoints
@@ -22,8 +23,8 @@ Build: `parallelize` works on a meta-device model, allocates nothing and issues 
 allocates and initialises the local shards, and `result.wrap_ddp()` wraps DDP plans.
 
 Gradient scale: rank r's loss is the mean over its own (batch, sequence) piece of the LM head's
-layout, P = dp_head * sp_head pieces. A layer whose parameters are replicated over g = dp * sp
-ranks averages gradients over g; when g != P (layer-wise heterogeneity) its gradients are rescaled
+layout, P = dp_head * cp_head * sp_head pieces. A layer whose parameters are replicated over
+g = dp * cp * sp ranks averages gradients over g; when g != P (layer-wise heterogeneity) its gradients are rescaled
 by g / P after backward (`GradScaler`-free: one foreach multiply).
 
 Tied embeddings: when the embedding and LM head layers shard alike the head uses the embedding's
@@ -86,6 +87,9 @@ def check_plan_supported(plan: Plan, world_size: int | None = None, *, pipeline_
             if cfg.num_heads % s.tp or cfg.num_kv_heads % s.tp:
                 raise TesseraError(f"{where}.tp={s.tp} does not divide the {cfg.num_heads} heads / "
                                    f"{cfg.num_kv_heads} KV heads")
+        if s.cp > 1 and any(layer.num_experts for layer in plan.model.layers):
+            raise TesseraError(f"{where}.cp={s.cp}: context parallelism in a mixture-of-experts model is not "
+                               "supported (its router statistics and expert groups count dp x sp pieces)")
         if s.sp == SPKind.ULYSSES and kinds[i] in (LayerKind.DECODER, LayerKind.MOE_DECODER):
             if (cfg.num_heads // s.tp) % s.sp_degree:
                 raise TesseraError(f"{where}.sp_degree={s.sp_degree} does not divide the "
@@ -95,8 +99,8 @@ def check_plan_supported(plan: Plan, world_size: int | None = None, *, pipeline_
 def uses_ddp(plan: Plan) -> bool:
     """The plan is plain data parallelism (optionally with Ulysses) without ZeRO, on one layout."""
     first = plan.layers[0]
-    same = all((s.dp, s.sp_degree, s.tp, s.zero, s.dp_shard) == (first.dp, first.sp_degree, first.tp,
-                                                                  first.zero, first.dp_shard)
+    same = all((s.dp, s.cp, s.sp_degree, s.tp, s.zero, s.dp_shard)
+               == (first.dp, first.cp, first.sp_degree, first.tp, first.zero, first.dp_shard)
                for s in plan.layers)
     return (same and plan.pipeline.degree == 1 and first.tp == 1 and first.zero == 0
             and not first.dp_shard and not any(s.offload_optimizer for s in plan.layers)
@@ -208,7 +212,7 @@ def _recompute(module: nn.Module, mode: Recompute) -> nn.Module:
 def _fsdp_kwargs(s: LayerStrategy, dims: ParallelDims, mp_policy) -> dict | None:
     """fully_shard arguments of one layer, or None when its parameters live on one rank."""
     layout = LayerLayout.of(s)
-    if layout.dp * layout.sp == 1 and mp_policy is None and not s.offload_optimizer:
+    if layout.dp * layout.cp * layout.sp == 1 and mp_policy is None and not s.offload_optimizer:
         return None  # nothing to shard; FSDP2 on one rank still casts (mixed precision) or offloads
     from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -311,7 +315,13 @@ def parallelize(model: Transformer, plan: Plan, dims: ParallelDims, rank: int,
             parallelize_moe(block.moe, s, plan, dims, rank)
         if s.tp > 1:
             _tp_block(block, s, dims.layer_mesh(LayerLayout.of(s))[Axis.TP])
-        if s.sp == SPKind.ULYSSES:
+        if s.cp > 1:
+            from .context_parallel import ContextParallelAttention
+
+            layout = LayerLayout.of(s)
+            block.attention.core = ContextParallelAttention(
+                dims.cp_group(layout), dims.sp_group(layout) if s.sp == SPKind.ULYSSES else None)
+        elif s.sp == SPKind.ULYSSES:
             block.attention.core = _ulysses(dims.sp_group(LayerLayout.of(s)))
         if s.recompute != Recompute.NONE:
             block = _recompute(block, s.recompute)
@@ -334,8 +344,9 @@ def parallelize(model: Transformer, plan: Plan, dims: ParallelDims, rank: int,
     pieces = result.loss.pieces
     if uses_ddp(plan):
         layout = LayerLayout.of(strategies[0])
-        if layout.dp * layout.sp > 1:
-            result.ddp_group = dims.layer_mesh(LayerLayout(layout.dp, layout.sp, 1, 1)).get_group(Axis.DP_REPLICATE)
+        if layout.dp * layout.cp * layout.sp > 1:
+            result.ddp_group = dims.layer_mesh(LayerLayout(layout.dp, layout.sp, 1, 1, layout.cp)).get_group(
+                Axis.DP_REPLICATE)
         return result
 
     # 2. FSDP2 per unit, then the root (which keeps tied weights).
@@ -351,7 +362,7 @@ def parallelize(model: Transformer, plan: Plan, dims: ParallelDims, rank: int,
                       first, pieces)
     if last is not None:
         units.append(([chunk.norm] if tied and not untie else [chunk.norm, chunk.output], last))
-    unsharded: set[nn.Parameter] = set()  # parameters of layers that live on one rank (dp * sp = 1)
+    unsharded: set[nn.Parameter] = set()  # parameters of layers that live on one rank (dp * cp * sp = 1)
     in_order: list[ShardedUnit] = []  # the plan layers' units in forward order
     for modules, s in units:
         experts = shard_experts(modules[0], s, plan, dims, mp_policy, result) if len(modules) == 1 else False
@@ -395,7 +406,7 @@ def _backward_prefetch(order: list[ShardedUnit]) -> None:
 
 
 def _note_rescale(result: Parallelized, modules: list[nn.Module], s: LayerStrategy, pieces: int) -> None:
-    replicas = s.dp * s.sp_degree
+    replicas = s.dp * s.cp * s.sp_degree
     if replicas != pieces:
         result.grad_rescale.append((modules, replicas / pieces))
 

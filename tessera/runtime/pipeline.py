@@ -286,6 +286,26 @@ class PipelineRunner:
             return None
         return torch.stack([_plain(l).detach().float() for l in losses]).mean()
 
+    def evaluate(self, tokens: torch.Tensor | None, labels: torch.Tensor | None,
+                 positions: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Forward only, over the plan's micro-batches (evaluation): the mean micro-batch loss on
+        ranks with the last stage, None on the others. Arguments as in `step`."""
+        extra = {k: v for k, v in (("positions", positions), ("doc_ids", doc_ids)) if v is not None}
+        losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
+        args = (tokens,) if self.has_first_stage else ()
+        if _accepts_return_outputs(self.schedule):
+            extra["return_outputs"] = False
+        schedule = self.schedule
+        has_backward = schedule._has_backward  # what `eval` of newer torch releases does
+        try:
+            schedule._has_backward = False
+            schedule.step(*args, target=labels if self.has_last_stage else None, losses=losses, **extra)
+        finally:
+            schedule._has_backward = has_backward
+        if losses is None:
+            return None
+        return torch.stack([_plain(l).detach().double() for l in losses]).mean()
+
     def global_loss(self, loss: torch.Tensor | None) -> float:
         """The step's loss on every rank: mean over the last stage's ranks (all ranks call this).
 

@@ -1,7 +1,7 @@
 """The training loop: build everything from a Plan, then step, log, checkpoint.
 
     trainer = Trainer(TrainConfig(plan=plan, steps=100))   # process group, mesh, model, optimizer
-    trainer.train()                                         # resume; step; log; save
+    trainer.train()                                         # resume; step; log; evaluate; save
 
 Every rank loads its block of the global batch in the plan's data layout: the batch split over
 the gcd of the layers' dp (`data_rank`, `data_size`); every layer takes its sub-block of it
@@ -10,7 +10,9 @@ shards are allocated and initialised (`build_model`). A step runs the plan's mic
 (gradient accumulation with the plan's gradient synchronisation, or the pipeline schedule),
 rescales gradients of layers replicated over fewer or more ranks than the loss is split over,
 clips the global norm, and steps AdamW and the LR schedule (`compute_gradients` stops before
-clipping: the gradient oracle of the equivalence tests).
+clipping: the gradient oracle of the equivalence tests). Every `eval_every` steps the model's
+mean loss over `eval_batches` global batches of the held-out split is reported (`evaluate`).
+Saves, resumes and evaluations are reported to `on_event(kind, info)` beside the log.
 """
 from __future__ import annotations
 
@@ -60,6 +62,17 @@ class TrainConfig:
     adaptive: bool = False  # per-step sequence-parallel groups for the batch's documents
     adaptive_time_budget_s: float = 0.1
     moe_placement: bool = False  # NetMoE: place each step's samples on data ranks (runtime/moe_placement.py)
+    # --- run records, evaluation, retention (tessera.config documents each) ---
+    run_id: str | None = None  # carried by every metrics line
+    wandb: dict | None = None  # wandb.init arguments (project, name, id, config, dir); None: off
+    checkpoint_keep: int = 3  # complete checkpoints kept; 0 keeps all
+    checkpoint_final: bool = True  # save after the last step
+    eval_every: int = 0  # evaluate on the held-out split every N steps and after the last; 0: never
+    eval_batches: int = 4  # global batches per evaluation
+    eval_fraction: float = 0.05  # share of the data held out (training never sees it when eval is on)
+    adaptive_switching: bool = True  # length groups may switch ZeRO working mode and recompute
+    long_documents: str = "error"  # adaptive: a document no plan holds is an "error", "skip" or "truncate"
+    balance_data: bool = True  # packed rows to data-parallel ranks by predicted time (runtime/balanced_data.py)
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -81,11 +94,28 @@ def _pipeline_available() -> bool:
     return find_spec("tessera.runtime.pipeline") is not None
 
 
+def positions_for_workload(plan: Plan) -> Plan:
+    """RoPE models train at any length: a workload longer than the config's `max_seq_len` (which
+    only sizes the rotation table) gets a table as long as its sequences (long-context training,
+    as Llama 3's 128K stage). Learned positions stop at their table: refused in one line."""
+    cfg, seq = plan.model.config, plan.workload.seq_len
+    if cfg is None or seq <= cfg.max_seq_len:
+        return plan
+    if cfg.position == "learned":
+        raise TesseraError(f"{plan.model.name} has learned positions for {cfg.max_seq_len} tokens; the "
+                           f"workload's sequences have {seq}")
+    log.info("RoPE table extended from %d to %d positions for the workload", cfg.max_seq_len, seq)
+    model = plan.model.model_copy(update={"config": cfg.model_copy(update={"max_seq_len": seq})})
+    return plan.model_copy(update={"model": model})
+
+
 class Trainer:
-    def __init__(self, config: TrainConfig, on_step: Callable[[StepRecord], None] | None = None):
+    def __init__(self, config: TrainConfig, on_step: Callable[[StepRecord], None] | None = None,
+                 on_event: Callable[[str, dict], None] | None = None):
         self.config = config
-        self.plan = config.plan
+        self.plan = positions_for_workload(config.plan)
         self.on_step = on_step
+        self.on_event = on_event  # ("save" | "resume" | "eval", details), on rank 0
         self.step = 0
         self.build_distributed()
         self.build()
@@ -96,7 +126,7 @@ class Trainer:
         run's fake one at the plan's world size), computing in `dtype` on `device` whatever this
         machine has: the same build as training, without starting a process group."""
         self = cls.__new__(cls)
-        self.config, self.plan, self.on_step, self.step = config, config.plan, None, 0
+        self.config, self.plan, self.on_step, self.on_event, self.step = config, config.plan, None, None, 0
         self.device, self.dtype, self.owns_process_group = device, dtype, False
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dims = ParallelDims.from_plan(self.plan, self.world_size, self.device.type)
@@ -116,7 +146,9 @@ class Trainer:
             self.placer = SamplePlacer(self.plan, self.dims, self.rank, self.model_parts)
         self.loader = None
         self.data_iter = None
-        self.metrics = MetricsWriter(config.metrics_path, config.tensorboard_dir) if self.rank == 0 else None
+        self.eval_loader = None
+        self.metrics = (MetricsWriter(config.metrics_path, config.tensorboard_dir, config.run_id, config.wandb)
+                        if self.rank == 0 else None)
         # Read a logged step's figures after the next step is queued (`train`): on CUDA reading
         # them right away would leave the device idle while the host queues the next step.
         self.defer_records = self.device.type == "cuda"
@@ -190,14 +222,26 @@ class Trainer:
         self.autocast = nullcontext()
 
     def build_adaptive(self) -> None:
-        """A replicated model whose steps run on per-step SP groups (`runtime/adaptive.py`)."""
-        from .adaptive import AdaptiveSteps
+        """Per-step sequence-parallel groups (`runtime/adaptive.py`): the plan's layout with its
+        Ulysses degree folded into data parallelism (`varlen.storage_plan`), parallelised on the
+        meta device and materialised like a static plan."""
+        from .adaptive import AdaptiveSteps, check_adaptive_plan
+        from .varlen import storage_plan
 
-        self.materialize(self.model)
-        self.parallel = None
-        self.adaptive = AdaptiveSteps(self.model, self.plan, self.config.adaptive_time_budget_s)
-        self.model_parts = [self.model]
-        self.autocast = nullcontext()
+        check_adaptive_plan(self.plan)
+        if self.config.compile:
+            raise TesseraError("--compile does not run with --adaptive: the shapes change every micro-batch")
+        layout = storage_plan(self.plan)
+        dims = ParallelDims.from_plan(layout, self.world_size, self.device.type)
+        self.parallel = parallelize(self.model, layout, dims, self.rank, mp_policy=fsdp_mixed_precision(self.dtype))
+        self.materialize(self.parallel.chunk)
+        self.parallel.wrap_ddp()
+        self.model_parts = [self.parallel.module]
+        self.loss_fn = self.parallel.loss
+        self.autocast = autocast(self.device.type, self.dtype) if uses_ddp(layout) else nullcontext()
+        self.adaptive = AdaptiveSteps(self.parallel, self.plan, self.config.adaptive_time_budget_s,
+                                      self.config.adaptive_switching, self.config.long_documents)
+        self.adaptive.runner.autocast = self.autocast
 
     def materialize(self, part) -> None:
         """Allocate and initialise this rank's shards of `part`: from the seed, or, with
@@ -229,12 +273,15 @@ class Trainer:
         """The optimizer of the first model part (all of them: `optimizers`)."""
         return self.optimizers[0]
 
-    def build_data(self):
-        """The batch iterator of this rank's data block (`data_rank` of `data_size`)."""
+    def build_data(self, split: str = "train"):
+        """The batch iterator of this rank's data block (`data_rank` of `data_size`); `split`
+        "eval": the held-out batches evaluation reads (the training stream leaves them out)."""
         w = self.plan.workload
-        if self.config.synthetic_data:
+        holdout = self.config.eval_fraction if self.config.eval_every else 0.0
+        if self.config.synthetic_data:  # held-out batches: another seed's stream
+            seed = self.config.seed if split == "train" else self.config.seed + 7_919
             return SyntheticLoader(self.plan.model.config.vocab_size, w.seq_len, w.global_batch,
-                                   self.data_rank, self.data_size, self.config.seed)
+                                   self.data_rank, self.data_size, seed)
         from .data import build_dataloader
 
         tokenizer = None
@@ -243,13 +290,21 @@ class Trainer:
 
             tokenizer = HFTokenizer(self.config.init_from)
             tokenizer.check_fits(self.plan.model.config.vocab_size)
-        # An adaptive run hands every rank the whole global batch (the step plan splits it).
-        rank, size = (0, 1) if self.adaptive is not None else (self.data_rank, self.data_size)
+        # An adaptive run hands every rank the whole global batch (the step plan splits it); a
+        # balanced one reads it whole too and keeps the rows the balancer gives this rank.
+        balance = self.adaptive is None and self.config.balance_data and self.data_size > 1
+        rank, size = (0, 1) if self.adaptive is not None or balance else (self.data_rank, self.data_size)
         loader = build_dataloader(self.config.data, w.seq_len, w.global_batch, rank, size,
-                                  self.config.seed, pack=True, tokenizer=tokenizer)
+                                  self.config.seed, pack=True, tokenizer=tokenizer, holdout=holdout, split=split)
         if loader.vocab_size > self.plan.model.config.vocab_size:
             raise TesseraError(f"the data's tokenizer has {loader.vocab_size} tokens, more than the model's "
                                f"vocabulary of {self.plan.model.config.vocab_size}")
+        if balance:
+            from ..adapt.seqcost import plan_sequence_cost
+            from .balanced_data import BalancedLoader
+
+            lin, attn = plan_sequence_cost(self.plan)
+            loader = BalancedLoader(loader, self.data_rank, self.data_size, self.plan.num_micro_batches, lin, attn)
         return loader
 
     # --- data placement ---------------------------------------------------------------------------
@@ -392,6 +447,7 @@ class Trainer:
         while self.step < self.config.steps:
             batch = next(self.data_iter)
             packed = getattr(batch, "packed", False)
+            self._rank_times_s = getattr(batch, "rank_times_s", None)
             clock.start()
             if self.adaptive is not None:
                 loss = self.adaptive_step(batch)
@@ -408,6 +464,8 @@ class Trainer:
                 if not self.defer_records:
                     records.append(self.log_step(pending))
                     pending = None
+            if self.maybe_evaluate():
+                clock.restart()  # the evaluation is not the next step's time
             if self.maybe_checkpoint():
                 clock.restart()  # the save is not the next step's time
         if pending is not None:
@@ -423,7 +481,8 @@ class Trainer:
         step_plan = self.adaptive.last_plan if self.adaptive is not None else None
         return PendingRecord(step=self.step, loss=loss, grad_norm=self.grad_norm,
                              lr=self.schedulers[0].get_last_lr()[0], span=span, peaks=peaks, work=work,
-                             step_plan=step_plan, moe=moe_step_stats(self.model_parts, self.plan, self.device))
+                             step_plan=step_plan, moe=moe_step_stats(self.model_parts, self.plan, self.device),
+                             rank_times_s=getattr(self, "_rank_times_s", None))
 
     def log_step(self, pending: PendingRecord) -> StepRecord:
         """Read and report one step (waits for that step only)."""
@@ -441,6 +500,9 @@ class Trainer:
         if pending.step_plan is not None:
             record.predicted_step_time_s = pending.step_plan.predicted_time_s
             record.sp_groups = [[g.degree for g in mb.groups] for mb in pending.step_plan.micro_batches]
+        times = pending.step_plan.unit_times() if pending.step_plan is not None else pending.rank_times_s
+        if times:
+            record.rank_time_max_s, record.rank_time_mean_s = max(times), sum(times) / len(times)
         if self.rank == 0:
             log.info("step %d loss %.4f %.0f tok/s", record.step, record.loss, record.tokens_per_s)
             if self.metrics is not None:
@@ -449,12 +511,98 @@ class Trainer:
                 self.on_step(record)
         return record
 
+    # --- evaluation -------------------------------------------------------------------------------
+    def maybe_evaluate(self) -> bool:
+        """Evaluate when due (every `eval_every` steps and after the last); returns whether it did."""
+        every = self.config.eval_every
+        if not every or (self.step % every and self.step != self.config.steps):
+            return False
+        loss, tokens = self.evaluate()
+        from .runs import perplexity
+
+        if self.metrics is not None:
+            self.metrics.write_eval(self.step, loss, perplexity(loss), tokens)
+        self._event("eval", step=self.step, loss=loss, perplexity=perplexity(loss), tokens=tokens)
+        return True
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, int]:
+        """(mean cross-entropy in nats per target token, target tokens) over the first
+        `eval_batches` global batches of the held-out split, the same batches every time."""
+        if self.eval_loader is None:
+            self.eval_loader = self.build_data("eval")
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # summed loss, targets
+        for i in range(self.config.eval_batches):
+            batch = self.eval_loader.batch_at(i * self.plan.workload.global_batch)
+            total += self._eval_sums(batch)
+        dist.all_reduce(total)
+        self._reshard()
+        return float(total[0] / total[1].clamp(min=1)), int(total[1])
+
+    def _reshard(self) -> None:
+        """Free the parameters a forward without backward left gathered (FSDP2 units that do not
+        reshard after forward), so that the model's parameters are the optimizer's shards again."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for part in self.model_parts:
+            for module in part.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
+    def _eval_sums(self, batch) -> torch.Tensor:
+        """This rank's (summed loss, targets) of one held-out batch, forward only."""
+        from .parallel_model import IGNORE
+
+        packed = getattr(batch, "packed", False)
+        tokens, labels, positions, doc_ids = (self._to_device(t) for t in (
+            batch.tokens, batch.labels, batch.positions if packed else None, batch.doc_ids if packed else None))
+        targets = (labels != IGNORE).sum().double()
+        if self.adaptive is not None:  # the whole batch on every rank: each rank takes its rows
+            rows = self.adaptive.runner.evaluation_rows(len(tokens))
+            logits = self.model_parts[0](tokens[rows], *(t[rows] if t is not None else None for t in (positions, doc_ids)))
+            part = labels[rows]
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), part.flatten(),
+                                                     ignore_index=IGNORE, reduction="sum")
+            sums = torch.stack([loss.double(), (part != IGNORE).sum().double()])
+            return sums if self.rank % self.adaptive.runner.tp == 0 else torch.zeros_like(sums)  # once per unit
+        # The loss as the sum over this piece's targets, times pieces x micro-batches (ParallelLoss).
+        scale = self.loss_fn.target_scale
+        self.loss_fn.target_scale = self.loss_fn.pieces * self.plan.num_micro_batches
+        try:
+            self.loss_fn.real_seq_len = tokens.shape[1]
+            tokens, labels, positions, doc_ids = pad_sequences(self.seq_multiple, tokens, labels, positions, doc_ids)
+            if self.pipeline is not None:
+                mean = self.pipeline.evaluate(tokens, labels, positions, doc_ids)  # None off the last stage
+                loss = mean if mean is not None else torch.zeros((), dtype=torch.float64, device=self.device)
+            else:
+                loss = self._eval_forward(tokens, labels, positions, doc_ids)
+        finally:
+            self.loss_fn.target_scale = scale
+        # Each rank's value is pieces x its piece's sum; the loss's pieces are held by
+        # holders / pieces ranks each (the world, or a pipeline's last stage), so the all-reduced
+        # sum is holders x the batch's sum. Each data block is held by world / data_size ranks.
+        holders = self.world_size // self.plan.pipeline.degree if self.pipeline is not None else self.world_size
+        return torch.stack([loss.double() / holders, targets * self.data_size / self.world_size])
+
+    def _eval_forward(self, tokens, labels, positions, doc_ids) -> torch.Tensor:
+        n = self.plan.num_micro_batches
+        module = self.parallel.module
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        chunks = [t.chunk(n) if t is not None else [None] * n for t in (tokens, labels, positions, doc_ids)]
+        for i in range(n):
+            with self.loss_fn.context(), self.autocast:
+                logits = module(chunks[0][i], chunks[2][i], chunks[3][i])
+                loss = self.loss_fn(logits, chunks[1][i])
+            total += _plain(loss).detach().double() / n
+        return total
+
     # --- checkpoints ------------------------------------------------------------------------------
     def _checkpoint_manager(self, directory: str):
         from .checkpoint import CheckpointManager
         from .export import model_files
 
-        return CheckpointManager(directory, model_files=model_files(self.plan.model.config, self.config.init_from))
+        return CheckpointManager(directory, keep=self.config.checkpoint_keep,
+                                 model_files=model_files(self.plan.model.config, self.config.init_from))
 
     def extra_state(self) -> dict:
         state = {"step": self.step, "schedulers": [s.state_dict() for s in self.schedulers]}
@@ -466,9 +614,10 @@ class Trainer:
         """Save when due; returns whether it saved."""
         cfg = self.config
         every = cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
-        if cfg.checkpoint_dir and (every or self.step == cfg.steps):  # and always after the last step
-            self._checkpoint_manager(cfg.checkpoint_dir).save(self.step, self.model_parts, self.optimizers,
-                                                              self.extra_state())
+        if cfg.checkpoint_dir and (every or (cfg.checkpoint_final and self.step == cfg.steps)):
+            path = self._checkpoint_manager(cfg.checkpoint_dir).save(self.step, self.model_parts, self.optimizers,
+                                                                     self.extra_state())
+            self._event("save", step=self.step, path=str(path))
             return True
         return False
 
@@ -488,7 +637,13 @@ class Trainer:
         if "data" in extra and hasattr(self.loader, "load_state_dict"):
             self.loader.load_state_dict(extra["data"])
         self.data_iter = iter(self.loader)
+        dropped = self.metrics.truncate_after(self.step) if self.metrics is not None else 0
         log.info("resumed from %s at step %d", self.config.resume, self.step)
+        self._event("resume", step=self.step, path=str(resume), dropped_lines=dropped)
+
+    def _event(self, kind: str, **info) -> None:
+        if self.rank == 0 and self.on_event is not None:
+            self.on_event(kind, info)
 
     def close(self) -> None:
         if self.adaptive is not None:
@@ -531,8 +686,18 @@ class SyntheticLoader:
         return self
 
     def __next__(self) -> SyntheticBatch:
-        tokens, labels = self.global_batch_at(self.vocab, self.seq_len, self.global_batch, self.seed, self.step)
+        batch = self.batch_at(self.samples_seen)
         self.step += 1
+        return batch
+
+    @property
+    def samples_seen(self) -> int:
+        return self.step * self.global_batch
+
+    def batch_at(self, first_sample: int) -> SyntheticBatch:
+        """This rank's rows of the global batch starting at `first_sample` (a multiple of the batch)."""
+        step = first_sample // self.global_batch
+        tokens, labels = self.global_batch_at(self.vocab, self.seq_len, self.global_batch, self.seed, step)
         rows = self.global_batch // self.dp_size
         mine = slice(self.dp_rank * rows, (self.dp_rank + 1) * rows)
         return SyntheticBatch(tokens=tokens[mine], labels=labels[mine])

@@ -16,29 +16,29 @@ from ..spec.cluster import ClusterSpec
 from ..spec.model import LayerSpec, ModelSpec
 from ..spec.workload import Workload
 from .partition import balanced_stages
-from .space import SearchOptions, has_attention, layout_refusal, virtual_stage_options
+from .space import SearchOptions, cp_refusal, has_attention, layout_refusal, virtual_stage_options
 
 
 def manual_plan(model: ModelSpec, cluster: ClusterSpec, workload: Workload, *, dp: int | None = None,
                 tp: int = 1, pp: int = 1, sp: str = "none", sp_degree: int = 1, zero: int = 0,
                 dp_shard: int = 0, recompute: str = "none", offload: bool = False, ep: int = 1,
                 schedule: str = "1f1b", virtual_stages: int = 1, micro_batch_size: int = 1,
-                name: str = "manual") -> Plan:
-    """A plan with the same strategy on every block, costed by `evaluate`."""
+                name: str = "manual", cp: int = 1) -> Plan:
+    """A plan with the same strategy on every block (cp: every layer), costed by `evaluate`."""
     world = cluster.num_gpus
     sp_kind = SPKind(sp) if sp in {k.value for k in SPKind} else None
     if sp_kind is None:
         raise ValueError(f"unknown sequence parallelism '{sp}'; choose none, megatron or ulysses")
     if sp_kind != SPKind.ULYSSES:
         sp_degree = 1
-    if min(tp, pp, sp_degree, ep, micro_batch_size, virtual_stages) < 1:
+    if min(tp, pp, sp_degree, ep, micro_batch_size, virtual_stages, cp) < 1:
         raise ValueError("parallel degrees and the micro-batch size must be >= 1")
-    if world % (pp * tp * sp_degree):
-        raise ValueError(f"pp={pp} x tp={tp} x sp={sp_degree} does not divide {world} GPUs")
-    dp = dp if dp is not None else world // (pp * tp * sp_degree)
-    if dp * pp * tp * sp_degree != world:
-        raise ValueError(f"dp={dp} x pp={pp} x tp={tp} x sp={sp_degree} = {dp * pp * tp * sp_degree}, "
-                         f"but the cluster has {world} GPUs")
+    if world % (pp * tp * sp_degree * cp):
+        raise ValueError(f"pp={pp} x tp={tp} x sp={sp_degree} x cp={cp} does not divide {world} GPUs")
+    dp = dp if dp is not None else world // (pp * tp * sp_degree * cp)
+    if dp * pp * tp * sp_degree * cp != world:
+        raise ValueError(f"dp={dp} x pp={pp} x tp={tp} x sp={sp_degree} x cp={cp} = "
+                         f"{dp * pp * tp * sp_degree * cp}, but the cluster has {world} GPUs")
     if sp_kind == SPKind.MEGATRON and tp < 2:
         raise ValueError("sp=megatron shards over the tensor-parallel group: it needs tp >= 2")
     if sp_kind == SPKind.ULYSSES and sp_degree < 2:
@@ -51,7 +51,8 @@ def manual_plan(model: ModelSpec, cluster: ClusterSpec, workload: Workload, *, d
         if (layer.kind, attention) in seen:
             continue
         seen.add((layer.kind, attention))
-        why = layout_refusal(layer, tp, sp_degree if attention else 1, cluster.gpus_per_node)
+        why = (layout_refusal(layer, tp, sp_degree if attention else 1, cluster.gpus_per_node)
+               or cp_refusal(layer, cp, workload.seq_len))
         if why is not None:
             raise ValueError(f"{why} ({model.name}, layer {layer.name})")
     experts = max((layer.num_experts for layer in model.layers), default=0)
@@ -83,7 +84,7 @@ def manual_plan(model: ModelSpec, cluster: ClusterSpec, workload: Workload, *, d
         block = has_attention(layer)
         return LayerStrategy(dp=dp, tp=tp, sp=sp_kind, sp_degree=sp_degree, zero=zero, dp_shard=dp_shard,
                              recompute=Recompute(recompute) if block else Recompute.NONE,
-                             offload_optimizer=offload, ep=ep if layer.num_experts else 1)
+                             offload_optimizer=offload, ep=ep if layer.num_experts else 1, cp=cp)
 
     layers = tuple(strategy(layer) for layer in model.layers)
     stages = default_stages(model, cluster, workload, layers, pp * virtual_stages, micro_batch_size * dp)

@@ -6,6 +6,19 @@ import numpy as np
 from ..plan import Plan
 
 GiB = 2**30
+BUBBLE_WARNING_FRACTION = 0.5  # warn when the pipeline bubble is more than this share of the step
+
+
+def bubble_warning(plan: Plan) -> str | None:
+    """A warning line when the plan's predicted pipeline bubble exceeds half of its step, else None."""
+    p = plan.prediction
+    if p is None or p.step_time_s <= 0 or p.bubble_s <= BUBBLE_WARNING_FRACTION * p.step_time_s:
+        return None
+    pipe = plan.pipeline
+    return (f"warning: the pipeline bubble is {p.bubble_s / p.step_time_s:.0%} of the step ({p.bubble_s:.3g} of "
+            f"{p.step_time_s:.3g} s: {pipe.degree} stages, {plan.num_micro_batches} micro-batches); more "
+            f"micro-batches (a larger global batch), fewer stages, or context parallelism for long "
+            f"sequences would cut it")
 
 
 def structure(plan: Plan) -> str:
@@ -62,4 +75,5 @@ def explain(best: Plan, scored: list[tuple[float, Plan]], stats: dict, unconstra
         share = max((p.compute_s, "compute"), (p.exposed_comm_s, "communication"), (p.bubble_s, "the pipeline bubble"))
         lines.append(f"binding constraint: none on memory ({peak / GiB:.1f} of {dev / GiB:.1f} GiB); "
                      f"the step is dominated by {share[1]}")
-    return lines + list(notes)
+    warning = bubble_warning(best)
+    return lines + ([warning] if warning else []) + list(notes)

@@ -73,7 +73,7 @@ from __future__ import annotations
 import heapq
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import comb
 
 import numpy as np
@@ -91,7 +91,7 @@ from ..spec.workload import Workload
 from .bounds import Context as _Context
 from .bounds import SplitBounds
 from .dp import Slot, solve_rank
-from .explain import explain, structure
+from .explain import bubble_warning, explain, structure
 from .limits import check_search_size
 from .space import (Candidates, SearchOptions, candidate_table, divisors, dominated_on_rank, fastest_costs,
                     prune_dominated, space_notes, virtual_stage_options)
@@ -117,6 +117,8 @@ class _Scored:
 
 class _Search(SplitBounds):
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, workload: Workload, options: SearchOptions):
+        if options.allow_cp and any(layer.num_experts for layer in model.layers):
+            options = replace(options, allow_cp=False, cp=None)  # the runtime runs MoE models at cp = 1
         self.model, self.cluster, self.workload, self.opts = model, cluster, workload, options
         self.world = cluster.num_gpus
         keys: dict[tuple, int] = {}
@@ -201,7 +203,7 @@ class _Search(SplitBounds):
         out: dict[int, Candidates] = {}
         layouts: dict[tuple, int] = {}
         for kind, layer in self.kind_layer.items():
-            table = candidate_table(layer, n, B, self.cluster, self.opts)
+            table = candidate_table(layer, n, B, self.cluster, self.opts, self.workload.seq_len)
             if not len(table):
                 self.tables[key] = None
                 return None
@@ -211,8 +213,8 @@ class _Search(SplitBounds):
             self.stats["pruned"] += len(table) - len(keep)
             table = table.subset(keep)
             costs = type(costs)(**{f: np.asarray(getattr(costs, f))[keep] for f in costs.__dataclass_fields__})
-            lay = [(int(a), int(b), int(c), bool(d)) for a, b, c, d in
-                   zip(table.dp, table.tp, table.sp, table.megatron)]
+            lay = [(int(a), int(b), int(c), bool(d), int(e)) for a, b, c, d, e in
+                   zip(table.dp, table.tp, table.sp, table.megatron, table.cp)]
             for x in lay:
                 layouts.setdefault(x, len(layouts))
             out[kind] = Candidates(table=table, costs=costs, layout=lay,
@@ -360,7 +362,8 @@ class _Search(SplitBounds):
             x = cands[block]
             j = int(np.argmin(x.costs.states + x.costs.act + x.costs.buf))
             s = x.table.get(j)
-            desc = f"pp={c.pp}, tp={s.tp}" + (f", ulysses={s.sp_degree}" if s.sp_degree > 1 else "")
+            desc = f"pp={c.pp}, tp={s.tp}" + (f", cp={s.cp}" if s.cp > 1 else "")
+            desc += f", ulysses={s.sp_degree}" if s.sp_degree > 1 else ""
             desc += f", zero{s.zero}" if s.zero else ", no zero"
             desc += f", {s.recompute.value} recompute" if s.recompute.value != "none" else ""
             desc += ", offload" if s.offload_optimizer else ""
@@ -404,6 +407,9 @@ class _Search(SplitBounds):
             extra += isinstance(split, tuple)
             seq = self._process(heap, seq, bound, c, split, hidden, slack=1.25)
         best = self.scored[0].plan
+        warning = bubble_warning(best)
+        if warning:
+            log.warning("%s", warning)
         self.stats["lower_bound"] = min(lower, self.scored[0].step)
         info = SearchInfo(search_time_s=time.perf_counter() - t0, candidates=self.stats["candidates"],
                           step_lower_bound_s=float(self.stats["lower_bound"]),

@@ -12,9 +12,18 @@ Candidates for one layer on a stage of n devices, given B sequences per micro-ba
         divides the GPUs of a node under the same switch as tp. Beyond the KV heads of a TP rank
         the runtime repeats KV heads (runtime/attention.py kv_repeats), which cost/layer.py prices;
         with `KV_REPEAT_COSTED` off, u must divide them.
-    dp  = n / (tp * u), must divide B (whole sequences per replica).
-    zero 0..3 (dp > 1), with HSDP sharding inside a node (dp_shard = GPUs per node / (tp u))
-        when that is a proper divisor of dp; offload of the optimizer state with zero >= 1.
+    cp  context-parallel (ring attention) degree: divides n / (tp * u); the sequence splits into
+        2 cp chunks of at least `CP_MIN_CHUNK` tokens (one flash-attention tile of queries: a
+        smaller ring step is launch overhead); groups of stride tp * u, inside a node or across
+        nodes (the ring's point-to-point blocks hide behind each step's attention, cost/layer.py
+        prices what they do not hide); every layer (the embedding and the head shard the sequence
+        alike, or the activation would be re-sharded at 2 cp-fold cost), flash attention only,
+        not in mixture-of-experts models (the planner turns it off there). With `allow_cp` off,
+        cp = 1.
+    dp  = n / (tp * u * cp), must divide B (whole sequences per replica).
+    zero 0..3 (dp cp > 1; ZeRO shards over dp x cp), with HSDP sharding inside a node
+        (dp_shard = GPUs per node / (tp u cp)) when that is a proper divisor of dp; offload of the
+        optimizer state with zero >= 1.
     recompute none / selective / full (attention layers).
     ep  MoE layers: divides the experts and dp * u.
 
@@ -55,6 +64,8 @@ TP_ACROSS_NODES_COSTED = True
 # Ulysses degrees beyond the KV heads of a TP rank: the runtime repeats the KV heads
 # (runtime/attention.py `kv_repeats`); cost/layer.py charges the larger all-to-alls and activations.
 KV_REPEAT_COSTED = True
+# The shortest chunk of the load-balanced context-parallel split (tokens): a flash tile of queries.
+CP_MIN_CHUNK = 128
 
 
 def has_attention(layer: LayerSpec) -> bool:
@@ -86,6 +97,22 @@ def layout_refusal(layer: LayerSpec, tp: int, ulysses: int, gpus_per_node: int) 
     if (kv // tp) % ulysses and not KV_REPEAT_COSTED:
         return (f"ulysses={ulysses} must divide the {kv // tp} KV heads of a tensor-parallel rank "
                 f"({kv} KV heads / tp {tp}; repeating them is left out of the space: KV_REPEAT_COSTED)")
+    return None
+
+
+def cp_refusal(layer: LayerSpec, cp: int, seq_len: int = 0) -> str | None:
+    """Why a context-parallel degree is outside the search space for `layer`, or None."""
+    if cp == 1:
+        return None
+    if layer.num_experts:
+        return "context parallelism is not combined with expert parallelism (MoE layers run cp = 1)"
+    if has_attention(layer) and layer.attn_kernel == "unfused":
+        return "context parallelism runs flash-attention blocks (this layer's attention is unfused)"
+    if seq_len and seq_len % (2 * cp):
+        return f"cp={cp} needs the sequence of {seq_len} tokens to split into 2 x cp = {2 * cp} equal chunks"
+    if seq_len and seq_len // (2 * cp) < CP_MIN_CHUNK:
+        return (f"cp={cp} cuts the sequence of {seq_len} tokens into chunks of {seq_len // (2 * cp)}, "
+                f"shorter than a flash-attention tile of {CP_MIN_CHUNK}")
     return None
 
 
@@ -149,6 +176,9 @@ class SearchOptions:
     allow_offload: bool = True
     allow_hsdp: bool = True
     allow_ulysses: bool = True
+    allow_cp: bool = True  # context parallelism (ring attention)
+    max_cp: int | None = None
+    cp: int | None = None  # fixes every layer's context-parallel degree
     micro_batch_sizes: tuple[int, ...] | None = None
     # Exhaustive stage boundaries when there are at most this many splits, else balanced.
     max_splits: int = 64
@@ -177,9 +207,19 @@ def divisors(n: int) -> list[int]:
     return list(_divisors(n))
 
 
+def cp_options(layer: LayerSpec, width: int, seq_len: int, options: SearchOptions) -> list[int]:
+    """Context-parallel degrees searched for `layer` on `width` ranks (after tp and Ulysses)."""
+    if options.cp is not None:
+        return [options.cp] if width % options.cp == 0 and cp_refusal(layer, options.cp, seq_len) is None else []
+    if not options.allow_cp:
+        return [1]
+    return [c for c in divisors(width) if c <= (options.max_cp or c) and cp_refusal(layer, c, seq_len) is None]
+
+
 def candidate_table(layer: LayerSpec, stage_size: int, micro_batch_seqs: int, cluster: ClusterSpec,
-                    options: SearchOptions) -> StrategyTable:
-    """All strategies of the space for `layer` (see the module docstring), as a table."""
+                    options: SearchOptions, seq_len: int = 0) -> StrategyTable:
+    """All strategies of the space for `layer` (see the module docstring), as a table; `seq_len`
+    (0: unchecked) bounds the context-parallel degrees."""
     attn = has_attention(layer)
     rows = []
     max_tp = min(cluster.gpus_per_node, options.max_tp or stage_size)
@@ -192,42 +232,47 @@ def candidate_table(layer: LayerSpec, stage_size: int, micro_batch_seqs: int, cl
                 continue
             if layout_refusal(layer, tp, u, cluster.gpus_per_node) is not None:
                 continue
-            dp = stage_size // (tp * u)
-            if micro_batch_seqs % dp or (options.dp is not None and dp != options.dp):
-                continue
-            if options.micro_batch_sizes is not None and micro_batch_seqs // dp not in options.micro_batch_sizes:
-                continue
-            megatron = tp > 1 and u == 1
-            eps = [1]
-            if layer.num_experts:
-                eps = [e for e in divisors(gcd(layer.num_experts, dp * u)) if e <= (options.max_ep or e)
-                       and e == (options.ep or e)]
-            hsdp = cluster.gpus_per_node // (tp * u) if cluster.gpus_per_node >= tp * u else 0
-            zeros: list[tuple[int, int, bool]] = []
-            for z in options.zero_stages:
-                if z == 0:
-                    zeros.append((0, 0, False))
-                    continue
-                if dp == 1:
-                    continue
-                shards = [0] + ([hsdp] if options.allow_hsdp and 1 < hsdp < dp and dp % hsdp == 0 else [])
-                for d in shards:
-                    zeros.append((z, d, False))
-                    if options.allow_offload:
-                        zeros.append((z, d, True))
-            if dp == 1 and options.allow_offload:
-                zeros.append((1, 0, True))  # offload needs the ZeRO optimizer even unsharded
-            for ep in eps:
-                for z, d, off in zeros:
-                    for rc in rc_codes:
-                        rows.append((dp, tp, u, megatron, z, d, rc, off, ep))
+            for cp in cp_options(layer, stage_size // (tp * u), seq_len, options):
+                rows += _degree_rows(layer, stage_size, micro_batch_seqs, cluster, options, tp, u, cp, rc_codes)
     return StrategyTable.from_rows(rows)
 
 
+def _degree_rows(layer: LayerSpec, stage_size: int, micro_batch_seqs: int, cluster: ClusterSpec,
+                 options: SearchOptions, tp: int, u: int, cp: int, rc_codes: list[int]) -> list[tuple]:
+    """The candidate rows of one (tp, Ulysses, cp) layout: ZeRO, HSDP, offload, recompute, EP."""
+    dp = stage_size // (tp * u * cp)
+    if micro_batch_seqs % dp or (options.dp is not None and dp != options.dp):
+        return []
+    if options.micro_batch_sizes is not None and micro_batch_seqs // dp not in options.micro_batch_sizes:
+        return []
+    megatron = tp > 1 and u == 1
+    eps = [1]
+    if layer.num_experts:
+        eps = [e for e in divisors(gcd(layer.num_experts, dp * u)) if e <= (options.max_ep or e)
+               and e == (options.ep or e)]
+    width = tp * u * cp
+    hsdp = cluster.gpus_per_node // width if cluster.gpus_per_node >= width else 0
+    zeros: list[tuple[int, int, bool]] = []
+    for z in options.zero_stages:
+        if z == 0:
+            zeros.append((0, 0, False))
+            continue
+        if dp * cp == 1:
+            continue
+        shards = [0] + ([hsdp] if options.allow_hsdp and 1 < hsdp < dp and dp % hsdp == 0 else [])
+        for d in shards:
+            zeros.append((z, d, False))
+            if options.allow_offload:
+                zeros.append((z, d, True))
+    if dp * cp == 1 and options.allow_offload:
+        zeros.append((1, 0, True))  # offload needs the ZeRO optimizer even unsharded
+    return [(dp, tp, u, megatron, z, d, rc, off, ep, cp) for ep in eps for z, d, off in zeros for rc in rc_codes]
+
+
 def candidate_strategies(layer: LayerSpec, stage_size: int, micro_batch_seqs: int, cluster: ClusterSpec,
-                         options: SearchOptions) -> list[LayerStrategy]:
+                         options: SearchOptions, seq_len: int = 0) -> list[LayerStrategy]:
     """`candidate_table` as LayerStrategy objects."""
-    table = candidate_table(layer, stage_size, micro_batch_seqs, cluster, options)
+    table = candidate_table(layer, stage_size, micro_batch_seqs, cluster, options, seq_len)
     return [table.get(i) for i in range(len(table))]
 
 
@@ -237,7 +282,7 @@ class Candidates:
 
     table: StrategyTable
     costs: LayerCosts
-    layout: list[tuple[int, int, int, bool]] = field(default_factory=list)
+    layout: list[tuple[int, int, int, bool, int]] = field(default_factory=list)
     pruned: int = 0
     fastest: dict[str, float] = field(default_factory=dict)  # smallest value of each cost (`fastest_costs`)
 
@@ -255,7 +300,7 @@ def prune_dominated(table: StrategyTable, costs: LayerCosts) -> np.ndarray:
     among exact ties the first is kept."""
     comp = np.stack([costs.fwd, costs.bwd - costs.wgrad, costs.wgrad, costs.step, costs.states,
                      costs.act, costs.buf], axis=1)
-    layout = np.stack([table.dp, table.tp, table.sp, table.megatron.astype(np.int64)], axis=1)
+    layout = np.stack([table.dp, table.tp, table.sp, table.megatron.astype(np.int64), table.cp], axis=1)
     _, group = np.unique(layout, axis=0, return_inverse=True)
     return undominated(group.ravel(), comp)
 

@@ -25,9 +25,10 @@ GLOBAL_BATCH, SEQ, STEPS = 8, 16, 3
 OPTIM = OptimConfig(lr=3e-3, warmup_steps=2, total_steps=STEPS, grad_clip=0.5)
 
 
-def S(dp=1, tp=1, sp="none", sp_degree=1, zero=0, dp_shard=0, recompute="none", offload=False) -> LayerStrategy:
+def S(dp=1, tp=1, sp="none", sp_degree=1, zero=0, dp_shard=0, recompute="none", offload=False,
+      cp=1) -> LayerStrategy:
     return LayerStrategy(dp=dp, tp=tp, sp=SPKind(sp), sp_degree=sp_degree, zero=zero, dp_shard=dp_shard,
-                         recompute=Recompute(recompute), offload_optimizer=offload)
+                         recompute=Recompute(recompute), offload_optimizer=offload, cp=cp)
 
 
 def make_plan(config: TransformerConfig, world: int, strategies, num_micro_batches: int = 1,

@@ -420,12 +420,16 @@ def profile_hardware(options: HardwareOptions | None = None, progress: Progress 
     intra = intra or inter or LinkSpec(bandwidth=mem_bw, latency=0.0)
     inter = inter or intra
     name = o.name or f"profiled {env.num_nodes}x{env.local_world} {device.name} ({env.backend})"
+    # On a CPU the "host" an offloaded optimizer lives in is the same memory: its step runs at the
+    # measured bandwidth, in the same bytes (not a GPU node's DRAM).
+    host = {} if cuda else dict(host_memory_bandwidth=mem_bw, host_memory_bytes=memory)
     cluster = ClusterSpec(name=name, num_nodes=env.num_nodes, gpus_per_node=env.local_world, device=device,
                           intra_node=intra, inter_node=inter, compute_efficiency=efficiency,
                           overlap_slowdown=slowdown, host_bandwidth=host_bw, collectives=tuple(curves),
                           oversubscription=oversubscription(env, cuda),
                           # The fitted link latency is all the fixed cost; no caching allocator on CPU.
-                          collective_latency=8.4e-6 if cuda else 0.0, fragmentation=0.10 if cuda else 0.0)
+                          collective_latency=8.4e-6 if cuda else 0.0, fragmentation=0.10 if cuda else 0.0,
+                          **host)
     return cluster
 
 

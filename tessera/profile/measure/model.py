@@ -583,8 +583,9 @@ def _measures_variants(layer) -> bool:
 
 
 def _measures_head_tp2(config: TransformerConfig) -> bool:
-    """Whether `profile_model` also runs the LM head tensor parallel over pairs of ranks."""
-    return config.vocab_size % 2 == 0
+    """Whether `profile_model` also runs the LM head tensor parallel over pairs of ranks (an odd
+    vocabulary too: the runtime shards it unevenly, and a plan may run it so)."""
+    return config.vocab_size >= 2
 
 
 def planned_units(spec: ModelSpec, world: int = 1, reps: int = 3) -> int:
