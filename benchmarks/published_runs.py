@@ -47,7 +47,9 @@ configuration is given in full:
   section 3.3.2; with grouped-query attention both move little next to the attention they
   overlap: the cost model prices the ring). As the paper describes the run (section
   3.3.2): FSDP sharding optimizer states and gradients but not re-sharding parameters after the
-  forward (ZeRO-2 here), no activation recomputation at 8K tokens, the interleaved schedule with
+  forward, gradients accumulated over the micro-batches in FP32 and then reduce-scattered in FP32
+  (section 3.3.4): one reduce-scatter per step, ZeRO-1 in Tessera's contract (ZeRO-2 would
+  reduce-scatter every micro-batch; gradients fp32, the workload's default), no activation recomputation at 8K tokens, the interleaved schedule with
   the first and last stages one Transformer layer short (here: 128 layers = embedding + 126
   blocks + head in 16 v equal chunks, so the embedding and head take a block's place). Not given
   there, chosen and stated: one sequence per micro-batch (32 and 16 micro-batches: the 16K-GPU
@@ -151,9 +153,9 @@ class H100Row:
 
 # Llama 3 paper, Table 4 (see the module docstring for what is read and what is chosen).
 LLAMA3 = [
-    H100Row("Llama3 405B", "llama3-405b", 8192, 8, 16, 2, 2048, 1, 8192, 2, "megatron", "none", "fused",
+    H100Row("Llama3 405B", "llama3-405b", 8192, 8, 16, 2, 2048, 1, 8192, 1, "megatron", "none", "fused",
             published_tflops=430),
-    H100Row("Llama3 405B", "llama3-405b", 16384, 8, 16, 2, 2048, 1, 8192, 2, "megatron", "none", "fused",
+    H100Row("Llama3 405B", "llama3-405b", 16384, 8, 16, 2, 2048, 1, 8192, 1, "megatron", "none", "fused",
             published_tflops=400),
     H100Row("Llama3 405B CP16", "llama3-405b", 16384, 8, 16, 2, 128, 1, 131072, 2, "megatron", "none", "fused",
             published_tflops=380, cp=16),
@@ -225,6 +227,8 @@ def h100_case(row: H100Row, device_note: bool = False):
     if device_note:  # torchtitan's H100s: 96 GB of HBM2e at 2.4 TB/s (compute as the SXM's, see the docstring)
         cluster = cluster.model_copy(update={"device": cluster.device.model_copy(
             update={"name": "h100-96gb-hbm2e", "memory_bytes": 96e9, "memory_bandwidth": 2.4e12})})
+    # Gradients in fp32 (the default): Llama 3 accumulated gradients over micro-batches and
+    # reduce-scattered them in FP32 (paper, section 3.3.4); torchtitan's FSDP2 reduces in fp32.
     workload = Workload(global_batch=row.batch, seq_len=row.seq, dtype="bf16")
     plan = manual_plan(model, cluster, workload, tp=row.tp, pp=row.pp, zero=row.zero, sp=row.sp,
                        recompute=row.recompute, micro_batch_size=row.micro_batch,
@@ -290,7 +294,9 @@ def main() -> None:
     print(f"{'model':>8} {'GPUs':>5} {'TP':>3} {'PP':>3} {'v':>2} {'MBS':>4} {'GBS':>5} | " + HEADER)
     for row in SC21:
         model, cluster = model_of(row), make_cluster("a100-80gb", row.gpus)
-        workload = Workload(global_batch=row.batch, seq_len=SEQ, dtype="fp16")
+        # Gradients in fp16: Megatron-LM forces fp32 gradient accumulation and all-reduce for bf16
+        # only; CONFIG.sh's --fp16 runs without --accumulate-allreduce-grads-in-fp32.
+        workload = Workload(global_batch=row.batch, seq_len=SEQ, dtype="fp16", grad_dtype="fp16")
         plan = published_plan(row, model, cluster, workload)
         units = lambda step, row=row: megatron_flops(row) / step / row.gpus / 1e12  # noqa: E731
         line = score(a100, row.tflops, units(plan.prediction.step_time_s), plan, units, model, cluster, workload,

@@ -86,10 +86,11 @@ def test_activations_states_and_buffers_divide_as_the_runtime_holds_them():
                 dp=1, tp=2, sp="megatron")
     assert cp8.act[0] == pytest.approx(tp2.act[0] / 8, rel=1e-9)
     assert dp2.act[0] == pytest.approx(cp8.act[0], rel=1e-9)
-    # ZeRO-3 shards over dp x cp: the same 16-way shard of a tp-2 slice as dp 2 x cp 4.
-    assert cp8.params[0] == pytest.approx(dp2.params[0], rel=1e-12)
-    assert cp8.params[0] == pytest.approx(2 * block.dense_params / 2 / 8, rel=1e-12)
-    assert cp4.params[0] == pytest.approx(2 * block.dense_params / 4 / 4, rel=1e-12)
+    # ZeRO-3 shards over dp x cp: the same 16-way shard of a tp-2 slice as dp 2 x cp 4 (the fp32
+    # gradient shard; the bf16 parameters exist only while gathered).
+    assert cp8.grads[0] == pytest.approx(dp2.grads[0], rel=1e-12)
+    assert cp8.grads[0] == pytest.approx(4 * block.dense_params / 2 / 8, rel=1e-12)
+    assert cp4.grads[0] == pytest.approx(4 * block.dense_params / 4 / 4, rel=1e-12)
     # The ring's backward buffers: L = 16384 local rows, 16 query and 4 K/V heads of 128 per rank.
     t = StrategyTable.build([LayerStrategy(dp=1, tp=2, cp=8, sp="megatron")])
     want = 16384 * 128 * (16 * (4 + 5 * 2) + 4 * (24 + 4 * 2))
@@ -175,6 +176,6 @@ def test_ring_collectives_by_hand():
         assert got[(kind, 2, kv * 2)] == blocks * m * cp  # fp32 dK/dV, backward
     params = 2 * 725_504
     assert got[("all_gather", 4, params)] == blocks * m * 2  # ZeRO-3 over the cp group
-    assert got[("all_reduce", 2, params / 4)] == blocks  # HSDP: the shard's replica all-reduce
+    assert got[("all_reduce", 2, 2 * params / 4)] == blocks  # HSDP: the fp32 shard's replica all-reduce
     assert got[("all_reduce", 4, 4)] == 1  # gradient norm over the shard group
     assert got[("all_reduce", 8, 4)] == 1  # the step's loss

@@ -38,7 +38,7 @@ def test_zero3_pays_gathers_every_micro_batch(setup):
     z1 = manual_plan(m, c, w, zero=1, micro_batch_size=1, recompute="full").prediction
     z3 = manual_plan(m, c, w, zero=3, micro_batch_size=1, recompute="full").prediction
     assert z3.peak_memory < z1.peak_memory
-    assert z3.step_time_s > z1.step_time_s
+    assert z3.exposed_comm_s > z1.exposed_comm_s
 
 
 def test_step_time_is_simulated_makespan_plus_tail(setup):
@@ -62,7 +62,8 @@ def test_manual_plan_refuses_impossible_combinations(setup):
 
 def test_baselines_are_costed_and_flag_infeasible_ones(setup):
     m, c, w = setup
-    plans = {p.name: p for p in baseline_plans(get_model("llama2-70b"), c, w)}
+    # 32 GPUs: on 16, tp 8 x pp 2 without ZeRO holds 70B / 16 x 18 bytes (fp32 gradients): 79 GB.
+    plans = {p.name: p for p in baseline_plans(get_model("llama2-70b"), make_cluster("h100-80gb", 32), w)}
     assert {"megatron-default", "fsdp", "ddp", "zero1"} <= set(plans)
     assert not plans["ddp"].prediction.fits  # 70B replicated: ~1.1 TB of states per GPU
     meg = plans["megatron-default"]

@@ -18,7 +18,10 @@ def test_llama2_7b_bf16_weights_are_13_5_gb():
     mem = plan.prediction.stage_memory[0]
     assert m.num_params == pytest.approx(6.74e9, rel=1e-3)
     assert mem.params / GB == pytest.approx(13.48, abs=0.01)
-    assert mem.grads == pytest.approx(mem.params)  # bf16 gradients
+    assert mem.grads == pytest.approx(2 * mem.params)  # fp32 gradients (the runtime's)
+    megatron_fp16 = Workload(global_batch=8, seq_len=4096, dtype="fp16", grad_dtype="fp16")
+    plan = manual_plan(m, make_cluster("h100-80gb", 8), megatron_fp16, recompute="full")
+    assert plan.prediction.stage_memory[0].grads == pytest.approx(mem.params)  # gradients in fp16
     assert mem.optimizer == pytest.approx(12 * m.num_params)  # fp32 master + Adam m, v
 
 
@@ -27,8 +30,10 @@ def test_zero3_over_64_gpus_divides_model_states_by_64():
     cluster, wl = make_cluster("h100-80gb", 64), Workload(global_batch=64, seq_len=4096)
     plain = manual_plan(m, cluster, wl, zero=0).prediction.stage_memory[0]
     z3 = manual_plan(m, cluster, wl, zero=3).prediction.stage_memory[0]
-    for field in ("params", "grads", "optimizer"):
+    for field in ("grads", "optimizer"):
         assert getattr(z3, field) * 64 == pytest.approx(getattr(plain, field), rel=1e-12)
+    # The bf16 working copy exists only while gathered (a buffer): the fp32 shard is the master.
+    assert z3.params == 0 and plain.params == pytest.approx(2 * m.num_params)
 
 
 def test_zero_stages_shard_optimizer_then_grads_then_params():
@@ -38,8 +43,8 @@ def test_zero_stages_shard_optimizer_then_grads_then_params():
                                 shard=np.array([1, 8, 8, 8]), expert_shard_deg=np.array([1, 8, 8, 8]),
                                 offload=np.zeros(4, bool))
     n = layer.params
-    assert list(p) == pytest.approx([2 * n, 2 * n, 2 * n, 2 * n / 8])
-    assert list(g) == pytest.approx([2 * n, 2 * n, 2 * n / 8, 2 * n / 8])
+    assert list(p) == pytest.approx([2 * n, 2 * n, 2 * n, 0])  # ZeRO-3: the fp32 shard is the master
+    assert list(g) == pytest.approx([4 * n, 4 * n, 4 * n / 8, 4 * n / 8])  # fp32
     assert list(o) == pytest.approx([12 * n, 12 * n / 8, 12 * n / 8, 12 * n / 8])
     _, g32, o32 = model_state_bytes(layer, Workload(global_batch=8, seq_len=4096, dtype="fp32"), 1, 1, 0, 1, 1, False)
     assert g32 == pytest.approx(4 * n) and o32 == pytest.approx(8 * n)  # fp32 grads; Adam m, v only
@@ -150,14 +155,16 @@ def test_offload_keeps_shards_on_the_host():
                                 offload=np.ones(3, bool))
     # Unsharded copies only: parameters below ZeRO-3, gradients below ZeRO-2; no optimizer state.
     assert list(p) == pytest.approx([2 * n, 2 * n, 0.0])
-    assert list(g) == pytest.approx([2 * n, 0.0, 0.0])
+    assert list(g) == pytest.approx([4 * n, 0.0, 0.0])  # fp32
     assert list(o) == pytest.approx([0.0, 0.0, 0.0])
     c = make_cluster("h100-80gb", 8)
     ctx = StepContext(cluster=c, workload=wl, stage_size=8, micro_batch_seqs=8)
     t = StrategyTable.build([LayerStrategy(dp=8, zero=3), LayerStrategy(dp=8, zero=3, offload_optimizer=True)])
     costs = layer_costs(layer, t, ctx)
-    assert costs.host[0] == 0 and costs.host[1] == pytest.approx((2 + 2 + 12) * n / S)
-    # The AdamW step on the host: (2 ob + 2 pb) bytes per local parameter at host DRAM bandwidth.
+    # The fp32 gradient shard and the optimizer state (fp32 master, m, v) on the host.
+    assert costs.host[0] == 0 and costs.host[1] == pytest.approx((4 + 12) * n / S)
+    # The AdamW step on the host: the fp32 states read and written, the fp32 gradient read,
+    # 2 x 12 + 4 bytes per local parameter at host DRAM bandwidth.
     assert costs.optimizer_time[1] == pytest.approx(28 * n / S / c.host_memory_bandwidth)
     # H2D before each all-gather (2 per micro-batch), D2H after the reduce-scatter: on the backward.
     assert costs.bwd[1] > costs.bwd[0]

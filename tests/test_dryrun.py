@@ -41,12 +41,15 @@ def test_zero3_rank_matches_hand_computation():
     assert m.device.params == 0  # no bf16 copy outlives a ZeRO-3 unit's use
     assert m.device.grads == 4 * local  # sharded, fp32 (reduce dtype)
     assert m.device.optimizer == 4 * local + 8 * local + 4 * 39  # fp32 master + AdamW m, v + 39 step counts
-    blocks, root = 725_504, 2 * 50_264 * 256 + 256  # the root unit: embedding, final norm, output
+    # One unit per plan layer: the root holds the embedding, the head unit the final norm and output.
+    blocks, emb, head = 725_504, 50_264 * 256, 50_264 * 256 + 256
     assert Counter(m.collectives) == {
         CollectiveRecord("all_gather", 8, 2 * blocks): 4 * 2 * 2,  # bf16, forward + backward, per micro-batch
         CollectiveRecord("reduce_scatter", 8, 4 * blocks): 4 * 2,  # fp32, per micro-batch
-        CollectiveRecord("all_gather", 8, 2 * root): 2 * 2,
-        CollectiveRecord("reduce_scatter", 8, 4 * root): 2,
+        CollectiveRecord("all_gather", 8, 2 * emb): 2 * 2,
+        CollectiveRecord("reduce_scatter", 8, 4 * emb): 2,
+        CollectiveRecord("all_gather", 8, 2 * head): 2 * 2,
+        CollectiveRecord("reduce_scatter", 8, 4 * head): 2,
         CollectiveRecord("all_reduce", 8, 4): 2,  # the loss, and the gradient norm (one sharding group)
     }
 
@@ -58,8 +61,9 @@ def test_zero3_against_the_cost_model():
     rows = {(r.kind, r.group_size, r.bytes): r for r in c.collectives}
     assert rows[("all_gather", 8, 2 * 725_504)].predicted == rows[("all_gather", 8, 2 * 725_504)].measured == 16
     assert rows[("all_reduce", 8, 4)].matches
-    # The runtime reduces in fp32 where the cost model prices bf16: those groups are flagged.
-    assert rows[("reduce_scatter", 8, 2 * 725_504)].measured == 0
+    # Gradients reduced in fp32 on both sides (`Workload.grad_dtype`).
+    assert rows[("reduce_scatter", 8, 4 * 725_504)].predicted == rows[("reduce_scatter", 8, 4 * 725_504)].measured == 8
+    assert all(r.matches for r in c.collectives)
 
 
 def test_fake_tensors_measure_what_real_ones_do():
@@ -80,9 +84,10 @@ def test_tensor_parallel_and_pipeline_collectives():
     tp = {(r.kind, r.bytes): r for r in rows if r.group_size == 2}
     act = 64 * 256 * 2  # tokens x hidden x bf16 per micro-batch
     # Per micro-batch and block, 2 all-gather / reduce-scatter pairs forward and 2 backward
-    # (Megatron); the head one all-gather forward, its reduce-scatter backward.
-    assert tp[("all_gather", act)].measured == 4 * (4 * 4 + 1)
-    assert tp[("reduce_scatter", act)].measured == 4 * (4 * 4 + 1)
+    # (Megatron); the head one all-gather forward, its reduce-scatter backward; the
+    # vocabulary-parallel embedding one reduce-scatter forward, its all-gather backward.
+    assert tp[("all_gather", act)].measured == tp[("all_gather", act)].predicted == 4 * (4 * 4 + 2)
+    assert tp[("reduce_scatter", act)].measured == tp[("reduce_scatter", act)].predicted == 4 * (4 * 4 + 2)
     pp = tiny(pp=2, zero=1, batch=32)
     rows = dry_run(pp, [7], materialize=False).ranks[0].comparison.collectives
     p2p = {r.kind: r for r in rows if r.kind in ("send", "recv")}
@@ -117,10 +122,10 @@ def test_predicted_collectives_by_hand():
     plan = tiny(tp=2, sp="megatron", zero=3, batch=8)  # dp4, 2 micro-batches of 4 sequences
     got = [c for c in step_collectives(plan, 0)
            if c.layer == plan.model.layers[1].name and not c.why.startswith("bookkeeping")]
-    act, params = 64 * 256 * 2, 2 * 725_504 / 2
+    act, params = 64 * 256 * 2, 725_504 / 2
     assert {(c.kind, c.group_size, c.bytes, c.count) for c in got} == {
         ("all_gather", 2, act, 8), ("reduce_scatter", 2, act, 8),  # 2 + 2 per micro-batch, each a pair
-        ("all_gather", 4, params, 4), ("reduce_scatter", 4, params, 2)}  # ZeRO-3
+        ("all_gather", 4, 2 * params, 4), ("reduce_scatter", 4, 4 * params, 2)}  # ZeRO-3: bf16 gathers, fp32 reduces
     norms = [c for c in step_collectives(plan, 0) if c.why == "bookkeeping: sequence-parallel norm gradients"]
     assert sum(c.count for c in norms) == 2 * (4 * 2 + 1)  # per micro-batch: 2 norms per block, the final one
     step = [c for c in step_collectives(plan, 0) if c.layer == "step"]

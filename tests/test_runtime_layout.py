@@ -69,6 +69,56 @@ def test_act_layout_blocks_tile_the_activation():
     assert ActLayout(2, 1, 2, True).block(3, 8, 16) == (4, 8, 8, 16)
 
 
+def _layouts(stage: int, cps=(1, 2)):
+    out = []
+    for cp in cps:
+        for dp in range(1, stage // cp + 1):
+            for sp in range(1, stage // (dp * cp) + 1):
+                tp = stage // (dp * sp * cp)
+                if dp * sp * tp * cp == stage:
+                    out += [ActLayout(dp, sp, tp, cp=cp)] + ([ActLayout(dp, sp, tp, True, cp)] if tp > 1 else [])
+    return out
+
+
+def _cells(rects):
+    return {(i, j) for b0, b1, s0, s1 in rects for i in range(b0, b1) for j in range(s0, s1)}
+
+
+@pytest.mark.parametrize("stage", [4, 6, 8])
+def test_resharding_exchanges_rebuild_every_block_moving_only_what_changes_hands(stage):
+    """Every pair of layouts of a stage (context parallel ones too, whose blocks are two ranges),
+    simulated over all ranks: each rank's target block is rebuilt exactly from what it holds and
+    what its peers send; nothing is sent twice to a rank, no rank sends what the receiver holds,
+    and the volumes the cost model prices are the sent ones."""
+    from tessera.cost import reshard as rs
+
+    batch, seq = 24, 48  # divisible by every degree of the stages (and 2 cp chunks)
+    for a, b in itertools.product(_layouts(stage), repeat=2):
+        sent_total = 0
+        for r in range(stage):
+            ex = rs.exchange(a.key, b.key, r, batch, seq)
+            want = _cells(rs.block(b.key, r, batch, seq))
+            mine = _cells(rs.block(a.key, r, batch, seq))
+            got = _cells(ex.local)
+            assert got <= mine
+            for peer, rect in ex.recvs:
+                sender = rs.exchange(a.key, b.key, ex.first + peer, batch, seq)
+                assert (r - ex.first, rect) in sender.sends  # the peer sends it
+                assert _cells([rect]) <= _cells(rs.block(a.key, ex.first + peer, batch, seq))
+                assert not _cells([rect]) & mine  # nothing the rank holds itself crosses the network
+                assert not _cells([rect]) & got  # received once
+                got |= _cells([rect])
+            assert got == want
+            sent_total += sum((x[1] - x[0]) * (x[3] - x[2]) for _, x in ex.sends)
+            if b.refines(a, batch, seq):
+                assert not ex.sends and not ex.recvs
+        sent, received = rs.exchange_volume(a.key, b.key)
+        groups = stage // len(sent)
+        assert sent_total == pytest.approx(groups * sent.sum() * batch * seq)
+        assert sent.sum() == pytest.approx(received.sum())
+        assert (rs.busiest_share(a.key, b.key) == 0) == (sent_total == 0)
+
+
 def test_ddp_path_only_for_homogeneous_plain_data_parallel():
     assert uses_ddp(make_plan(LLAMA, 4, S(dp=4)))
     assert not uses_ddp(make_plan(LLAMA, 4, S(dp=4, zero=1)))  # ZeRO-1 runs on FSDP2 (grad_sync)
@@ -87,6 +137,9 @@ def test_refusals_name_the_field():
         check_plan_supported(make_plan(LLAMA, 4, S(dp=2), num_micro_batches=2, stages=((0, 3), (3, 6))), 4)
     with pytest.raises(TesseraError, match=r"plan.layers\[1\] \(block0\).tp=4 does not divide the 4 heads / 2 KV"):
         check_plan_supported(make_plan(LLAMA, 4, S(tp=4)), 4)
+    one_mb = make_plan(LLAMA, 4, S(dp=2), num_micro_batches=1, stages=((0, 3), (3, 6)))
+    with pytest.raises(TesseraError, match="plan.num_micro_batches=1: schedule 1f1b needs at least pipeline.degree=2"):
+        check_plan_supported(one_mb, 4, pipeline_available=True)
     with pytest.raises(TesseraError, match="offload_optimizer needs zero"):
         check_plan_supported(make_plan(LLAMA, 4, S(dp=4).model_copy(update={"offload_optimizer": True})), 4)
 

@@ -42,6 +42,15 @@ def test_restrictions_are_honoured():
                                                     allow_recompute=False))
     assert plan.pipeline.degree == 2 and plan.pipeline.schedule.value == "1f1b"
     assert all(s.tp == 4 and not s.offload_optimizer and s.recompute.value == "none" for s in plan.layers)
+    # torch's 1F1B refuses fewer micro-batches than stages: 4 sequences over pp=4 x dp=4 give at
+    # most 1 micro-batch, so a 1F1B plan needs another split (context parallelism), GPipe not.
+    small = Workload(global_batch=4, seq_len=4096)
+    for schedules in (("1f1b",), ("1f1b", "gpipe")):
+        try:
+            plan = search(model, cluster, small, SearchOptions(pp=4, tp=1, schedules=schedules))
+        except NoFeasiblePlanError:
+            continue
+        assert plan.pipeline.schedule.value != "1f1b" or plan.num_micro_batches >= 4
     plan = search(model, cluster, wl, SearchOptions(max_tp=2, micro_batch_sizes=(1,)))
     assert plan.micro_batch_size == 1 and all(s.tp <= 2 for s in plan.layers)
 

@@ -11,14 +11,17 @@ and all-reduce, what each rank sends for all-to-all, the message for send / recv
 layer: m micro-batches; b = micro_batch_size * dp_of_batch sequences per micro-batch over the
 stage; t = b / dp * seq_len / (u cp) tokens on the device (u: Ulysses degree, cp: context
 parallel degree); h hidden size; ab = activation bytes per element (2, or 4 for fp32); pb =
-parameter bytes; P = the layer's parameters / tp; S the ZeRO shard degree (dp, or the HSDP
-group, times cp); R = dp * cp * u / S replicas.
+parameter bytes; gb = gradient bytes (`Workload.grad_bytes`: 4, the runtime reduces in fp32);
+P = the layer's parameters / tp; S the ZeRO shard degree (dp, or the HSDP group, times cp);
+R = dp * cp * u / S replicas.
 
 Per micro-batch (count m):
-    TP (tp > 1)        blocks: 2 all-reduces of t*h*ab forward and 2 backward over tp; with
-                       Megatron sequence parallelism an all-gather + reduce-scatter pair each
-                       instead; embedding 1 forward; LM head 1 forward and 1 backward. Full
-                       recompute replays the forward's in the backward.
+    TP (tp > 1)        of t*h*ab over tp (`tp_collective_counts`): blocks 2 all-reduces forward
+                       and 2 backward, with Megatron sequence parallelism an all-gather +
+                       reduce-scatter pair each instead; embedding 1 all-reduce forward (SP: a
+                       reduce-scatter forward, an all-gather backward); LM head 1 all-reduce
+                       backward (SP: an all-gather forward, a reduce-scatter backward). Full
+                       recompute replays a block's forward collectives but its last.
     Ulysses (u > 1)    4 all-to-alls forward (q, k, v, output) and 4 backward over u, q and
                        output t*h*ab/tp, k and v scaled by kv_heads r/heads (r: the repeats of
                        a tensor-parallel rank's KV heads for the group); replayed by full
@@ -31,20 +34,21 @@ Per micro-batch (count m):
     MoE layers         `cost/moe.py` `ep_collectives`: routing counts, dispatch and combine
                        all-to-alls over ep (and their gradients, replayed under recompute), the
                        load-balancing counts over dp*u, the routing-weight gradients over tp.
-    ZeRO-3             all-gather pb*P forward and backward, reduce-scatter pb*P backward, over S;
+    ZeRO-3             all-gather pb*P forward and backward, reduce-scatter gb*P backward, over S;
                        under ep the experts (P_e = expert params / (tp ep)) follow every ZeRO rule
                        over their replicas R_e = dp*u/ep, sharded over gcd(S, R_e), the rest as P.
-    ZeRO-2             reduce-scatter pb*P over S.
-    re-sharding        two adjacent layers of a chunk with different (dp, tp, u, SP, cp) layouts:
-                       one all-gather forward and one backward of the larger per-device share,
-                       over max(tp*u*cp) of the two (`layer.transition_time`).
+    ZeRO-2             reduce-scatter gb*P over S.
+    re-sharding        two adjacent layers with different activation blocks (the second's input
+                       moved on its chunk, across a pipeline boundary too): one all-to-all forward
+                       and one backward over the lcm(tp*u*cp) consecutive ranks that exchange, of
+                       what this rank sends (`cost/reshard.py`, `layer.transition_time`).
     pipeline           each chunk boundary: the activation forward and its gradient backward,
                        micro_batch_seqs * seq_len * h * ab / stage_size bytes (send + recv).
 Per step (count 1):
-    ZeRO-0             all-reduce pb*P over dp*cp*u.
-    ZeRO-1             reduce-scatter + all-gather pb*P over S.
+    ZeRO-0             all-reduce gb*P over dp*cp*u.
+    ZeRO-1             reduce-scatter gb*P + all-gather pb*P over S.
     ZeRO-2             all-gather pb*P over S (parameters kept unsharded across micro-batches).
-    HSDP (R > 1)       replica all-reduce of the shard pb*P/S over R (ZeRO >= 1).
+    HSDP (R > 1)       replica all-reduce of the shard gb*P/S over R (ZeRO >= 1).
 Bookkeeping the runtime issues and the cost model does not price (tiny, listed so that the counts
 can match exactly; `why` starts with "bookkeeping"):
     the step's loss       one all-reduce over the world (4 bytes; 8 with a pipeline);
@@ -52,8 +56,8 @@ can match exactly; `why` starts with "bookkeeping"):
                           which a rank's gradients are sharded (ZeRO shard group, and the TP group
                           for the TP-sharded weights), and one over pp;
     loss parallel         LM head with tp > 1: per micro-batch, all-reduces over tp of the
-                          per-token maximum (ab bytes per token) and of the sum of exponentials
-                          and the target logit (4 bytes per token each);
+                          per-token maximum, of the sum of exponentials and of the target logit
+                          (4 bytes per token each: the loss is taken on fp32 logits);
     sequence-parallel norms  an all-reduce over tp of each norm parameter's gradient, which
                           Megatron SP leaves partial per rank: per micro-batch (h*ab bytes), or
                           with a pipeline, whose stages accumulate gradients, once (h*4 bytes);
@@ -63,13 +67,14 @@ Collectives over one rank move nothing and are left out. No torch.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..plan import LayerStrategy, Plan, Recompute, SPKind
 from ..spec.model import LayerKind, LayerSpec
 from .memory import expert_shard
 from .moe import ep_collectives
-from .layer import kv_repeats
+from .reshard import exchange, layout_of, same_blocks, sent_by, seq_multiple
 
 @dataclass(frozen=True)
 class Collective:
@@ -98,7 +103,7 @@ class _Rank:
         self.m = plan.num_micro_batches
         self.b = plan.micro_batch_size * plan.dp_of_batch  # sequences per micro-batch over the stage
         wl = plan.workload
-        self.seq, self.ab, self.pb = wl.seq_len, (4 if wl.dtype == "fp32" else 2), wl.param_bytes
+        self.seq, self.ab, self.pb, self.gb = wl.seq_len, (4 if wl.dtype == "fp32" else 2), wl.param_bytes, wl.grad_bytes
 
     def tokens(self, s: LayerStrategy) -> float:
         """Tokens of a micro-batch on this device under strategy `s`."""
@@ -145,8 +150,9 @@ def step_collectives(plan: Plan, rank: int) -> list[Collective]:
     r = _Rank(plan, rank)
     out: list[Collective] = []
 
-    def add(kind, group, nbytes, count, layer, why):
-        if group > 1 and count > 0 and nbytes > 0:
+    def add(kind, group, nbytes, count, layer, why, empty=False):
+        """`empty`: the rank takes part even when it moves no bytes itself (an all-to-all)."""
+        if group > 1 and count > 0 and (nbytes > 0 or empty):
             out.append(Collective(kind, int(group), float(nbytes), int(count), layer, why))
 
     layers = [i for c in r.chunks for i in range(*plan.pipeline.stages[c])]
@@ -154,11 +160,34 @@ def step_collectives(plan: Plan, rank: int) -> list[Collective]:
         _layer_collectives(r, i, add)
     for c in r.chunks:
         start, end = plan.pipeline.stages[c]
-        for i in range(start + 1, end):
+        for i in range(max(start, 1), end):  # a chunk re-shards its input to its first layer too
             _transition(r, i, add)
         _pipeline_p2p(r, c, add)
     _bookkeeping(r, layers, add)
     return out
+
+
+def tp_collective_counts(kind: LayerKind, megatron: bool, full_recompute: bool) -> tuple[dict, dict]:
+    """(forward, backward) collectives over tp of one layer's tensor parallelism per micro-batch,
+    {kind: count}, each of the (tokens x hidden) activation:
+        block       2 all-reduces each way (attention and MLP outputs forward, their inputs'
+                    gradients backward); Megatron SP: 2 all-gathers + 2 reduce-scatters each way
+        embedding   vocabulary-parallel: 1 all-reduce forward; SP: 1 reduce-scatter forward,
+                    its all-gather backward
+        LM head     column-parallel on a replicated input: 1 all-reduce backward; SP: 1
+                    all-gather forward, its reduce-scatter backward
+    Full recompute replays a block's forward in its backward up to its last saved tensor, i.e.
+    all but the block's last collective: 1 all-reduce, or 2 all-gathers + 1 reduce-scatter."""
+    if kind == LayerKind.EMBEDDING:
+        return ({"reduce_scatter": 1}, {"all_gather": 1}) if megatron else ({"all_reduce": 1}, {})
+    if kind == LayerKind.LM_HEAD:
+        return ({"all_gather": 1}, {"reduce_scatter": 1}) if megatron else ({}, {"all_reduce": 1})
+    if megatron:
+        fwd, bwd = {"all_gather": 2, "reduce_scatter": 2}, {"all_gather": 2, "reduce_scatter": 2}
+        if full_recompute:
+            bwd = {"all_gather": 4, "reduce_scatter": 3}
+        return fwd, bwd
+    return {"all_reduce": 2}, {"all_reduce": 3 if full_recompute else 2}
 
 
 def _layer_collectives(r: _Rank, i: int, add) -> None:
@@ -167,15 +196,12 @@ def _layer_collectives(r: _Rank, i: int, add) -> None:
     tokens = r.tokens(s)
     # Tensor parallel: per micro-batch.
     if s.tp > 1:
-        n_f, n_b = {LayerKind.EMBEDDING: (1, 0), LayerKind.LM_HEAD: (1, 1)}.get(layer.kind, (2, 2))
-        if s.recompute == Recompute.FULL and _is_block(layer):
-            n_b += n_f  # the replayed forward's
+        megatron = s.sp == SPKind.MEGATRON
+        fwd, bwd = tp_collective_counts(layer.kind, megatron, s.recompute == Recompute.FULL)
         msg = tokens * layer.hidden * r.ab
-        if s.sp == SPKind.MEGATRON:
-            for kind in ("all_gather", "reduce_scatter"):
-                add(kind, s.tp, msg, m * (n_f + n_b), name, "tensor parallel (Megatron SP), activations")
-        else:
-            add("all_reduce", s.tp, msg, m * (n_f + n_b), name, "tensor parallel, activations")
+        why = "tensor parallel (Megatron SP), activations" if megatron else "tensor parallel, activations"
+        for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+            add(kind, s.tp, msg, m * (fwd.get(kind, 0) + bwd.get(kind, 0)), name, why)
     # Ulysses: 4 all-to-alls each way per micro-batch.
     if s.sp_degree > 1 and layer.num_heads and layer.attn_flops_coeff:
         q = tokens * layer.hidden * r.ab / s.tp
@@ -196,9 +222,10 @@ def _layer_collectives(r: _Rank, i: int, add) -> None:
         aux = r.plan.model.config is not None and bool(r.plan.model.config.router_aux_loss_coef)
         for c in ep_collectives(layer, s, tokens, r.ab, aux):
             add(c.op, c.group, c.nbytes, m, name, f"expert parallel: {c.what}")
-    # Data parallel / ZeRO on the parameters (P = params / tp); under expert parallelism the
-    # experts (params / (tp ep)) sync over their dp * cp * u / ep replicas, sharded over
-    # es = gcd(S, dp * u / ep) (runtime/expert_parallel.py), the rest as a dense layer's.
+    # Data parallel / ZeRO on the parameters (P = params / tp): parameters gathered in the
+    # working dtype (pb bytes), gradients reduced in `grad_dtype` (gb bytes). Under expert
+    # parallelism the experts (params / (tp ep)) sync over their dp * cp * u / ep replicas, sharded
+    # over es = gcd(S, dp * u / ep) (runtime/expert_parallel.py), the rest as a dense layer's.
     group = s.dp * s.cp * s.sp_degree
     parts = [(layer.params, s.shard_degree, group, "")]
     if layer.num_experts and s.ep > 1:
@@ -207,29 +234,32 @@ def _layer_collectives(r: _Rank, i: int, add) -> None:
                  (layer.expert_params / s.ep, expert_shard(s.shard_degree, s.dp, s.sp_degree, s.ep), replicas,
                   "experts: ")]
     for params, shard, over, label in parts:
-        _zero_collectives(add, s.zero, r.pb * params / s.tp, shard, over, m, name, label)
+        _zero_collectives(add, s.zero, r.pb * params / s.tp, r.gb * params / s.tp, shard, over, m, name, label)
 
 
-def _zero_collectives(add, z: int, p: float, shard: int, group: int, m: int, name: str, label: str) -> None:
-    """Gradient sync of p bytes of parameters with ZeRO stage z over `group` ranks, sharded over
-    `shard` of them (the runtime / cost-model contract)."""
+def _zero_collectives(add, z: int, p: float, g: float, shard: int, group: int, m: int, name: str,
+                      label: str) -> None:
+    """Gradient sync of a layer's p bytes of parameters (g bytes of gradients) with ZeRO stage z
+    over `group` ranks, sharded over `shard` of them (the runtime / cost-model contract)."""
     if z == 0:
-        add("all_reduce", group, p, 1, name, f"{label}gradient all-reduce (ZeRO-0), once per step")
+        add("all_reduce", group, g, 1, name, f"{label}gradient all-reduce (ZeRO-0), once per step")
     elif z == 1:
-        add("reduce_scatter", shard, p, 1, name, f"{label}gradient reduce-scatter (ZeRO-1), once per step")
+        add("reduce_scatter", shard, g, 1, name, f"{label}gradient reduce-scatter (ZeRO-1), once per step")
         add("all_gather", shard, p, 1, name, f"{label}parameter all-gather (ZeRO-1), once per step")
     elif z == 2:
-        add("reduce_scatter", shard, p, m, name, f"{label}gradient reduce-scatter (ZeRO-2), every micro-batch")
+        add("reduce_scatter", shard, g, m, name, f"{label}gradient reduce-scatter (ZeRO-2), every micro-batch")
         add("all_gather", shard, p, 1, name, f"{label}parameter all-gather (ZeRO-2), once per step")
     else:
         add("all_gather", shard, p, 2 * m, name, f"{label}parameter all-gather (ZeRO-3), forward and backward")
-        add("reduce_scatter", shard, p, m, name, f"{label}gradient reduce-scatter (ZeRO-3), every micro-batch")
+        add("reduce_scatter", shard, g, m, name, f"{label}gradient reduce-scatter (ZeRO-3), every micro-batch")
     if z >= 1:
-        add("all_reduce", group // shard, p / shard, 1, name, f"{label}HSDP replica all-reduce of the gradient shard")
+        add("all_reduce", group // shard, g / shard, 1, name, f"{label}HSDP replica all-reduce of the gradient shard")
 
 
 def _kv_repeats(layer: LayerSpec, s: LayerStrategy) -> int:
     """Repeats of each KV head of a tensor-parallel rank for its Ulysses group (`layer.kv_repeats`)."""
+    from .layer import kv_repeats  # layer.py imports this module
+
     return kv_repeats(layer.num_heads // s.tp, layer.num_kv_heads // s.tp, s.sp_degree)
 
 
@@ -239,20 +269,26 @@ def _ring_kv_heads(layer: LayerSpec, s: LayerStrategy) -> float:
 
 
 def _transition(r: _Rank, i: int, add) -> None:
-    """Re-sharding between plan layers i-1 and i of one chunk (`layer.transition_time`)."""
-    a, b = r.plan.layers[i - 1], r.plan.layers[i]
-    key = lambda s: (s.dp, s.tp, s.sp_degree, s.sp == SPKind.MEGATRON, s.cp)  # noqa: E731
-    if key(a) == key(b):
+    """Re-sharding from plan layer i-1's activation layout to layer i's (`cost/reshard.py`): one
+    all-to-all forward and one backward per micro-batch over the re-sharding group, of what this
+    rank sends (every rank of the group takes part, a rank that sends nothing too)."""
+    a, b = (_layout(r.plan.layers[j]) for j in (i - 1, i))
+    if same_blocks(a, b):
         return
-    hidden = r.plan.model.layers[i].hidden
+    # The runtime pads the sequence to a multiple every layer's blocks divide (`sequence_multiple`).
+    multiple = math.lcm(*(seq_multiple(_layout(s)) for s in r.plan.layers))
+    seq = -(-r.seq // multiple) * multiple
+    fwd, bwd = exchange(a, b, r.stage_rank, r.b, seq), exchange(b, a, r.stage_rank, r.b, seq)
+    unit = r.plan.model.layers[i].hidden * r.ab
+    name = r.plan.model.layers[i].name
+    for ex, layouts, way in ((fwd, (a, b), "forward"), (bwd, (b, a), "backward")):
+        if ex.active and ex.size > 1:
+            add("all_to_all", ex.size, sent_by(*layouts, r.stage_rank, r.b, seq) * unit, r.m, name,
+                f"re-sharding the activation between layouts, {way}", empty=True)
 
-    def share(s):
-        return (r.b / s.dp * r.seq / (s.sp_degree * s.cp) * hidden * r.ab
-                / (s.tp if s.sp == SPKind.MEGATRON else 1))
 
-    group = max(a.tp * a.sp_degree * a.cp, b.tp * b.sp_degree * b.cp)
-    add("all_gather", group, max(share(a), share(b)), 2 * r.m, r.plan.model.layers[i].name,
-        "re-sharding the activation between layouts, forward and backward")
+def _layout(s: LayerStrategy):
+    return layout_of(s.dp, s.sp_degree, s.tp, s.sp == SPKind.MEGATRON, s.cp)
 
 
 def _pipeline_p2p(r: _Rank, chunk: int, add) -> None:
@@ -302,7 +338,7 @@ def _bookkeeping(r: _Rank, layers: list[int], add) -> None:
         layer, s = plan.model.layers[i], plan.layers[i]
         if s.tp > 1 and layer.kind == LayerKind.LM_HEAD:
             t = plan.micro_batch_size * plan.dp_of_batch / s.dp * r.seq / (s.sp_degree * s.cp)
-            add("all_reduce", s.tp, t * r.ab, r.m, layer.name, "bookkeeping: loss parallel, per-token maximum")
+            add("all_reduce", s.tp, t * 4, r.m, layer.name, "bookkeeping: loss parallel, per-token maximum")
             add("all_reduce", s.tp, t * 4, 2 * r.m, layer.name,
                 "bookkeeping: loss parallel, sum of exponentials and target logit")
         if s.tp > 1 and s.sp == SPKind.MEGATRON and layer.kind != LayerKind.EMBEDDING:
@@ -320,7 +356,7 @@ def _bookkeeping(r: _Rank, layers: list[int], add) -> None:
             if first in r.chunks or last in r.chunks:
                 s = plan.layers[0]
                 shard = s.shard_degree if s.zero else 1
-                add("all_reduce", 2, 4 * cfg.vocab_size * cfg.hidden / (s.tp * shard), 1, "step",
+                add("all_reduce", 2, r.gb * cfg.vocab_size * cfg.hidden / (s.tp * shard), 1, "step",
                     "bookkeeping: tied embedding gradient between first and last stage")
 
 
@@ -338,5 +374,6 @@ def _uses_ddp(plan: Plan) -> bool:
     same = all((s.dp, s.cp, s.sp_degree, s.tp, s.zero, s.dp_shard)
                == (first.dp, first.cp, first.sp_degree, first.tp, first.zero, first.dp_shard)
                for s in plan.layers)
-    return (same and plan.pipeline.degree == 1 and first.tp == 1 and first.zero <= 1
-            and not first.dp_shard and not any(s.offload_optimizer for s in plan.layers))
+    return (same and plan.pipeline.degree == 1 and first.tp == 1 and first.zero == 0
+            and not first.dp_shard and not any(s.offload_optimizer for s in plan.layers)
+            and all(s.ep == 1 for s in plan.layers))

@@ -153,7 +153,7 @@ def _chunk_times(plan: Plan, ctx: StepContext, costs: list[LayerCosts], detail: 
         w = sum(_scalar(costs[i], "wgrad") for i in range(start, end))
         cf.append(sum(_scalar(costs[i], "compute_fwd") for i in range(start, end)))
         cb.append(sum(_scalar(costs[i], "compute_bwd") for i in range(start, end)))
-        for i in range(start + 1, end):
+        for i in range(max(start, 1), end):  # a chunk re-shards its input to its first layer too
             trans = transition_time(plan.model.layers[i].hidden, shape_key(plan.layers[i - 1]),
                                     shape_key(plan.layers[i]), ctx)
             f += trans / 2

@@ -22,11 +22,13 @@ device, h = hidden, a = activation bytes per element, pb = parameter bytes, P = 
 parameters / tp (experts / (tp ep)), S = ZeRO shard degree, m = micro-batches:
     TP       on the critical path (DTensor TP issues them between dependent GEMMs and does not
              overlap them; Megatron's --tp-comm-overlap is not what the runtime runs), over the tp
-             group (stride 1), message t h a:
+             group (stride 1), message t h a (`collectives.tp_collective_counts`):
              blocks 2 all-reduces forward + 2 backward (Megatron SP: 2 all-gathers + 2
-             reduce-scatters each way, same volume); embedding 1 forward; LM head 1 forward +
-             1 backward. Full recompute replays the forward's in the backward (selective keeps
-             their outputs): per micro-batch.
+             reduce-scatters each way, same volume); embedding 1 all-reduce forward (SP: a
+             reduce-scatter forward, an all-gather backward); LM head 1 all-reduce backward (SP:
+             an all-gather forward, a reduce-scatter backward). Full recompute replays a block's
+             forward collectives but its last in the backward (selective keeps their outputs):
+             per micro-batch.
     Ulysses  4 all-to-alls forward (q, k, v, output; message t h a / tp per rank for q and the
              output, x kv_heads r / heads for k and v, r = the runtime's KV repeats when the group
              outnumbers the KV heads) and 4 backward over the sp group (stride tp); full
@@ -50,7 +52,8 @@ parameters / tp (experts / (tp ep)), S = ZeRO shard degree, m = micro-batches:
              per rank, the busiest rank's load x the routing skew; the inter-node share scaled by
              `a2a_internode_scale`) forward, the two token ones backward, over ep ranks (stride
              tp); full and selective recompute replay the forward's; the skewed expert compute.
-    ZeRO     over the shard group (S ranks, stride tp sp), message pb P; overlapped with the
+    ZeRO     over the shard group (S ranks, stride tp sp), message pb P for parameter all-gathers,
+             gb P for gradient reductions (gb = `Workload.grad_bytes`, 4: fp32); overlapped with the
              layer's compute: overlapped(c, x) = c + (slowdown - 1) min(c, x) + max(0, x - c):
              ZeRO-0  1 all-reduce over dp sp ranks per step (after the last micro-batch);
              ZeRO-1  1 reduce-scatter + 1 all-gather per step (gradients accumulate unsharded);
@@ -58,18 +61,19 @@ parameters / tp (experts / (tp ep)), S = ZeRO shard degree, m = micro-batches:
                      unsharded over the step's micro-batches), under the first forward;
              ZeRO-3  1 all-gather forward, 1 all-gather + 1 reduce-scatter backward, per
                      micro-batch;
-             HSDP (S < dp sp) and Ulysses replicas: 1 all-reduce of the pb P / S shard over the
+             HSDP (S < dp sp) and Ulysses replicas: 1 all-reduce of the gb P / S shard over the
                      replicas per step.
              The once-per-step ones ride on the last micro-batch's backward after its ZeRO-2/3
              traffic (DDP buckets and FSDP2's post-backward issue them per layer).
-    Offload  (FSDP2 CPUOffloadPolicy) the pb P / S parameter shard host-to-device before every
+    Offload  (FSDP2 CPUOffloadPolicy) the 4 P / S fp32 parameter shard host-to-device before every
              all-gather and the gradient shard device-to-host after every reduce-scatter, over
-             `host_bandwidth`, on the path of that collective; the AdamW step on the host,
-             (2 ob + 2 pb) P / S bytes at `host_memory_bandwidth`, not overlapped.
+             `host_bandwidth`, on the path of that collective; the AdamW step on the host at
+             `host_memory_bandwidth`, not overlapped.
     Tied     an LM head tied to the embedding on another pipeline rank (pp > 1): 1 all-reduce of
-             its pb V h / tp gradient with the embedding's rank per step.
-Per step (seconds, once) besides: the optimizer update, memory-bound, (3 pb + 2 ob) P / S
-    bytes at the device's streaming bandwidth.
+             its gb V h / (tp S) gradient shard with the embedding's rank per step.
+Per step (seconds, once) besides: the optimizer update, memory-bound, (2 (ob + [fp32] pb) + gb) P / S
+    bytes (the fp32 states read and written, the gradient read) at the device's streaming
+    bandwidth, or offloaded at the host's.
 Group spans follow the rank layout (tp innermost, then sp, then cp, then dp): the tp group has
 stride 1, Ulysses stride tp, the cp ring stride tp sp, ZeRO shard groups (dp x cp ranks, which hold
 the same parameters) stride tp sp (comm.py enumerates the groups). Every per-token term of a
@@ -88,18 +92,20 @@ from ..plan import LayerStrategy, SPKind
 from ..spec.cluster import ClusterSpec
 from ..spec.model import LayerKind, LayerSpec
 from ..spec.workload import Workload
+from .collectives import tp_collective_counts
 from .comm import collective_times, p2p_time, spans_nodes
 from .compute import (BACKWARD_FACTOR, achieved_flops, attention_seconds, linear_seconds, memory_bound_seconds,
                       per_operation)
 from .moe import moe_times
+from .reshard import busiest_share, group_size, layout_of
 from .memory import (RC_FULL, RC_NONE, RC_SELECTIVE, activation_bytes, buffer_bytes, expert_shard,
                      model_state_bytes, offloaded_bytes)
 
 _RC_CODE = {"none": RC_NONE, "selective": RC_SELECTIVE, "full": RC_FULL}
-_TP_COLLECTIVES = {LayerKind.EMBEDDING: (1, 0), LayerKind.LM_HEAD: (1, 1)}  # others: (2, 2)
 
 
 _RC_NAME = {v: k for k, v in _RC_CODE.items()}
+MASTER_BYTES = 4  # FSDP2's sharded parameter (the fp32 master), what offload moves to the device
 INFEASIBLE_BYTES = 1e30  # the device memory of a strategy that cannot run (finite: the search does arithmetic on it)
 
 
@@ -339,7 +345,7 @@ def ring_attention_comm(layer: LayerSpec, cl: ClusterSpec, ab: float, tokens, t:
 
 def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCosts:
     cl, wl = ctx.cluster, ctx.workload
-    ab, pb, ob = ctx.act_elt, wl.param_bytes, wl.optimizer_bytes
+    ab, pb, gb, ob = ctx.act_elt, wl.param_bytes, wl.grad_bytes, wl.optimizer_bytes
     tokens = ctx.micro_batch_seqs / t.dp * wl.seq_len  # per data-parallel replica
     tokens_dev = tokens / (t.sp * t.cp)  # Ulysses and context parallelism shard the sequence
     tp_overhead, tp_slowdown = tp_terms(layer, t.tp)
@@ -354,15 +360,16 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
     full = t.recompute == RC_FULL
 
     # Tensor parallel: activation t x h on the tp group, on the critical path (DTensor TP does not
-    # overlap its collectives); full recompute replays the forward's in the backward.
-    n_f, n_b = _TP_COLLECTIVES.get(layer.kind, (2, 2))
+    # overlap its collectives); full recompute replays a block's but its last (`tp_collective_counts`).
     act_msg = tokens_dev * layer.hidden * ab
-    ar = collective_times(cl, "all_reduce", act_msg, t.tp, 1)
-    pair = (collective_times(cl, "all_gather", act_msg, t.tp, 1)
-            + collective_times(cl, "reduce_scatter", act_msg, t.tp, 1))
-    tp_one = np.where(t.megatron, pair, ar)
-    comm_f = n_f * tp_one
-    comm_b = n_b * tp_one + np.where(full, n_f * tp_one, 0.0)
+    times = {kind: collective_times(cl, kind, act_msg, t.tp, 1) for kind in ("all_reduce", "all_gather", "reduce_scatter")}
+    comm_f = comm_b = 0.0
+    for megatron in (False, True):
+        for recompute in (False, True):
+            fwd, bwd = tp_collective_counts(layer.kind, megatron, recompute)
+            where = (t.megatron == megatron) & (full == recompute)
+            comm_f = comm_f + np.where(where, sum(n * times[k] for k, n in fwd.items()), 0.0)
+            comm_b = comm_b + np.where(where, sum(n * times[k] for k, n in bwd.items()), 0.0)
     repeats = np.ones(np.shape(t.sp))
     if layer.num_heads and layer.attn_flops_coeff:
         # Ulysses: q, k, v and the output; K and V repeated when the group outnumbers the KV heads.
@@ -396,15 +403,16 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
             continue
         st = t.tp * t.sp
         ag = ag + collective_times(cl, "all_gather", pb * p, s, st)
-        rs = rs + collective_times(cl, "reduce_scatter", pb * p, s, st)
-        ar_step = ar_step + collective_times(cl, "all_reduce", pb * p, group, t.tp)
+        rs = rs + collective_times(cl, "reduce_scatter", gb * p, s, st)
+        ar_step = ar_step + collective_times(cl, "all_reduce", gb * p, group, t.tp)
         replicas = group // s
         rep_stride = np.where(t.sp > 1, t.tp, t.tp * t.sp * s)
-        rep = rep + collective_times(cl, "all_reduce", pb * p / s, replicas, rep_stride)
-        # Offload (FSDP2 CPUOffloadPolicy): the parameter shard comes up before every all-gather,
-        # the gradient shard goes down after every reduce-scatter, over the host link.
-        h2d = h2d + np.where(t.offload, pb * p / s / cl.host_bandwidth, 0.0)
-        d2h = d2h + np.where(t.offload, pb * p / s / cl.host_bandwidth, 0.0)
+        rep = rep + collective_times(cl, "all_reduce", gb * p / s, replicas, rep_stride)
+        # Offload (FSDP2 CPUOffloadPolicy): the fp32 parameter shard comes up before every
+        # all-gather (cast to the working dtype on the device), the gradient shard goes down after
+        # every reduce-scatter, over the host link.
+        h2d = h2d + np.where(t.offload, MASTER_BYTES * p / s / cl.host_bandwidth, 0.0)
+        d2h = d2h + np.where(t.offload, gb * p / s / cl.host_bandwidth, 0.0)
     ag, rs = ag + h2d, rs + d2h
     z = t.zero
     fwd = cf + comm_f + np.where(z == 3, overlap_extra(cf, ag, slow), 0.0)
@@ -417,7 +425,7 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
     per_mb = np.where(z == 3, ag + rs, np.where(z == 2, rs, 0.0))
     once = np.where(z == 0, ar_step, np.where(z == 1, ag + rs, 0.0) + rep)  # ZeRO-0: ar_step is the whole sync
     if layer.tied_params and pp > 1:
-        once = once + collective_times(cl, "all_reduce", pb * layer.tied_params / t.tp, 2,
+        once = once + collective_times(cl, "all_reduce", gb * layer.tied_params / t.tp / shard, 2,
                                        ctx.stage_size * (pp - 1))
     sync = (overlap_extra(cb, per_mb + once, slow) - overlap_extra(cb, per_mb, slow)
             + np.where(z == 2, overlap_extra(cf, ag, slow), 0.0))
@@ -428,9 +436,11 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
     if per_operation(layer, cl):
         # Every micro-batch's weight gradients but the first's are added into the gradient buffer
         # the device keeps (unsharded under ZeRO-0/1, the shard under ZeRO-2/3): read both, write
-        # one; charged to each micro-batch as (m - 1) / m of that.
+        # one; charged to each micro-batch as (m - 1) / m of that. The DDP path accumulates every
+        # micro-batch into its buckets (zeroed in place between steps).
         m = max(1.0, wl.global_batch / ctx.micro_batch_seqs)
-        accumulate = 3.0 * grads / cl.device.streaming_bandwidth * (m - 1) / m
+        ddp = (t.tp == 1) & (z == 0) & ~t.offload & (t.dp * t.sp > 1) & (pp == 1)
+        accumulate = 3.0 * grads / cl.device.streaming_bandwidth * np.where(ddp, 1.0, (m - 1) / m)
         cb, bwd = cb + accumulate, bwd + accumulate
     before = params + grads
     params, grads = _runtime_copies(params, grads, wl, t, z, pp, pd, pe, shard, es,
@@ -439,11 +449,12 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
     if ctx.host_layers:
         params = np.where(host * ctx.host_layers > cl.host_memory_bytes, INFEASIBLE_BYTES, params)
     local = pd / np.where(z >= 1, shard, 1) + pe / np.where(z >= 1, es, 1)
-    # The update: memory-bound, on the device (reads p, g, m, v, master; writes them back:
-    # (3 pb + 2 ob) per parameter) or, offloaded, on the host (2 ob + 2 pb: the fp32 states
-    # read and written, the gradient read and the working copy written) at host DRAM bandwidth.
-    opt_time = np.where(t.offload, (2 * ob + 2 * pb) * local / cl.host_memory_bandwidth,
-                        (3 * pb + 2 * ob) * local / cl.device.streaming_bandwidth)
+    # The update: memory-bound, on the device or, offloaded, on the host at its DRAM bandwidth:
+    # the fp32 states (master, m, v; the fp32 parameter itself in an fp32 run) read and written,
+    # the gradient read: 2 (ob + [fp32] pb) + gb per parameter. FSDP2's sharded parameter is the
+    # master (it casts while gathering) and the DDP path's fp32 weights are: no working copy.
+    update_bytes = 2 * (ob + (pb if wl.dtype == "fp32" else 0)) + gb
+    opt_time = update_bytes * local / np.where(t.offload, cl.host_memory_bandwidth, cl.device.streaming_bandwidth)
     fused_norms = cl.device.sm_count > 0  # CUDA's fused RMSNorm; a CPU runs the composite (memory.py)
     act = activation_bytes(layer, tokens_dev, t.tp, t.megatron, t.recompute, seq_len=wl.seq_len, sp=t.sp,
                            elt=ab, fused_norms=fused_norms)
@@ -473,21 +484,14 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
 def _runtime_copies(params, grads, wl: Workload, t: StrategyTable, z, pp: int, pd, pe, shard, es, m: float):
     """Copies of model states the runtime keeps beside the ones ZeRO's formulas count.
 
-    - DDP (tp = 1, ZeRO 0 or 1, no pipeline, no offload, over more than one rank: the runtime's
-      DDP path, taken per layer here): DDP's buckets hold the gradients (`gradient_as_bucket_view`),
-      and with more than one micro-batch the micro-batches before the last accumulate into
-      separate `.grad` tensors under `no_sync` (the optimizer frees them after every step), so a
-      second copy exists when the last backward runs: 4 P bytes, the DDP path keeping fp32
-      parameters and gradients under autocast (the states' total is the same as ZeRO's count,
-      2 + 2 + 12 bytes a parameter in mixed precision; only this copy is extra).
     - FSDP2 keeping parameters unsharded (ZeRO 1 over FSDP2, ZeRO 2): the sharded parameter stays
       beside the unsharded one. In mixed precision that shard is the fp32 master the optimizer
-      bytes already count; an fp32 run has no master, so it is pb P / S more."""
-    ddp = (t.tp == 1) & (z <= 1) & ~t.offload & (t.dp * t.sp > 1) & (pp == 1)
-    if m > 1:
-        grads = grads + np.where(ddp, 4.0 * (pd + pe), 0.0)
+      bytes already count; an fp32 run has no master, so it is pb P / S more.
+    The DDP path (tp = 1, ZeRO 0, no pipeline, no offload) keeps one gradient copy: its gradients
+    are views into DDP's buckets from the start and are zeroed in place between steps
+    (`Parallelized.wrap_ddp`), so micro-batches under `no_sync` accumulate into the buckets."""
     if wl.dtype == "fp32":
-        fsdp_unsharded = (z == 2) | ((z == 1) & ~ddp)
+        fsdp_unsharded = (z == 1) | (z == 2)
         params = params + np.where(fsdp_unsharded & (shard > 1), wl.param_bytes * (pd / shard + pe / es), 0.0)
     return params, grads
 
@@ -507,24 +511,29 @@ def _layout_array(layouts) -> np.ndarray:
 
 def transition_time(hidden: int, a: Layout, b: Layout, ctx: StepContext) -> float:
     """Seconds per micro-batch (forward + backward) to re-shard the activation between two
-    adjacent layers whose layouts differ: an all-gather of the larger per-device share over the
-    ranks whose data change hands (max(tp * sp * cp) of the two layouts, stride 1), forward and
-    again backward. Equal layouts cost nothing."""
+    adjacent layers whose layouts differ (`cost/reshard.py`, what the runtime issues): an
+    all-to-all over the lcm(tp * sp * cp) consecutive ranks whose blocks overlap (stride 1)
+    forward, each rank sending its peers only what they need and do not hold, and the gradient
+    back the same way; each priced by its busiest rank's bytes. Layouts with the same blocks
+    cost nothing."""
     return float(transition_matrix(hidden, [a, b], ctx)[0, 1])
 
 
 def transition_matrix(hidden: int, layouts: Sequence[Layout], ctx: StepContext) -> np.ndarray:
-    """`transition_time` for every ordered pair of layouts at once."""
-    seq = ctx.workload.seq_len
+    """`transition_time` for every ordered pair of layouts (dp, tp, sp, megatron[, cp]) at once."""
+    whole = ctx.micro_batch_seqs * ctx.workload.seq_len * hidden * ctx.act_elt  # one micro-batch's activation
     lay = _layout_array(layouts)
-    dp, tp, sp, meg, cp = (lay[:, i] for i in range(5))
-    share = ctx.micro_batch_seqs / dp * seq / (sp * cp) * hidden * ctx.act_elt / np.where(meg > 0, tp, 1)
-    width = tp * sp * cp
-    group = np.maximum(width[:, None], width[None, :])
-    n = np.maximum(share[:, None], share[None, :])
-    out = 2.0 * collective_times(ctx.cluster, "all_gather", n, group, 1)
-    same = np.all(lay[:, None, :] == lay[None, :, :], axis=2)
-    return np.where(same, 0.0, out)
+    keys = [layout_of(int(dp), int(sp), int(tp), bool(meg), int(cp)) for dp, tp, sp, meg, cp in lay]
+    n = len(keys)
+    share = np.zeros((n, n))
+    group = np.ones((n, n), dtype=np.int64)
+    for i, x in enumerate(keys):
+        for j, y in enumerate(keys):
+            if i != j:
+                share[i, j] = busiest_share(x, y)
+                group[i, j] = group_size(x, y)
+    moves = collective_times(ctx.cluster, "all_to_all", share * whole, group, 1)
+    return np.where(share > 0, moves, 0.0) + np.where(share.T > 0, moves.T, 0.0)
 
 
 def pipeline_p2p_time(hidden: int, ctx: StepContext) -> float:

@@ -4,17 +4,22 @@ All functions take numpy arrays of strategy fields (one entry per candidate stra
 search costs a whole candidate set at once and `evaluate` uses the very same formulas.
 
 Model states (bytes), with P_d = dense params / tp and P_e = expert params / (tp * ep):
-    params    = pb * (P_d / S3 + P_e / S3e)          pb = 2 (bf16) or 4 (fp32 workload)
-    grads     = pb * (P_d / S2 + P_e / S2e)          (gradients kept in the working dtype)
+    params    = pb * (P_d / S3 + P_e / S3e)          pb = 2 (bf16) or 4 (fp32 workload); 0 at
+                                                     ZeRO-3 in mixed precision (FSDP2's fp32
+                                                     shard is the master ob counts, the bf16
+                                                     copy gathered for use is a buffer)
+    grads     = gb * (P_d / S2 + P_e / S2e)          gb = 4: gradients kept and reduced in fp32
+                                                     (`Workload.grad_dtype`; what the runtime does)
     optimizer = ob * (P_d / S1 + P_e / S1e)          ob = 12 for AdamW in mixed precision
                                                      (fp32 master + m + v)
 where S_k is the ZeRO shard degree S (dp, or dp_shard under HSDP) when zero >= k, else 1
 (ZeRO-1 shards the optimizer, ZeRO-2 also gradients, ZeRO-3 also parameters), and for the
 expert part S_ke = gcd(S, dp * sp / ep): experts are replicated only over dp * sp / ep ranks.
 Offload (FSDP2 `CPUOffloadPolicy`): the parameter, gradient and optimizer-state shards live in
-host memory; the device keeps only unsharded copies: the parameters when ZeRO < 3 (gathered once
-per step and kept), the gradients when ZeRO < 2 (accumulated unsharded over the micro-batches);
-optimizer 0. A tied LM head on the embedding's pipeline rank counts its shared weight there only.
+host memory, gb + ob per sharded parameter (+ pb in an fp32 run: in mixed precision the fp32
+shard is the master copy ob counts); the device keeps only unsharded copies: the
+parameters when ZeRO < 3 (gathered once per step and kept), the gradients when ZeRO < 2
+(accumulated unsharded over the micro-batches); optimizer 0. A tied LM head on the embedding's pipeline rank counts its shared weight there only.
 
 Activations per in-flight micro-batch, t tokens on the device (t = micro-batch sequences per
 replica * seq_len / ulysses degree), a = activation element bytes (2, or 4 for fp32 runs),
@@ -98,15 +103,18 @@ def model_state_bytes(layer: LayerSpec, workload: Workload, tp, ep, zero, shard,
     dense = layer.dense_params if dense_params is None else dense_params
     pd = dense / tp
     pe = layer.expert_params / (tp * ep)
-    pb, ob = workload.param_bytes, workload.optimizer_bytes
+    pb, gb, ob = workload.param_bytes, workload.grad_bytes, workload.optimizer_bytes
 
     def sharded(k):
         s = np.where(zero >= k, shard, 1)
         se = np.where(zero >= k, expert_shard_deg, 1)
         return pd / s + pe / se
 
-    params = np.where(offload, np.where(zero >= 3, 0.0, pb * (pd + pe)), pb * sharded(3))
-    grads = np.where(offload, np.where(zero >= 2, 0.0, pb * (pd + pe)), pb * sharded(2))
+    # In mixed precision FSDP2's sharded parameter is the fp32 master (counted in ob): a ZeRO-3
+    # layer keeps no working copy between uses (its gathered one is a buffer, `buffer_bytes`).
+    mixed = workload.dtype != "fp32"
+    params = np.where(offload | ((zero >= 3) & mixed), np.where(zero >= 3, 0.0, pb * (pd + pe)), pb * sharded(3))
+    grads = np.where(offload, np.where(zero >= 2, 0.0, gb * (pd + pe)), gb * sharded(2))
     optimizer = np.where(offload, 0.0, ob * sharded(1))
     return params, grads, optimizer
 
@@ -114,11 +122,13 @@ def model_state_bytes(layer: LayerSpec, workload: Workload, tp, ep, zero, shard,
 def offloaded_bytes(layer: LayerSpec, workload: Workload, tp, ep, shard, expert_shard_deg, offload,
                     dense_params: float | None = None):
     """Host bytes of an offloaded layer on one device: its parameter, gradient and optimizer-state
-    shards, (2 pb + ob) per sharded parameter (what FSDP2's CPUOffloadPolicy keeps on the host)."""
+    shards, gb + ob per sharded parameter, + pb in an fp32 run (in mixed precision FSDP2's fp32
+    shard is the master copy that ob counts): what FSDP2's CPUOffloadPolicy keeps on the host."""
     tp, ep = np.asarray(tp), np.asarray(ep)
     dense = layer.dense_params if dense_params is None else dense_params
     local = dense / tp / shard + layer.expert_params / (tp * ep) / expert_shard_deg
-    per_param = 2 * workload.param_bytes + workload.optimizer_bytes
+    master_is_param = workload.dtype == "fp32"
+    per_param = workload.grad_bytes + workload.optimizer_bytes + (workload.param_bytes if master_is_param else 0)
     return np.where(np.asarray(offload, dtype=bool), per_param * local, 0.0)
 
 

@@ -18,59 +18,25 @@ Gradient convention: every replica of a block receives the complete gradient of 
 moving gradients back takes any one replica's copy.
 
 `reshard(x, src, dst, ...)` moves an activation between the layouts of two adjacent layers whose
-strategies differ: an all-gather over the stage, then each rank keeps its block. When the target
-block is a sub-block of the source block on every rank (e.g. a (dp=2, tp=2) layer feeding a
-(dp=4, tp=1) layer) the forward is a local slice with no communication, and symmetrically for the
-backward.
+strategies differ: one all-to-all over the consecutive ranks whose blocks overlap (the lcm of the
+two layouts' cp * sp * tp), each rank sending each peer only the parts of its block the peer
+needs and does not hold (`tessera.cost.reshard`, which the cost model prices); backward, the
+gradient goes back the same way. When the target block lies inside the source block on every
+rank (e.g. a (dp=2, tp=2) layer feeding a (dp=4, tp=1) layer) the forward is a local slice with
+no communication.
 """
 from __future__ import annotations
 
 import functools
 import math
-import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from ..cost import reshard as reshard_math
+from ..cost.reshard import Ranges, load_balanced_ranges, sub_ranges  # noqa: F401  (re-exported)
 from ..plan import LayerStrategy, SPKind
-
-Ranges = tuple[tuple[int, int], ...]
-
-
-def load_balanced_ranges(seq: int, cp: int, c: int) -> Ranges:
-    """Positions of cp rank c's local sequence: chunks c and 2 cp - 1 - c of 2 cp equal chunks
-    (one range when they touch, c = cp - 1; the whole sequence when cp = 1)."""
-    if cp == 1:
-        return ((0, seq),)
-    if seq % (2 * cp):
-        raise ValueError(f"a sequence of {seq} tokens does not split into 2 x cp = {2 * cp} equal chunks")
-    chunk = seq // (2 * cp)
-    return _merge(((c * chunk, (c + 1) * chunk), ((2 * cp - 1 - c) * chunk, (2 * cp - c) * chunk)))
-
-
-def _merge(ranges) -> Ranges:
-    out: list[tuple[int, int]] = []
-    for a, b in ranges:
-        if b <= a:
-            continue
-        if out and out[-1][1] == a:
-            out[-1] = (out[-1][0], b)
-        else:
-            out.append((a, b))
-    return tuple(out)
-
-
-def sub_ranges(ranges: Ranges, start: int, stop: int) -> Ranges:
-    """The positions at local offsets [start, stop) of a local sequence made of `ranges`."""
-    out, offset = [], 0
-    for a, b in ranges:
-        lo, hi = max(start, offset), min(stop, offset + b - a)
-        if lo < hi:
-            out.append((a + lo - offset, a + hi - offset))
-        offset += b - a
-    return _merge(out)
-
 
 @dataclass(frozen=True)
 class ActLayout:
@@ -84,9 +50,14 @@ class ActLayout:
 
     @classmethod
     def of(cls, s: LayerStrategy, seq_over_tp: bool | None = None) -> "ActLayout":
-        if seq_over_tp is None:
-            seq_over_tp = s.sp == SPKind.MEGATRON
+        if seq_over_tp is None:  # Megatron SP splits the sequence over tp (none without tp)
+            seq_over_tp = s.sp == SPKind.MEGATRON and s.tp > 1
         return cls(dp=s.dp, sp=s.sp_degree, tp=s.tp, seq_over_tp=seq_over_tp, cp=s.cp)
+
+    @property
+    def key(self) -> reshard_math.Layout:
+        """The layout as `tessera.cost.reshard` names it."""
+        return (self.dp, self.sp, self.tp, self.seq_over_tp, self.cp)
 
     @property
     def stage_size(self) -> int:
@@ -199,48 +170,74 @@ def take_block(x: torch.Tensor, have: ActLayout, want: ActLayout, stage_rank: in
     return x
 
 
-def _gather_blocks(x: torch.Tensor, layout: ActLayout, batch: int, seq: int, group) -> torch.Tensor:
-    """All-gather every rank's block and assemble the full (batch, seq, ...) tensor."""
-    x = x.contiguous()
-    world = layout.stage_size
-    pieces = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    with warnings.catch_warnings():  # renamed in newer torch; the old name works from 2.11 on
-        warnings.simplefilter("ignore", FutureWarning)
-        dist.all_gather_into_tensor(pieces, x, group=group)
-    pieces = pieces.view(world, *x.shape)
-    full = torch.empty((batch, seq, *x.shape[2:]), dtype=x.dtype, device=x.device)
-    for r in range(world):
-        b0, b1 = layout.rows(r, batch)
-        offset = 0
-        for s0, s1 in layout.seq_ranges(r, seq):
-            full[b0:b1, s0:s1] = pieces[r][:, offset:offset + s1 - s0]
-            offset += s1 - s0
-    return full
-
-
-def _move(x, src: ActLayout, dst: ActLayout, batch: int, seq: int, stage_rank: int, group):
+def _move(x, src: ActLayout, dst: ActLayout, batch: int, seq: int, stage_rank: int, groups: dict):
+    """This rank's `dst` block, from its `src` block `x`: one all-to-all over the re-sharding group
+    (`tessera.cost.reshard.exchange`); a local slice when nothing crosses the network."""
     if dst.refines(src, batch, seq):
         return take_block(x, src, dst, stage_rank, batch, seq).contiguous()
-    full = _gather_blocks(x, src, batch, seq, group)
-    b0, b1 = dst.rows(stage_rank, batch)
-    return _select(full[b0:b1], [(a, b - a) for a, b in dst.seq_ranges(stage_rank, seq)], 1).contiguous()
+    ex = reshard_math.exchange(src.key, dst.key, stage_rank, batch, seq)
+    have = reshard_math.block(src.key, stage_rank, batch, seq)
+    want = reshard_math.block(dst.key, stage_rank, batch, seq)
+    rest = tuple(x.shape[2:])
+    rows, cols = dst.local_shape(batch, seq)
+    out = torch.empty((rows, cols, *rest), dtype=x.dtype, device=x.device)
+
+    def piece(t, held, rect):
+        r0, nr, s0, ns = reshard_math.local_slice(held, rect)
+        return t[r0:r0 + nr, s0:s0 + ns]
+
+    for rect in ex.local:
+        piece(out, want, rect).copy_(piece(x, have, rect))
+    if not ex.active:
+        return out
+    inner = math.prod(rest)
+    size_of = lambda r: (r[1] - r[0]) * (r[3] - r[2]) * inner  # noqa: E731
+    send_sizes, recv_sizes = [0] * ex.size, [0] * ex.size
+    for peer, r in ex.sends:
+        send_sizes[peer] += size_of(r)
+    for peer, r in ex.recvs:
+        recv_sizes[peer] += size_of(r)
+    pieces = [piece(x, have, r).reshape(-1) for _, r in ex.sends]
+    send = torch.cat(pieces) if pieces else x.new_empty(0)
+    received = torch.empty(sum(recv_sizes), dtype=x.dtype, device=x.device)  # contiguous: gloo needs it
+    dist.all_to_all_single(received, send, recv_sizes, send_sizes, group=groups[ex.size])
+    offset = 0
+    for _, r in ex.recvs:
+        target = piece(out, want, r)
+        n = size_of(r)
+        target.copy_(received[offset:offset + n].view(target.shape))
+        offset += n
+    return out
 
 
 class _Reshard(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, src, dst, batch, seq, stage_rank, group):
-        ctx.args = (src, dst, batch, seq, stage_rank, group)
-        return _move(x, src, dst, batch, seq, stage_rank, group)
+    def forward(ctx, x, src, dst, batch, seq, stage_rank, groups):
+        ctx.args = (src, dst, batch, seq, stage_rank, groups)
+        return _move(x, src, dst, batch, seq, stage_rank, groups)
 
     @staticmethod
     def backward(ctx, grad):
-        src, dst, batch, seq, stage_rank, group = ctx.args
-        return _move(grad, dst, src, batch, seq, stage_rank, group), None, None, None, None, None, None
+        src, dst, batch, seq, stage_rank, groups = ctx.args
+        return _move(grad.contiguous(), dst, src, batch, seq, stage_rank, groups), None, None, None, None, None, None
 
 
-def reshard(x: torch.Tensor, src: ActLayout, dst: ActLayout, stage_rank: int, group) -> torch.Tensor:
-    """Move activation `x` (this rank's `src` block, dims (B, S, ...)) to its `dst` block."""
-    if src == dst:
+def same_blocks(a: ActLayout, b: ActLayout) -> bool:
+    """Every rank holds the same block under both layouts (e.g. Ulysses sp=2 and Megatron tp=2)."""
+    return reshard_math.same_blocks(a.key, b.key)
+
+
+def reshard(x: torch.Tensor, src: ActLayout, dst: ActLayout, stage_rank: int, groups: dict) -> torch.Tensor:
+    """Move activation `x` (this rank's `src` block, dims (B, S, ...)) to its `dst` block;
+    `groups` maps a re-sharding group size to this rank's process group of that size
+    (`ParallelDims.reshard_group`)."""
+    if same_blocks(src, dst):
         return x
     batch, seq = x.shape[0] * src.dp, x.shape[1] * src.seq_parts
-    return _Reshard.apply(x, src, dst, batch, seq, stage_rank, group)
+    return _Reshard.apply(x.contiguous(), src, dst, batch, seq, stage_rank, groups)
+
+
+def reshard_sizes(acts: list[ActLayout]) -> list[int]:
+    """The re-sharding group sizes (> 1) between adjacent layouts of a plan's layers, sorted."""
+    sizes = {reshard_math.group_size(a.key, b.key) for a, b in zip(acts, acts[1:]) if not same_blocks(a, b)}
+    return sorted(g for g in sizes if g > 1)

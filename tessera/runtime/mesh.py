@@ -182,6 +182,10 @@ class ParallelDims:
                 self.sp_group(layout)
             if s.cp > 1:
                 self.cp_group(layout)
+        from .layout import ActLayout, reshard_sizes
+
+        for size in reshard_sizes([ActLayout.of(s) for s in plan.layers]):
+            self.reshard_group(size)
         from .expert_parallel import build_expert_meshes
 
         build_expert_meshes(plan, self)
@@ -238,6 +242,12 @@ class ParallelDims:
             ranks = torch.arange(self.world_size).view(*shape)
             self._layer_meshes[key] = DeviceMesh(self.device_type, ranks, mesh_dim_names=tuple(names))
         return self._layer_meshes[key]
+
+    def reshard_group(self, size: int):
+        """Process group of the `size` consecutive ranks of this rank's stage that re-shard an
+        activation between two layouts together (`runtime/layout.py`)."""
+        mesh = self.rank_mesh((self.pp, self.stage_size // size, size), (Axis.PP, "reshard_blocks", "reshard"))
+        return mesh.get_group("reshard")
 
     def _sequence_mesh(self, layout: LayerLayout) -> "DeviceMesh":
         """Mesh ("pp", "dp", "cp", "sp", "tp") of a layout's degrees (its "sp" and "cp" groups)."""

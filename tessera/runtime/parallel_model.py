@@ -19,7 +19,7 @@ from torch import nn
 from ..models.attention import Documents
 from ..models.transformer import Transformer
 from ..plan import Plan
-from .layout import ActLayout, reshard, take_block
+from .layout import ActLayout, reshard, reshard_sizes, take_block
 from .mesh import ParallelDims
 
 
@@ -35,7 +35,7 @@ class StageContext:
 
     plan: Plan
     stage_rank: int
-    group: object
+    groups: dict  # re-sharding group size -> this rank's process group (`layout.reshard`)
     data_layout: ActLayout  # the block of the batch each rank loads (`data_parallel_size`)
     layer_acts: list[ActLayout] = field(default_factory=list)
 
@@ -44,9 +44,8 @@ class StageContext:
         data_dp = data_parallel_size(plan)
         data = ActLayout(dp=data_dp, sp=1, tp=plan.stage_size // data_dp)
         acts = [ActLayout.of(s) for s in plan.layers]
-        # The embedding's output is never split over tp (learned positions add full rows).
-        acts[0] = ActLayout.of(plan.layers[0], seq_over_tp=False)
-        return cls(plan=plan, stage_rank=dims.stage_rank(rank), group=dims.stage_group,
+        groups = {size: dims.reshard_group(size) for size in reshard_sizes(acts)}
+        return cls(plan=plan, stage_rank=dims.stage_rank(rank), groups=groups,
                    data_layout=data, layer_acts=acts)
 
     def data_block(self, x: torch.Tensor | None, want: ActLayout, with_seq: bool = True):
@@ -133,16 +132,22 @@ class ParallelTransformer(nn.Module):
         seq = x.shape[1] * (1 if self.has_embedding else acts[self.start - 1].seq_parts)
         if self.has_embedding:
             act = acts[0]
-            tokens = ctx.data_block(x, act)
-            h = self.tok_embeddings(tokens)
-            if self.pos_embeddings is not None:
-                h = h + self.pos_embeddings(self._positions(positions, act, seq, h.device))
+            # The whole sequence block over tp: a vocabulary-parallel embedding reduces (or, with
+            # sequence parallelism, reduce-scatters) the tp ranks' partial rows itself.
+            tokens = ctx.data_block(x, _seq_only(act))
+            pos = (self.pos_embeddings(self._positions(positions, act, seq, tokens.device))
+                   if self.pos_embeddings is not None else None)
+            if ctx.plan.layers[0].tp > 1:
+                h = self.tok_embeddings(tokens, pos)
+            else:
+                h = self.tok_embeddings(tokens)
+                h = h if pos is None else h + pos
             prev = act
         else:
             h, prev = x, acts[self.start - 1]
         for key, block in self.layers.items():
             act = acts[int(key) + 1]
-            h = reshard(h, prev, act, ctx.stage_rank, ctx.group)
+            h = reshard(h, prev, act, ctx.stage_rank, ctx.groups)
             freqs = self._freqs(positions, act, seq, h.device, cache) if self.config.position != "learned" else None
             h = block(h, freqs, self._documents(doc_ids, act, cache))
             prev = act
@@ -151,7 +156,7 @@ class ParallelTransformer(nn.Module):
                 cache = {} if moved else cache
         if not self.has_head:
             return h
-        h = reshard(h, prev, acts[-1], ctx.stage_rank, ctx.group)
+        h = reshard(h, prev, acts[-1], ctx.stage_rank, ctx.groups)
         return self.output(self.norm(h))
 
 
@@ -210,9 +215,9 @@ IGNORE = -100  # label of a padding position (cross-entropy's ignore_index)
 
 def sequence_multiple(plan: Plan) -> int:
     """The sequence length must be a multiple of this for every layer's sequence shards to be
-    equal (Megatron sequence parallel x tp, Ulysses x sp, 2 cp load-balanced chunks)."""
-    return math.lcm(*(ActLayout.of(s).seq_multiple for s in plan.layers[1:]),
-                    ActLayout.of(plan.layers[0], seq_over_tp=False).seq_multiple)
+    equal (Megatron sequence parallel x tp, Ulysses x sp, 2 cp load-balanced chunks); the
+    embedding's output follows its layer's layout."""
+    return math.lcm(*(ActLayout.of(s).seq_multiple for s in plan.layers))
 
 
 def pad_sequences(multiple: int, tokens, labels, positions=None, doc_ids=None):

@@ -44,7 +44,7 @@ from torch import nn
 
 from ..errors import TesseraError
 from ..models.transformer import Transformer
-from ..plan import LayerStrategy, Plan, Recompute, SPKind
+from ..plan import LayerStrategy, Plan, Recompute, Schedule, SPKind
 from ..spec.model import LayerKind
 from .expert_parallel import check_moe_layer, dense_modules, parallelize_moe, shard_experts
 from .grad_sync import GradSync, ShardedUnit, sum_tied_gradients
@@ -68,9 +68,16 @@ def check_plan_supported(plan: Plan, world_size: int | None = None, *, pipeline_
     kinds = [layer.kind for layer in plan.model.layers]
     if kinds[0] != LayerKind.EMBEDDING or kinds[-1] != LayerKind.LM_HEAD:
         raise TesseraError("plan.model.layers must start with the embedding and end with the lm_head")
+    if plan.workload.grad_dtype != "fp32":
+        raise TesseraError(f"plan.workload.grad_dtype={plan.workload.grad_dtype}: the runtime keeps and reduces "
+                           "gradients in fp32 (plan with grad_dtype fp32)")
     if plan.pipeline.degree > 1 and not pipeline_available:
         raise TesseraError(f"plan.pipeline.degree={plan.pipeline.degree}: pipeline parallelism is not "
                            "available in this runtime build")
+    pipe = plan.pipeline
+    if pipe.degree > 1 and pipe.schedule == Schedule.ONE_F_ONE_B and plan.num_micro_batches < pipe.degree:
+        raise TesseraError(f"plan.num_micro_batches={plan.num_micro_batches}: schedule 1f1b needs at least "
+                           f"pipeline.degree={pipe.degree} micro-batches (use gpipe or zero_bubble)")
     for i, s in enumerate(plan.layers):
         where = f"plan.layers[{i}] ({plan.model.layers[i].name})"
         check_moe_layer(plan, i, s, where)
@@ -141,13 +148,12 @@ def _tp_block(block: nn.Module, s: LayerStrategy, tp_mesh) -> None:
 
 def _tp_embedding_and_head(model: ParallelTransformer, first: LayerStrategy | None,
                            last: LayerStrategy | None, dims: ParallelDims, tied: bool) -> None:
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
-
     if first is not None and first.tp > 1:
+        from .tp_embedding import VocabParallelEmbedding
+
         mesh = dims.layer_mesh(LayerLayout.of(first))[Axis.TP]
-        parallelize_module(model.tok_embeddings, mesh,
-                           RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+        model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, mesh,
+                                                      sequence_parallel=first.sp == SPKind.MEGATRON)
     if last is not None and last.tp > 1:
         tp_head(model.norm, model.output, dims.layer_mesh(LayerLayout.of(last))[Axis.TP],
                 sequence_parallel=last.sp == SPKind.MEGATRON)
@@ -253,13 +259,23 @@ class Parallelized:
             raise TesseraError("wrap_ddp needs the materialised model (call materialize first)")
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        # Gradients as views into DDP's buckets, from the first step on: DDP turns gradients that
+        # exist when it is built into bucket views, and the trainer zeroes them in place between
+        # steps (`grads_in_buckets`), so micro-batches under `no_sync` accumulate into the buckets
+        # and no second gradient copy ever exists (cost/layer.py prices one).
+        for p in self.chunk.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
         with warnings.catch_warnings():  # the rename of broadcast_buffers is newer than torch 2.11
             warnings.simplefilter("ignore", FutureWarning)
             # Buffers (RoPE tables) are computed identically on every rank: no per-step broadcast.
-            # Gradients as views into DDP's buckets: no copy beside them once reduced (cost/layer.py).
             self.module = DDP(self.chunk, process_group=self.ddp_group, broadcast_buffers=False,
                               init_sync=False, gradient_as_bucket_view=True)
 
+    @property
+    def grads_in_buckets(self) -> bool:
+        """The gradients are DDP bucket views: zero them in place, never set them to None."""
+        return self.module is not self.chunk
     def rescale_grads(self) -> None:
         for modules, factor in self.grad_rescale:
             by_mesh: dict = {}  # foreach kernels never mix meshes (or DTensors with tensors)
@@ -331,37 +347,57 @@ def parallelize(model: Transformer, plan: Plan, dims: ParallelDims, rank: int,
     # 2. FSDP2 per unit, then the root (which keeps tied weights).
     from torch.distributed.fsdp import fully_shard
 
-    # The root (the chunk) holds the embedding and, when it shards the same way (always with tied
-    # weights), the head: as in a hand-written FSDP2 model; other layers are units of their own.
+    # One unit per plan layer, each with its own ZeRO stage (the cost model prices each layer's
+    # collectives): every block, and the LM head's norm and projection together; the root (the
+    # chunk) holds the embedding, and the head's projection when it is the tied embedding itself.
     root = first if first is not None else (last if last is not None else strategies[layers.start])
-    units = [(block, strategies[int(key) + 1]) for key, block in chunk.layers.items()]
+    units = [([block], strategies[int(key) + 1]) for key, block in chunk.layers.items()]
     if first is not None:
         _note_rescale(result, [m for m in (chunk.tok_embeddings, chunk.pos_embeddings) if m is not None],
                       first, pieces)
     if last is not None:
-        if (tied and not untie) or _shards_alike(last, root):
-            _note_rescale(result, [chunk.norm, chunk.output], last, pieces)
-        else:
-            units += [(chunk.norm, last), (chunk.output, last)]
+        units.append(([chunk.norm] if tied and not untie else [chunk.norm, chunk.output], last))
     unsharded: set[nn.Parameter] = set()  # parameters of layers that live on one rank (dp * cp * sp = 1)
-    for module, s in units:
-        experts = shard_experts(module, s, plan, dims, mp_policy, result)
+    in_order: list[ShardedUnit] = []  # the plan layers' units in forward order
+    for modules, s in units:
+        experts = shard_experts(modules[0], s, plan, dims, mp_policy, result) if len(modules) == 1 else False
         kw = _fsdp_kwargs(s, dims, mp_policy)
         if kw is not None:
-            fully_shard(module, **kw)
-            result.sync.units.append(ShardedUnit(module, s.zero))
+            fully_shard(modules[0] if len(modules) == 1 else modules, **kw)
+            result.sync.units.append(ShardedUnit(modules[0], s.zero))  # a unit's modules share its state
+            in_order.append(result.sync.units[-1])
+            sharded_kw = kw
         else:
-            unsharded.update(module.parameters())
-        _note_rescale(result, dense_modules(module) if experts else [module], s, pieces)
+            unsharded.update(p for m in modules for p in m.parameters())
+        _note_rescale(result, dense_modules(modules[0]) if experts else modules, s, pieces)
     kw = _fsdp_kwargs(root, dims, mp_policy)
     if kw is not None:
         fully_shard(chunk, **kw, **({"ignored_params": unsharded} if unsharded else {}))
         result.sync.units.append(ShardedUnit(chunk, root.zero))
+        # The root's own parameters: the embedding's (first in forward), else a tied head's (last).
+        in_order.insert(0 if first is not None else len(in_order), result.sync.units[-1])
+    elif in_order:
+        # The root's parameters live on one rank, but FSDP2 needs one root over its units (a unit
+        # of several modules cannot be a root): a root that shards none of its own.
+        in_units = {p for modules, _ in units for m in modules for p in m.parameters()}
+        ignored = unsharded | {p for p in chunk.parameters() if p not in in_units}
+        fully_shard(chunk, **sharded_kw, ignored_params=ignored)
+        result.sync.units.append(ShardedUnit(chunk, in_order[-1].zero))
+    _backward_prefetch(in_order)
     return result
 
 
-def _shards_alike(a: LayerStrategy, b: LayerStrategy) -> bool:
-    return (LayerLayout.of(a), a.zero >= 3, a.offload_optimizer) == (LayerLayout.of(b), b.zero >= 3, b.offload_optimizer)
+def _backward_prefetch(order: list[ShardedUnit]) -> None:
+    """Each unit's backward prefetches the unit before it in forward order when that one is
+    ZeRO-3 (the gather the contract prices), else nothing (the unit prefetches itself: a no-op).
+
+    FSDP2's default walks its post-forward order, which spans the micro-batches of a step: the
+    first unit of a micro-batch's backward would gather the previous micro-batch's last unit
+    again after the step's last backward resharded it (one all-gather and an unsharded copy the
+    contract does not have)."""
+    for prev, unit in zip([None] + order[:-1], order):
+        target = prev if prev is not None and prev.zero >= 3 else unit
+        unit.module.set_modules_to_backward_prefetch([target.module])
 
 
 def _note_rescale(result: Parallelized, modules: list[nn.Module], s: LayerStrategy, pieces: int) -> None:

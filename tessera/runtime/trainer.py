@@ -466,11 +466,13 @@ class Trainer:
                                          skip_in_norm=self.tied_copies)
         # Loss and norm are the same on every rank (reduced), so every rank decides alike.
         self.bad_step = loss is not None and not all_finite(loss, self.grad_norm)
+        # DDP's gradients are views into its buckets: zeroed in place (no second copy next step).
+        in_buckets = self.parallel is not None and self.parallel.grads_in_buckets
         for opt, sched in zip(self.optimizers, self.schedulers):
             if not self.bad_step:
                 opt.step()
             sched.step()
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=not in_buckets)
 
     def forward_backward(self, tokens, labels, positions, doc_ids) -> float:
         n = self.plan.num_micro_batches

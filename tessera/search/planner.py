@@ -191,6 +191,8 @@ class _Search(SplitBounds):
                                     pp, len(self.model.layers), self.model.num_blocks, self.opts)]
                         elif s == "zero_bubble":
                             scheds.append((s, 1, (pp - 1) / 3))
+                        elif s == "1f1b" and m < pp:
+                            continue  # torch refuses 1F1B with m < pp (GPipe and zero-bubble run it)
                         else:
                             scheds.append((s, 1, float(pp - 1)))
                 for s, v, bubble in scheds:

@@ -20,6 +20,13 @@ class Workload(Frozen):
     seq_len: int = Field(gt=0, description="tokens per sequence (or packing cap)")
     seq_lens: tuple[int, ...] = ()
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    # Gradients as stored and reduced between ranks. Tessera's runtime keeps them in fp32 (FSDP2's
+    # MixedPrecisionPolicy reduces in fp32 onto fp32 shards; the DDP path keeps fp32 weights under
+    # autocast), as Llama 3's training did; Megatron-LM's fp16 runs without
+    # --accumulate-allreduce-grads-in-fp32 kept them in fp16. Either fp32 or the working dtype; the
+    # runtime runs fp32 only (a lower one is a what-if of the cost model).
+    grad_dtype: Literal["fp32", "bf16", "fp16"] = Field(
+        default="fp32", description="dtype gradients are stored and reduced in: fp32 or the working dtype")
     # Bytes of optimizer state per parameter: AdamW keeps fp32 master, momentum and variance.
     optimizer: Literal["adamw", "sgd"] = "adamw"
 
@@ -27,6 +34,8 @@ class Workload(Frozen):
     def _check(self) -> "Workload":
         if any(n <= 0 for n in self.seq_lens):
             raise ValueError("sequence lengths must be positive")
+        if self.grad_dtype not in ("fp32", self.dtype):
+            raise ValueError(f"grad_dtype {self.grad_dtype} must be fp32 or the working dtype {self.dtype}")
         return self
 
     @property
@@ -35,8 +44,13 @@ class Workload(Frozen):
 
     @property
     def param_bytes(self) -> int:
-        """Bytes per parameter of the working weights (and of gradients)."""
+        """Bytes per parameter of the working weights (gradients: `grad_bytes`)."""
         return 4 if self.dtype == "fp32" else 2
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per parameter of a gradient, stored and reduced (`grad_dtype`)."""
+        return 4 if self.grad_dtype == "fp32" else 2
 
     @property
     def optimizer_bytes(self) -> int:

@@ -45,14 +45,13 @@ def counted_step(trainer: Trainer, batch) -> Counter:
 
 
 def _unit_bytes(units) -> list[int]:
-    """Full fp32 bytes of the parameters each FSDP2 unit manages itself (not its nested units')."""
-    owned = [{id(p): p for p in u.module.parameters()} for u in units]
-    for i, u in enumerate(units):
-        for j, v in enumerate(units):
-            if i != j and any(m is v.module for m in u.module.modules()):
-                for k in owned[j]:
-                    owned[i].pop(k, None)
-    return [sum(p.numel() * 4 for p in ps.values()) for ps in owned]
+    """Full fp32 bytes of the parameters each FSDP2 unit manages itself (not its nested units'),
+    every module of a unit of several modules (the LM head's norm and projection) included."""
+    out = []
+    for u in units:
+        groups = u.module._get_fsdp_state()._fsdp_param_groups
+        out.append(sum(fp._orig_size.numel() * 4 for g in groups for fp in g.fsdp_params))
+    return out
 
 
 def expected_sync(plan, part, m: int) -> Counter:
@@ -63,6 +62,8 @@ def expected_sync(plan, part, m: int) -> Counter:
     out: Counter = Counter()
     layer_of_unit = _layer_of_units(plan, part.chunk)
     for u, nbytes in zip(part.sync.units, _unit_bytes(part.sync.units)):
+        if nbytes == 0:  # a root without parameters of its own issues nothing
+            continue
         s = plan.layers[layer_of_unit[id(u.module)]]
         shard, replicate = s.shard_degree, s.dp // s.shard_degree
         calls = {0: (0, 0), 1: (1, 1), 2: (1, m), 3: (2 * m, m)}[u.zero]

@@ -88,10 +88,14 @@ def _fsdp_params(module: nn.Module):
     """(FSDPParam, reshards after forward) of every FSDP2 unit under `module` (torch internals)."""
     from torch.distributed.fsdp import FSDPModule
 
+    seen: set[int] = set()  # the modules of one unit share its state
     for m in module.modules():
         if not isinstance(m, FSDPModule):
             continue
         state = m._get_fsdp_state()
+        if id(state) in seen:
+            continue
+        seen.add(id(state))
         groups = getattr(state, "_fsdp_param_groups", None)
         if groups is None:  # torch < 2.13: one group per unit
             group = getattr(state, "_fsdp_param_group", None)

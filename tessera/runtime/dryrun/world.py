@@ -156,7 +156,7 @@ def activation_meta(plan: Plan, layer: int, dtype: torch.dtype) -> torch.Tensor:
     from ..layout import ActLayout
 
     cfg = plan.model.config
-    act = ActLayout.of(plan.layers[layer], seq_over_tp=False if layer == 0 else None)
+    act = ActLayout.of(plan.layers[layer])
     rows = plan.workload.global_batch // plan.num_micro_batches
     batch, seq = act.local_shape(rows, plan.workload.seq_len)
     return torch.empty((batch, seq, cfg.hidden), dtype=dtype)
