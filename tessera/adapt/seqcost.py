@@ -275,10 +275,11 @@ def _storage_table(layout: Layout, zero: int) -> StrategyTable:
 
 
 def _working_table(layout: Layout, degrees: np.ndarray, recompute: str) -> StrategyTable:
-    """One row per degree: dp = units / d, Ulysses d, the layout's TP, no ZeRO (its traffic is
-    the storage layout's, composed per micro-batch here)."""
+    """One row per degree: dp = units / d, Ulysses d, the layout's TP, ZeRO-1 (FSDP2 units, as the
+    adaptive runtime runs them, with nothing per micro-batch: the ZeRO traffic is the storage
+    layout's, composed per micro-batch here; ZeRO-0 would be priced as DDP's bucket accumulation)."""
     rc = _RC_CODE[recompute]
-    return StrategyTable.from_rows([(layout.units // int(d), layout.tp, int(d), layout.megatron, 0, 0, rc, 0, 1)
+    return StrategyTable.from_rows([(layout.units // int(d), layout.tp, int(d), layout.megatron, 1, 0, rc, 0, 1)
                                     for d in degrees])
 
 
