@@ -13,8 +13,14 @@ A100 (Megatron-LM's own runs):
   recomputation of every layer) and CONFIG.sh (`--fp16`, sequence 2,048). Megatron-LM of 2021 ran
   GPT-2-style blocks (LayerNorm, GeLU, biases, learned positions, tied embeddings) with dropout 0.1,
   fused kernels (bias-GeLU, bias-dropout-add, scale-mask-softmax, apex LayerNorm) and attention
-  scores materialised (no flash attention): the model is built that way
-  (`ModelSpec.from_config(..., attention="unfused", kernels="fused", dropout=True)`). The plan:
+  scores materialised (no flash attention). Its trainer of that year (megatron/training.py
+  `train_step`, `--DDP-impl local`, the default) all-reduced the data-parallel gradients after
+  `forward_backward_func` had returned, i.e. after the whole backward, not overlapped with it; its
+  activation checkpointing (megatron/mpu/random.py `CheckpointFunction`, reentrant) re-ran each
+  checkpointed layer's whole forward in the backward, both tensor-parallel all-reduces included
+  (Tessera's runtime, a non-reentrant checkpoint, stops at the last saved tensor). The model is
+  built that way (`ModelSpec.from_config(..., attention="unfused", kernels="fused", dropout=True,
+  checkpoint="reentrant", grad_sync="after_backward")`; the runtime refuses such a spec). The plan:
   tensor parallel without sequence parallelism, pipeline stages of equal numbers of blocks (the
   embedding on the first, the head on the last), 1F1B or interleaved 1F1B, no ZeRO.
 
@@ -191,7 +197,8 @@ def model_of(row: Row) -> ModelSpec:
                             hidden=row.hidden, num_layers=row.layers, num_heads=row.heads, num_kv_heads=row.heads,
                             ffn_hidden=4 * row.hidden, max_seq_len=SEQ, norm="layernorm", mlp="gelu",
                             position="learned", linear_bias=True, tie_embeddings=True)
-    return ModelSpec.from_config(cfg, attention="unfused", kernels="fused", dropout=True)
+    return ModelSpec.from_config(cfg, attention="unfused", kernels="fused", dropout=True, checkpoint="reentrant",
+                                 grad_sync="after_backward")
 
 
 def equal_chunks(plan: Plan, chunks: int) -> Plan:

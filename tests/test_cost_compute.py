@@ -147,3 +147,37 @@ def test_mfu_is_not_capped_by_hand():
     small = manual_plan(get_model("gpt2"), make_cluster("h100-80gb", 8), Workload(global_batch=64, seq_len=1024),
                         micro_batch_size=1).prediction
     assert small.mfu < big.mfu < EFF
+
+
+def test_another_trainers_execution_is_priced_and_refused_by_the_runtime():
+    """Megatron-LM 2021's reentrant checkpoint replays every TP collective of a block (one more
+    all-reduce each way than the runtime's early-stopping checkpoint), and its sync after the
+    whole backward exposes the data-parallel all-reduce in full; the runtime refuses such a spec."""
+    from tessera.cost import evaluate
+    from tessera.cost.collectives import step_collectives
+    from tessera.errors import TesseraError
+    from tessera.runtime.parallelize import check_plan_supported
+
+    cfg = get_model("llama2-7b").config
+    cluster = make_cluster("a100-80gb", 16)
+    workload = Workload(global_batch=64, seq_len=2048)
+    plans = {}
+    for name, kw in (("tessera", {}), ("replay", dict(checkpoint="reentrant")),
+                     ("after", dict(grad_sync="after_backward"))):
+        model = ModelSpec.from_config(cfg, **kw)
+        plans[name] = manual_plan(model, cluster, workload, tp=2, dp=8, recompute="full", micro_batch_size=2)
+
+    def tp_all_reduces(plan):
+        return sum(c.count for c in step_collectives(plan, 0) if c.kind == "all_reduce" and c.group_size == 2
+                   and c.layer.startswith("block"))
+
+    blocks = cfg.num_layers
+    assert tp_all_reduces(plans["replay"]) - tp_all_reduces(plans["tessera"]) == blocks * plans["tessera"].num_micro_batches
+    base, replay, after = (evaluate(plans[k]) for k in ("tessera", "replay", "after"))
+    assert replay.step_time_s > base.step_time_s and after.step_time_s > base.step_time_s
+    assert after.exposed_comm_s > base.exposed_comm_s
+    for name in ("replay", "after"):
+        with pytest.raises(TesseraError, match=r"plan\.model\.layers\[0\]\.(recompute_replays_all|grad_sync_after_backward)"):
+            check_plan_supported(plans[name], 16)
+    with pytest.raises(ValueError, match="checkpoint must be"):
+        ModelSpec.from_config(cfg, checkpoint="sometimes")

@@ -167,7 +167,8 @@ def step_collectives(plan: Plan, rank: int) -> list[Collective]:
     return out
 
 
-def tp_collective_counts(kind: LayerKind, megatron: bool, full_recompute: bool) -> tuple[dict, dict]:
+def tp_collective_counts(kind: LayerKind, megatron: bool, full_recompute: bool,
+                         replays_all: bool = False) -> tuple[dict, dict]:
     """(forward, backward) collectives over tp of one layer's tensor parallelism per micro-batch,
     {kind: count}, each of the (tokens x hidden) activation:
         block       2 all-reduces each way (attention and MLP outputs forward, their inputs'
@@ -177,7 +178,8 @@ def tp_collective_counts(kind: LayerKind, megatron: bool, full_recompute: bool) 
         LM head     column-parallel on a replicated input: 1 all-reduce backward; SP: 1
                     all-gather forward, its reduce-scatter backward
     Full recompute replays a block's forward in its backward up to its last saved tensor, i.e.
-    all but the block's last collective: 1 all-reduce, or 2 all-gathers + 1 reduce-scatter."""
+    all but the block's last collective: 1 all-reduce, or 2 all-gathers + 1 reduce-scatter
+    (`replays_all`, a reentrant checkpoint: all of them, 2 all-reduces or 2 + 2)."""
     if kind == LayerKind.EMBEDDING:
         return ({"reduce_scatter": 1}, {"all_gather": 1}) if megatron else ({"all_reduce": 1}, {})
     if kind == LayerKind.LM_HEAD:
@@ -185,9 +187,9 @@ def tp_collective_counts(kind: LayerKind, megatron: bool, full_recompute: bool) 
     if megatron:
         fwd, bwd = {"all_gather": 2, "reduce_scatter": 2}, {"all_gather": 2, "reduce_scatter": 2}
         if full_recompute:
-            bwd = {"all_gather": 4, "reduce_scatter": 3}
+            bwd = {"all_gather": 4, "reduce_scatter": 4 if replays_all else 3}
         return fwd, bwd
-    return {"all_reduce": 2}, {"all_reduce": 3 if full_recompute else 2}
+    return {"all_reduce": 2}, {"all_reduce": (4 if replays_all else 3) if full_recompute else 2}
 
 
 def _layer_collectives(r: _Rank, i: int, add) -> None:
@@ -197,7 +199,8 @@ def _layer_collectives(r: _Rank, i: int, add) -> None:
     # Tensor parallel: per micro-batch.
     if s.tp > 1:
         megatron = s.sp == SPKind.MEGATRON
-        fwd, bwd = tp_collective_counts(layer.kind, megatron, s.recompute == Recompute.FULL)
+        fwd, bwd = tp_collective_counts(layer.kind, megatron, s.recompute == Recompute.FULL,
+                                        layer.recompute_replays_all)
         msg = tokens * layer.hidden * r.ab
         why = "tensor parallel (Megatron SP), activations" if megatron else "tensor parallel, activations"
         for kind in ("all_reduce", "all_gather", "reduce_scatter"):

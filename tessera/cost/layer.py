@@ -366,7 +366,7 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
     comm_f = comm_b = 0.0
     for megatron in (False, True):
         for recompute in (False, True):
-            fwd, bwd = tp_collective_counts(layer.kind, megatron, recompute)
+            fwd, bwd = tp_collective_counts(layer.kind, megatron, recompute, layer.recompute_replays_all)
             where = (t.megatron == megatron) & (full == recompute)
             comm_f = comm_f + np.where(where, sum(n * times[k] for k, n in fwd.items()), 0.0)
             comm_b = comm_b + np.where(where, sum(n * times[k] for k, n in bwd.items()), 0.0)
@@ -427,8 +427,9 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
     if layer.tied_params and pp > 1:
         once = once + collective_times(cl, "all_reduce", gb * layer.tied_params / t.tp / shard, 2,
                                        ctx.stage_size * (pp - 1))
-    sync = (overlap_extra(cb, per_mb + once, slow) - overlap_extra(cb, per_mb, slow)
-            + np.where(z == 2, overlap_extra(cf, ag, slow), 0.0))
+    exposed_once = once if layer.grad_sync_after_backward else overlap_extra(cb, per_mb + once, slow) - \
+        overlap_extra(cb, per_mb, slow)
+    sync = exposed_once + np.where(z == 2, overlap_extra(cf, ag, slow), 0.0)
 
     params, grads, optimizer = model_state_bytes(layer, wl, t.tp, t.ep, z, shard, es, t.offload,
                                                  dense_params=layer.dense_params - shared)

@@ -74,6 +74,12 @@ def check_plan_supported(plan: Plan, world_size: int | None = None, *, pipeline_
     if plan.pipeline.degree > 1 and not pipeline_available:
         raise TesseraError(f"plan.pipeline.degree={plan.pipeline.degree}: pipeline parallelism is not "
                            "available in this runtime build")
+    for i, layer in enumerate(plan.model.layers):
+        for field, what in (("recompute_replays_all", "a reentrant checkpoint replaying the whole forward"),
+                            ("grad_sync_after_backward", "a gradient sync after the whole backward")):
+            if getattr(layer, field):
+                raise TesseraError(f"plan.model.layers[{i}].{field}=true prices another system's execution "
+                                   f"({what}); this runtime does not run it (build the model spec with the defaults)")
     pipe = plan.pipeline
     if pipe.degree > 1 and pipe.schedule == Schedule.ONE_F_ONE_B and plan.num_micro_batches < pipe.degree:
         raise TesseraError(f"plan.num_micro_batches={plan.num_micro_batches}: schedule 1f1b needs at least "

@@ -216,6 +216,14 @@ class LayerSpec(Frozen):
     elementwise_bytes_replicated: float = Field(default=0.0, ge=0)
     kernels: int = Field(default=0, ge=0)
     tied_params: int = Field(default=0, ge=0)
+    # How another system's trainer executes the layer, to price its published runs (`from_config`);
+    # the runtime refuses both (runtime/parallelize.py). `recompute_replays_all`: full recompute
+    # re-runs the whole forward, its last TP collective included (a reentrant checkpoint, as
+    # Megatron-LM's `CheckpointFunction`); PyTorch's non-reentrant checkpoint, the runtime's, stops
+    # at the last tensor the backward needs. `grad_sync_after_backward`: the step's gradient sync
+    # starts once the whole backward has ended (Megatron-LM's local DDP of 2021), not overlapped.
+    recompute_replays_all: bool = False
+    grad_sync_after_backward: bool = False
     compute_measured: bool = False
     # Measured/predicted compute time of the linear and attention-score terms on the target
     # device (1.0 = the FLOPs model as is); fitted by `tessera profile model`.
@@ -312,15 +320,26 @@ class ModelSpec(Frozen):
 
     @classmethod
     def from_config(cls, config: TransformerConfig, *, attention: AttentionKernel = "flash",
-                    kernels: KernelStyle = "eager", dropout: bool = False) -> "ModelSpec":
+                    kernels: KernelStyle = "eager", dropout: bool = False, checkpoint: str = "early_stop",
+                    grad_sync: str = "overlapped") -> "ModelSpec":
         """The planner's view of `config` as Tessera's runtime executes it by default: flash
-        attention (SDPA), eager PyTorch element-wise ops, no dropout. Other implementations (for
-        example Megatron-LM's fused kernels with materialised attention scores and dropout, to
-        compare with its published runs) change the per-operation costs, not the architecture."""
+        attention (SDPA), eager PyTorch element-wise ops, no dropout, a non-reentrant checkpoint
+        that stops at the last saved tensor, the gradient sync overlapped with the backward. Other
+        implementations (for example Megatron-LM's fused kernels with materialised attention
+        scores and dropout, its reentrant checkpoint and its local DDP's sync after the backward,
+        to compare with its published runs) change the costs, not the architecture."""
+        if checkpoint not in ("early_stop", "reentrant"):
+            raise ValueError(f"checkpoint must be 'early_stop' or 'reentrant', not '{checkpoint}'")
+        if grad_sync not in ("overlapped", "after_backward"):
+            raise ValueError(f"grad_sync must be 'overlapped' or 'after_backward', not '{grad_sync}'")
         way = _Execution(attention, kernels, dropout)
         layers = [embedding_layer(config, way)]
         layers += [block_layer(config, i, way) for i in range(config.num_layers)]
         layers.append(head_layer(config, way))
+        if checkpoint != "early_stop" or grad_sync != "overlapped":
+            other = dict(recompute_replays_all=checkpoint == "reentrant",
+                         grad_sync_after_backward=grad_sync == "after_backward")
+            layers = [layer.model_copy(update=other) for layer in layers]
         # Built from the config: consistent by construction (and `_check_config` builds one).
         return cls.model_construct(name=config.name, layers=tuple(layers), config=config)
 
