@@ -365,8 +365,10 @@ def parallelize(model: Transformer, plan: Plan, dims: ParallelDims, rank: int,
         units.append(([chunk.norm] if tied and not untie else [chunk.norm, chunk.output], last))
     unsharded: set[nn.Parameter] = set()  # parameters of layers that live on one rank (dp * cp * sp = 1)
     in_order: list[ShardedUnit] = []  # the plan layers' units in forward order
+    nested = False  # some block's experts are FSDP units of their own, inside it
     for modules, s in units:
         experts = shard_experts(modules[0], s, plan, dims, mp_policy, result) if len(modules) == 1 else False
+        nested = nested or bool(experts)
         kw = _fsdp_kwargs(s, dims, mp_policy)
         if kw is not None:
             fully_shard(modules[0] if len(modules) == 1 else modules, **kw)
@@ -389,7 +391,11 @@ def parallelize(model: Transformer, plan: Plan, dims: ParallelDims, rank: int,
         ignored = unsharded | {p for p in chunk.parameters() if p not in in_units}
         fully_shard(chunk, **sharded_kw, ignored_params=ignored)
         result.sync.units.append(ShardedUnit(chunk, in_order[-1].zero))
-    _backward_prefetch(in_order)
+    if not nested:
+        # Not with nested expert units: an explicit prefetch of a block re-gathers inside the
+        # recompute of the block after it, which selective checkpointing (which counts every op
+        # of the forward and its replay) refuses; FSDP2's own order serves them.
+        _backward_prefetch(in_order)
     return result
 
 
