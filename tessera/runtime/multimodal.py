@@ -20,9 +20,9 @@ One micro-batch, per rank (explicit, so the encoder's work can be placed apart f
 
 Exactness. The gradient that reaches a rank's received image tokens is the gradient of its own
 (batch, sequence) block of the embedding layer. Ranks of one data block hold either disjoint blocks
-(data or sequence split: their gradients add) or the same block (tensor-parallel copies: each
-holds the whole gradient), so only the copies with tensor-parallel coordinate 0 send gradients
-back; the encoder rank sums what it receives. Summed over encoder ranks this is
+(data or sequence split, Megatron SP's split of the embedding output over tp included: their
+gradients add) or the same block (tensor-parallel copies: each holds the whole gradient), so of
+copies only the one with tensor-parallel coordinate 0 sends gradients back; the encoder rank sums what it receives. Summed over encoder ranks this is
 P x d(loss)/d(encoder), P = the LM head's pieces (`ParallelLoss.pieces`, each piece's loss its
 own mean): encoder gradients are summed over the encoder ranks and divided by P (ZeRO-0), or
 FSDP2's mean over E ranks is rescaled by E / P. Gradient clipping takes the global norm over the
@@ -233,8 +233,11 @@ class MultimodalTrainer(Trainer):
         coords = [layer_coords(self.dims.stage_rank(r), self.plan.stage_size, first.dp, first.sp_degree, first.tp)
                   for r in range(self.world_size)]
         block_of = [self.dims.stage_rank(r) // (self.plan.stage_size // self.data_size) for r in range(self.world_size)]
+        # Tensor-parallel copies of a data block hold the same embedding rows (one sends the
+        # gradient back), unless Megatron SP splits the embedding's output over them (all send).
+        split = self.loss_fn.ctx.layer_acts[0].seq_over_tp
         self.exchange = _Exchange(self.handoff, self.rank, self.world_size, lambda r: block_of[r],
-                                  [c.tp == 0 for c in coords], self.handoff_group)
+                                  [c.tp == 0 or split for c in coords], self.handoff_group)
         self.encoder = self._build_encoder() if self.rank in ranks else None
         # The splice: on the embedding module itself (inside any recompute wrapper, so a replayed
         # forward splices too), taking the embedding layer's block of this rank's data block.
