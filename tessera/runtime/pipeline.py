@@ -31,6 +31,9 @@ micro-batch, ZeRO-3 re-gathers, ZeRO-0/1 reduce once). A zero-bubble schedule sp
 into an input-gradient pass, after which the weight pass still needs the gathered parameters
 (units hold them, no reduction), and a weight-gradient pass that FSDP2's hooks do not see (it
 runs `autograd.grad` from saved intermediates), after which `PlannedStage` reduces by hand.
+Multi-chunk schedules also reshard and re-gather whole chunks to keep at most 3 gathered at once;
+a chunk holding ZeRO-0/1/2 units instead stays gathered from its first use to the end of the step
+(`_gather_once_per_step`), so its parameters are all-gathered once per step, as priced.
 """
 from __future__ import annotations
 
