@@ -95,6 +95,27 @@ def test_tensor_parallel_and_pipeline_collectives():
     assert p2p["recv"].measured == p2p["recv"].predicted
 
 
+def test_interleaved_pipeline_gathers_zero1_units_once_per_step():
+    # tiny-llama with 6 blocks (8 plan layers) on pp2 x dp4, interleaved over 4 chunks of one layer
+    # per rank, 8 micro-batches. torch's multi-chunk schedule keeps at most 3 chunks gathered and
+    # reshards the one it evicts: ZeRO-1 chunks were gathered again on every re-entry (each block
+    # 3 times a step, the embedding 6 times), where the plan gathers them once.
+    from tessera.spec.model import ModelSpec
+    from tessera.spec.presets.models import get_model_config
+
+    model = ModelSpec.from_config(get_model_config("tiny-llama").model_copy(update={"num_layers": 6}))
+    plan = manual_plan(model, make_cluster("h100-80gb", 8), Workload(global_batch=32, seq_len=64),
+                       pp=2, zero=1, schedule="interleaved_1f1b", virtual_stages=4)
+    assert len(plan.pipeline.stages) == 8 and plan.num_micro_batches == 8
+    (r,) = dry_run(plan, [0], materialize=False).ranks  # chunks 0, 2, 4, 6: the embedding, 3 blocks
+    gathers = [row for row in r.comparison.collectives if row.kind == "all_gather"]
+    assert {(row.bytes, row.predicted, row.measured) for row in gathers} == {
+        (2 * 725_504, 3, 3),  # each block's unit once per step (bf16)
+        (2 * 50_257 * 256, 1, 1)}  # the embedding (the chunk's root)
+    assert all(row.matches for row in r.comparison.collectives)
+    assert abs(r.comparison.state_error) < 0.02
+
+
 def test_big_plans_without_materialising():
     # llama2-7b on 64 ranks, ZeRO-3: 16 bytes per parameter on every rank, one micro-batch.
     plan = manual_plan(get_model("llama2-7b"), make_cluster("h100-80gb", 64), Workload(global_batch=64, seq_len=512),

@@ -31,6 +31,9 @@ micro-batch, ZeRO-3 re-gathers, ZeRO-0/1 reduce once). A zero-bubble schedule sp
 into an input-gradient pass, after which the weight pass still needs the gathered parameters
 (units hold them, no reduction), and a weight-gradient pass that FSDP2's hooks do not see (it
 runs `autograd.grad` from saved intermediates), after which `PlannedStage` reduces by hand.
+Multi-chunk schedules also reshard and re-gather whole chunks to keep at most 3 gathered at once;
+a chunk holding ZeRO-0/1/2 units instead stays gathered from its first use to the end of the step
+(`_gather_once_per_step`), so its parameters are all-gathered once per step, as priced.
 """
 from __future__ import annotations
 
@@ -216,8 +219,45 @@ def _make_schedule(plan: Plan, stages: list, loss_fn: Callable):
     if not multi and len(stages) != 1:
         raise TesseraError(f"schedule {plan.pipeline.schedule.value} runs one chunk per rank, "
                            f"this rank has {len(stages)}")
-    return cls(stages if multi else stages[0], n_microbatches=plan.num_micro_batches,
-               loss_fn=loss_fn, scale_grads=True)
+    schedule = cls(stages if multi else stages[0], n_microbatches=plan.num_micro_batches,
+                   loss_fn=loss_fn, scale_grads=True)
+    _gather_once_per_step(schedule, stages)
+    return schedule
+
+
+def _gather_once_per_step(schedule, stages: list) -> None:
+    """Keep the chunks that hold ZeRO-1/2 units gathered from their first use to the step's end.
+
+    The multi-chunk schedules (interleaved, zero-bubble) interleave UNSHARD and RESHARD actions
+    with the compute: a chunk is all-gathered ahead of its next computation and resharded when it
+    falls out of the next three chunks to compute (a prefetch window of 3). With 4 or more chunks
+    per rank a chunk leaves and re-enters that window many times a step, and each re-entry
+    all-gathers it again. The plan keeps ZeRO-1/2 parameters gathered over the step's micro-batches
+    (one all-gather per step, `grad_sync`), so for a chunk with such a unit only its first UNSHARD
+    (the prefetch before its first computation) and its last RESHARD (end of step; the units
+    themselves reshard after the step's last backward) stay. Chunks of ZeRO-3 units only keep
+    torch's prefetching: they re-gather in every forward and backward anyway. Single-chunk
+    schedules (GPipe, 1F1B) have no such actions: FSDP2's hooks gather as `grad_sync` says."""
+    order = getattr(schedule, "pipeline_order_with_comms", None)
+    rank = getattr(schedule, "rank", None)
+    if not order or rank not in order:
+        return
+    held = {s.stage_index for s in stages
+            if getattr(s, "sync", None) and any(u.zero <= 2 for u in s.sync.units)}
+    kinds = ("UNSHARD", "RESHARD")  # `_ComputationType` is a str enum
+    first_unshard: dict[int, int] = {}
+    last_reshard: dict[int, int] = {}
+    actions = order[rank]
+    for i, a in enumerate(actions):
+        if a is None or a.stage_index not in held:
+            continue
+        if a.computation_type == "UNSHARD":
+            first_unshard.setdefault(a.stage_index, i)
+        elif a.computation_type == "RESHARD":
+            last_reshard[a.stage_index] = i
+    keep = set(first_unshard.values()) | set(last_reshard.values())
+    order[rank] = [a for i, a in enumerate(actions)
+                   if a is None or a.computation_type not in kinds or a.stage_index not in held or i in keep]
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from collections import Counter
 
 import torch.distributed as dist
 
-from runtime_common import GLOBAL_BATCH, LLAMA, OPTIM, SEQ, S, global_batches, make_plan
+from runtime_common import GLOBAL_BATCH, INTERLEAVED_4_CHUNKS, LLAMA, LLAMA6, OPTIM, SEQ, S, global_batches, make_plan
 from tessera.runtime.comm_count import count_collectives
 from tessera.runtime.trainer import TrainConfig, Trainer
 
@@ -192,10 +192,13 @@ def check_tp_block_counts() -> None:
 
 def check_pipeline_sync_counts() -> None:
     """4 ranks, pp=2 x dp=2, every ZeRO stage in the pipeline: each unit follows its own stage."""
-    batch = global_batches(LLAMA, steps=1)[0]
     layers = [S(dp=2, zero=3), S(dp=2, zero=2), S(dp=2, zero=1), S(dp=2), S(dp=2, zero=3), S(dp=2, zero=2)]
-    for schedule, m in (("1f1b", 2), ("zero_bubble", 4)):
-        plan = make_plan(LLAMA, 4, layers, num_micro_batches=m, schedule=schedule, stages=((0, 3), (3, 6)))
+    cases = [(LLAMA, layers, schedule, m, ((0, 3), (3, 6))) for schedule, m in (("1f1b", 2), ("zero_bubble", 4))]
+    # 4 one-layer chunks per rank: more than torch's multi-chunk schedule keeps gathered at once.
+    cases.append((LLAMA6, INTERLEAVED_4_CHUNKS, "interleaved_1f1b", 4, tuple((i, i + 1) for i in range(8))))
+    for config, layers, schedule, m, stages in cases:
+        batch = global_batches(config, steps=1)[0]
+        plan = make_plan(config, 4, layers, num_micro_batches=m, schedule=schedule, stages=stages)
         trainer = Trainer(TrainConfig(plan=plan, steps=3, optim=OPTIM, seed=0))
         _step(trainer, batch)
         got = counted_step(trainer, batch)

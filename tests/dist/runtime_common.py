@@ -18,6 +18,9 @@ LLAMA = TransformerConfig(name="test-llama", vocab_size=512, hidden=64, num_laye
 GPT2 = TransformerConfig(name="test-gpt2", family="gpt2", vocab_size=512, hidden=64, num_layers=4, num_heads=4,
                          num_kv_heads=4, ffn_hidden=128, max_seq_len=64, norm="layernorm", mlp="gelu",
                          position="learned", linear_bias=True, tie_embeddings=True)
+# Six blocks: 8 plan layers give a pp=2 interleaved schedule 4 one-layer chunks per rank, more than
+# the 3 that torch's multi-chunk schedules keep gathered at once.
+LLAMA6 = LLAMA.model_copy(update={"name": "test-llama6", "num_layers": 6})
 MOE = TransformerConfig(name="test-moe", family="mixtral", vocab_size=512, hidden=64, num_layers=2, num_heads=4,
                         num_kv_heads=2, ffn_hidden=64, max_seq_len=64, num_experts=4, top_k=2)
 
@@ -29,6 +32,10 @@ def S(dp=1, tp=1, sp="none", sp_degree=1, zero=0, dp_shard=0, recompute="none", 
       cp=1) -> LayerStrategy:
     return LayerStrategy(dp=dp, tp=tp, sp=SPKind(sp), sp_degree=sp_degree, zero=zero, dp_shard=dp_shard,
                          recompute=Recompute(recompute), offload_optimizer=offload, cp=cp)
+
+
+# pp rank 0 runs layers 0, 2, 4, 6 of LLAMA6 (ZeRO-1, 1, 1, 0), pp rank 1 layers 1, 3, 5, 7 (ZeRO-2, 3, 2, 1).
+INTERLEAVED_4_CHUNKS = [S(dp=2, zero=z) for z in (1, 2, 1, 3, 1, 2, 0, 1)]
 
 
 def make_plan(config: TransformerConfig, world: int, strategies, num_micro_batches: int = 1,

@@ -10,7 +10,7 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 
 import comm_counts  # noqa: E402
-from runtime_common import GPT2, LLAMA, MOE, S, check, check_trained, make_plan  # noqa: E402
+from runtime_common import GPT2, INTERLEAVED_4_CHUNKS, LLAMA, LLAMA6, MOE, S, check, check_trained, make_plan  # noqa: E402
 
 WORLD = int(os.environ["WORLD_SIZE"])
 
@@ -81,6 +81,10 @@ def plans_4():
                                                               S(dp=2), S(dp=2, zero=3), S(dp=2, zero=2)],
                                                    num_micro_batches=4, schedule="zero_bubble",
                                                    stages=((0, 3), (3, 6))), LLAMA),
+        # 4 chunks per rank (interleaved), ZeRO-0/1/2 chunks held gathered over the step, a ZeRO-3 one not.
+        ("pp2_dp2_interleaved_4_chunks_zero0123", make_plan(LLAMA6, 4, INTERLEAVED_4_CHUNKS, num_micro_batches=4,
+                                                            schedule="interleaved_1f1b",
+                                                            stages=tuple((i, i + 1) for i in range(8))), LLAMA6),
         # A tied embedding on tp ranks of stage 0, its head copy ZeRO-sharded on stage 1.
         ("pp2_gpt2_tied_tp2_embedding_dp2_head", make_plan(GPT2, 4, [S(tp=2)] + [S(dp=2, zero=3)] * 5,
                                                           num_micro_batches=2, stages=((0, 3), (3, 6))), GPT2),
