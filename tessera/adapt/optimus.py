@@ -141,7 +141,7 @@ def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan) -> OptimusR
     sim, tails = _llm_events(plan)
     hop = group_handoff_s(cluster, vlm, images / m, n)
     windows = PipelineWindows.from_events(sim.events, pp, m, sim.step_time, hop)
-    enc = pricer.cost("vision_encoder", n, per_group, vlm.encoder_seq_len)
+    enc = pricer.cost("vision_encoder", n, per_group, vlm.encoder_seq_len, pricer.encoder_options)
     if not enc.feasible:
         raise TesseraError(f"encoder placement on every pipeline rank ({n} GPUs each) does not fit: {enc.why}")
     placed = assign(windows, per_mb, enc.fwd_s / per_group, enc.bwd_s / per_group)
@@ -222,7 +222,7 @@ def extra_stage_baseline(pricer: PartPricer, task: TaskSpec, plan: Plan) -> Extr
     # The encoder's fastest plan, and its leanest (full recompute, ZeRO-3): the stages that hold
     # encoder layers keep up to pp micro-batches of their activations, so the lean one may be the
     # only one that fits, or fit a better split.
-    for options in (None, LEAN_ENCODER):
+    for options in (pricer.encoder_options, LEAN_ENCODER):
         enc = pricer.cost("vision_encoder", n, task.images(), vlm.encoder_seq_len, options)
         if not enc.feasible:
             why = f"encoder as a pipeline stage on {n} GPUs does not fit: {enc.why}"

@@ -102,6 +102,24 @@ def from_task_plan(task_plan, world_size: int) -> tuple[Plan, EncoderStrategy]:
                                                recompute=any(s.recompute != Recompute.NONE for s in enc.layers))
 
 
+def from_optimus(result, world_size: int) -> tuple[Plan, EncoderStrategy]:
+    """The LLM pipeline plan and the encoder strategy this runtime executes for a planned Optimus
+    result (`adapt.optimus.optimus_schedule`): the encoder replicated on every rank (its plan must
+    be data parallel without ZeRO), its passes where the planner placed them (`counts`)."""
+    from ..plan import Recompute
+
+    enc = result.encoder.plan
+    if enc.pipeline.degree > 1 or any(s.tp > 1 or s.sp_degree > 1 or s.zero or s.offload_optimizer
+                                      for s in enc.layers):
+        raise TesseraError("the Optimus encoder plan uses tensor/sequence parallelism or ZeRO, which this runtime "
+                           "does not run in the bubbles yet (it replicates the encoder on every rank)")
+    if result.llm_plan.world_size != world_size:
+        raise TesseraError(f"the Optimus plan was made for {result.llm_plan.world_size} ranks, not {world_size}")
+    return result.llm_plan, EncoderStrategy(dp=world_size, recompute=any(s.recompute != Recompute.NONE
+                                                                          for s in enc.layers),
+                                            bubbles=tuple(tuple(row) for row in result.counts))
+
+
 # --- which rows go where ---------------------------------------------------------------------------
 
 

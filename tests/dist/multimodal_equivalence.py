@@ -159,7 +159,26 @@ def planned_case():
     return ("vlm_planned_task_colocated", llm_plan, CLIP_LIKE, encoder)
 
 
-for case in CASES + [planned_case()]:
+def planned_optimus_case():
+    """The planner's Optimus plan for the same task (an LLM pipeline, the encoder's passes where it
+    placed them, its encoder plan data parallel without ZeRO: what `tessera train` runs)."""
+    from tessera.cli.train_vlm import _runnable_optimus
+    from tessera.runtime.multimodal import from_optimus
+    from tessera.search.space import SearchOptions
+    from tessera.spec.multimodal import VLMSpec
+    from tessera.spec.presets.clusters import local_cpu_cluster
+    from tessera.spec.tasks import TaskSpec
+
+    task = TaskSpec(name="caption", modalities=("image", "text"), batch=BATCH,
+                    text_tokens=SEQ - CLIP_LIKE.image_tokens, images_per_sample=1)
+    result = _runnable_optimus(VLMSpec.from_config(CLIP_LIKE), local_cpu_cluster(WORLD),
+                               SearchOptions(), "fp32", task, WORLD)
+    llm_plan, encoder = from_optimus(result, WORLD)
+    assert llm_plan.pipeline.degree > 1 and encoder.bubbles == result.counts
+    return ("vlm_optimus_planned_pipeline_and_bubbles", llm_plan, CLIP_LIKE, encoder)
+
+
+for case in CASES + [planned_case(), planned_optimus_case()]:
     check_gradients(*case)
 check_training("vlm_train_3_steps_llm_dp2_tp2_zero3_encoder_ranks01", plan(S(dp=2, tp=2, zero=3)), CLIP_LIKE,
                EncoderStrategy(dp=2))
