@@ -308,6 +308,28 @@ def test_cli_plans_tasks_and_shows_waves(tmp_path, capsys):
     assert "unknown modality 'audio'" in capsys.readouterr().err
 
 
+def test_cli_plan_of_one_task_shows_the_encoder_in_the_bubbles(tmp_path, capsys):
+    """`tessera plan -o` of one image-text task records the Optimus placement; `tessera show` says it
+    and draws the encoder's passes in the LLM pipeline's bubbles (boxes with SVG ids)."""
+    import json
+
+    from tessera.cli import main
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "tiny-vlm", "--gpus", "16", "--global-batch", "32", "-o", str(out)]) == 0
+    record = json.loads(out.read_text())
+    o = record["optimus"]
+    assert {k["kind"] for k in record["kinds"]} >= {"Optimus"}
+    assert sum(map(sum, o["counts"])) == 32 and len(o["counts"]) == o["pp"]
+    encoder = [p for p in o["pieces"] if p[1] in ("EF", "EB")]
+    assert {p[1] for p in encoder} == {"EF", "EB"}
+    capsys.readouterr()
+    assert main(["show", str(out)]) == 0
+    assert f"{o['bubble_filled']:.0%} of the bubbles filled" in capsys.readouterr().out
+    svg = (tmp_path / "plan-optimus.svg").read_text()
+    r, kind, j = encoder[0][:3]
+    assert f"event-{kind}-r{r}-m{j}" in svg
+
+
 def test_spindle_keeps_every_device_within_memory():
     from tessera.adapt.spindle import device_memory
     from tessera.cost.memory import memory_budget

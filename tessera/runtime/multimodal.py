@@ -28,6 +28,9 @@ own mean): encoder gradients are summed over the encoder ranks and divided by P 
 FSDP2's mean over E ranks is rescaled by E / P. Gradient clipping takes the global norm over the
 LLM's and the encoder's gradients on every rank.
 
+With an LLM pipeline (Optimus): the encoder is replicated on every rank and its passes run in the
+pipeline's bubbles, the hand-off by point-to-point transfers into stage 0 (`runtime/vlm_pipeline.py`).
+
 Rows: the global batch has B rows in D data blocks (`data_parallel_size`), each split into m
 micro-batches of b = B / (D m) rows; micro-batch i is rows {d B / D + i b + k}. The encoder's E
 ranks take contiguous, near-equal shares of that list (floor(j N / E) .. floor((j+1) N / E)).
