@@ -397,6 +397,7 @@ class MultimodalTrainer(Trainer):
             received = self.exchange.forward(sent if sent is not None else torch.zeros(
                 0, p_tokens, hidden, device=self.device), p_tokens, hidden).requires_grad_()
             self.splice.images = scatter_images(tok_chunks[i], received, self.splice.image_token_id)
+            self.splice.placeholders = tok_chunks[i] == self.splice.image_token_id
             no_sync = module.no_sync() if (hasattr(module, "no_sync") and not last) else nullcontext()
             self.parallel.sync.before_backward(last)
             with no_sync, self.loss_fn.context():
@@ -404,7 +405,7 @@ class MultimodalTrainer(Trainer):
                     logits = module(tok_chunks[i])
                     loss = self.loss_fn(logits, lab_chunks[i])
                 (loss / n).backward()
-            self.splice.images = None
+            self.splice.images = self.splice.placeholders = None
             total += _plain(loss).detach() / n
             grad = self.exchange.backward(received.grad, tuple(mine.shape) if mine is not None else (0, p_tokens, hidden),
                                           received.dtype, self.device)

@@ -115,16 +115,16 @@ class MicroBatchSplice(ImageSplice):
         tokens = args[0].to_local() if hasattr(args[0], "to_local") else args[0]
         key = (tokens.untyped_storage().data_ptr(), tokens.storage_offset(), tuple(tokens.shape))
         if self.fresh:  # the forward itself: remember which images its input takes
-            self.by_input[key] = self.images
+            self.by_input[key] = (self.images, self.placeholders)
             self.fresh = False
         elif key not in self.by_input:  # a forward outside the step's (the stage's shape inference)
             return output
-        current = self.images
-        self.images = self.by_input[key]
+        current = (self.images, self.placeholders)
+        self.images, self.placeholders = self.by_input[key]
         try:
             return super().__call__(module, args, output)
         finally:
-            self.images = current
+            self.images, self.placeholders = current
 
 
 class BubbleStep:
@@ -242,6 +242,7 @@ class BubbleStep:
         tokens.register_post_accumulate_grad_hook(lambda leaf, j=j: self._send_grads(j, leaf.grad))
         x = args[0].to_local() if hasattr(args[0], "to_local") else args[0]
         self.splice.images = scatter_images(x, tokens, self.splice.image_token_id)
+        self.splice.placeholders = x == self.splice.image_token_id
         self.splice.fresh = True
 
     def _send_grads(self, j: int, grad: torch.Tensor) -> None:
