@@ -239,6 +239,13 @@ def test_bubble_assignment_is_near_brute_force(pp, m, per_mb):
             got = price(windows, counts, f, b)
             best = min(best, got.shift_s + got.extension_s)
         assert best - 1e-9 <= placed.shift_s + placed.extension_s <= best + f + b
+        # A rank's memory holds `limit` images: the placement keeps within it, at some cost.
+        limit = m + -(-per_mb * m // pp)
+        capped = assign(windows, [per_mb] * m, f, b, limit=limit)
+        _check_passes(windows, capped, f, b, [per_mb] * m)
+        assert max(capped.images_per_rank) <= limit
+        assert capped.shift_s + capped.extension_s >= best - 1e-9
+    assert assign(windows, [per_mb] * m, 1.0, 2.0, limit=m) is None  # no room for any image
 
 
 def test_optimus_schedule_on_a_tiny_pipeline():

@@ -22,7 +22,7 @@ the step stretched by S at the start and E at the end.
 
 Choosing a_{r,j}: for a trial (S, E), micro-batches in order are water-filled (images treated as
 divisible) onto the ranks whose backward pass would start earliest, each rank taking no more
-than both of its windows still hold; the smallest E for each S is found by bisection, S + E is
+than both of its windows still hold and no more images in all than its memory holds; the smallest E for each S is found by bisection, S + E is
 minimised by golden-section search over S, and the best split is rounded to whole images per
 micro-batch (largest remainders) and priced exactly by the formulas above. No torch import.
 """
@@ -100,17 +100,24 @@ def price(windows: PipelineWindows, counts, f: float, b: float) -> BubbleAssignm
     return BubbleAssignment(tuple(tuple(row) for row in counts), shift, end - w.horizon, tuple(passes))
 
 
-def assign(windows: PipelineWindows, images: list[int], f: float, b: float) -> BubbleAssignment:
+def assign(windows: PipelineWindows, images: list[int], f: float, b: float,
+           limit: int | None = None) -> BubbleAssignment | None:
     """Whole images of each micro-batch to pipeline ranks, S + E as small as the search finds
-    (module docstring)."""
+    (module docstring); `limit`: the most images one rank may encode in a step (its memory holds
+    their activations from forward to backward). None when the limit leaves too few places."""
     w = windows
     pp, m = len(w.warm), len(images)
     total = sum(images)
     if total == 0:
         return price(w, [[0] * m for _ in range(pp)], f, b)
-    # One rank doing everything is always feasible with these bounds.
-    s_hi = f * total + max(0.0, -min(w.deadlines)) + EPS
-    e_hi = b * total + max(0.0, max(w.releases) - w.horizon) + EPS
+    # Rounding to whole images adds at most one image per micro-batch to a rank's divisible share.
+    cap = total if limit is None else min(total, limit - m)
+    if cap * pp < total:
+        return None
+    # Every rank encoding up to `cap` images before the first deadline and after the last
+    # release is feasible: these bounds hold the search.
+    s_hi = f * cap + max(0.0, -min(w.deadlines)) + EPS
+    e_hi = b * cap + max(0.0, max(w.releases) - w.horizon) + EPS
     tol = 1e-5 * max(w.horizon, f * total / pp + b * total / pp, EPS)
 
     def smallest(lo: float, hi: float, ok) -> float:
@@ -122,9 +129,9 @@ def assign(windows: PipelineWindows, images: list[int], f: float, b: float) -> B
         return hi
 
     def e_star(s: float) -> float:
-        return smallest(0.0, e_hi, lambda e: _split(w, images, f, b, s, e) is not None)
+        return smallest(0.0, e_hi, lambda e: _split(w, images, f, b, s, e, cap) is not None)
 
-    s_min = smallest(0.0, s_hi, lambda s: _split(w, images, f, b, s, e_hi) is not None)
+    s_min = smallest(0.0, s_hi, lambda s: _split(w, images, f, b, s, e_hi, cap) is not None)
     best = (s_min + e_star(s_min), s_min)
     lo, hi = s_min, s_min + best[0] - s_min  # a larger S than S_min + E*(S_min) cannot win
     ratio = (math.sqrt(5) - 1) / 2
@@ -143,17 +150,18 @@ def assign(windows: PipelineWindows, images: list[int], f: float, b: float) -> B
         if value < best[0]:
             best = (value, s)
     s = best[1]
-    split = _split(w, images, f, b, s, e_star(s))
+    split = _split(w, images, f, b, s, e_star(s), cap)
     counts = _whole_images(split, images)
     return price(w, counts, f, b)
 
 
-def _split(w: PipelineWindows, images, f: float, b: float, s: float, e: float):
+def _split(w: PipelineWindows, images, f: float, b: float, s: float, e: float, limit: float = math.inf):
     """Divisible images per (rank, micro-batch) that keep every pass inside its windows for a
-    start shift s and an end extension e, or None. Micro-batches in order; each one water-filled
-    onto the ranks whose backward pass would start earliest (level L: rank r takes
-    min(cap_r, max(0, (L - z_r) / b)) images)."""
+    start shift s and an end extension e, and every rank within `limit` images, or None.
+    Micro-batches in order; each one water-filled onto the ranks whose backward pass would start
+    earliest (level L: rank r takes min(cap_r, max(0, (L - z_r) / b)) images)."""
     pp = len(w.warm)
+    held = [0.0] * pp
     x = [-s] * pp  # forward cursor
     y = list(w.cool)  # backward cursor
     end = w.horizon + e
@@ -167,7 +175,7 @@ def _split(w: PipelineWindows, images, f: float, b: float, s: float, e: float):
         for r in range(pp):
             fwd = (min(w.deadlines[j], w.warm[r]) - x[r]) / f if f > 0 else math.inf
             bwd = (end - z[r]) / b if b > 0 else math.inf
-            cap.append(max(0.0, min(fwd, bwd, need)))
+            cap.append(max(0.0, min(fwd, bwd, need, limit - held[r])))
         if sum(cap) < need * (1 - 1e-9):
             return None
         level_of = z if b > 0 else x
@@ -175,6 +183,7 @@ def _split(w: PipelineWindows, images, f: float, b: float, s: float, e: float):
         for r, a in enumerate(take):
             if a > 0:
                 out[r][j] = a
+                held[r] += a
                 x[r] += a * f
                 y[r] = z[r] + a * b
     return out

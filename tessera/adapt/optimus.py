@@ -18,8 +18,9 @@ priced for the even share of m ceil(I / (m pp)) images, divided by that count (l
     step = S + T + E + LLM tail + encoder tail + all-reduce of the encoder's gradient shards
            over the pp replicas (2 P_E / n bytes).
 Memory: each rank adds its encoder replica's peak, holding the activations of every image it
-encodes from forward to backward (the fullest rank's share); a rank over the device's usable
-memory is refused, and the encoder's leanest plan (full recompute, ZeRO-3) is tried first.
+encodes from forward to backward, so the placement caps each rank's images at what its usable
+memory holds; the encoder's fastest plan and its leanest (full recompute, ZeRO-3) are both
+placed and the faster step is taken (neither fitting is refused in one line).
 
 Baseline (`extra_stage_baseline`): the encoder as extra pipeline work, Megatron-style: the
 encoder's layers (priced on n devices for a whole LLM micro-batch's images) go in front of the
@@ -131,8 +132,9 @@ def _llm_events(plan: Plan):
     return sim, tails
 
 
-def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan) -> OptimusResult:
-    """Encoder work in the bubbles of `plan` (an LLM pipeline plan); see the module docstring."""
+def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan, lean: bool = True) -> OptimusResult:
+    """Encoder work in the bubbles of `plan` (an LLM pipeline plan); see the module docstring.
+    `lean=False`: only the encoder's plan from the pricer's options (not the leanest)."""
     vlm, cluster = pricer.vlm, pricer.cluster
     pp, m, n = plan.pipeline.degree, plan.num_micro_batches, plan.stage_size
     images = task.images()
@@ -141,21 +143,30 @@ def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan) -> OptimusR
     sim, tails = _llm_events(plan)
     hop = group_handoff_s(cluster, vlm, images / m, n)
     windows = PipelineWindows.from_events(sim.events, pp, m, sim.step_time, hop)
-    enc = pricer.cost("vision_encoder", n, per_group, vlm.encoder_seq_len, pricer.encoder_options)
-    if not enc.feasible:
-        raise TesseraError(f"encoder placement on every pipeline rank ({n} GPUs each) does not fit: {enc.why}")
-    placed = assign(windows, per_mb, enc.fwd_s / per_group, enc.bwd_s / per_group)
-    try:
-        _check_memory(plan, enc, max(placed.images_per_rank) / per_group)
-    except TesseraError:
-        # The fastest encoder plan holds too much: a rank keeps its images' activations from its
-        # forward passes to its backward passes, so take the leanest (full recompute, ZeRO-3).
-        lean = pricer.cost("vision_encoder", n, per_group, vlm.encoder_seq_len, LEAN_ENCODER)
-        if not lean.feasible:
-            raise
-        enc = lean
-        placed = assign(windows, per_mb, enc.fwd_s / per_group, enc.bwd_s / per_group)
-        _check_memory(plan, enc, max(placed.images_per_rank) / per_group)
+    # The encoder's fastest plan and its leanest (full recompute, ZeRO-3): a rank keeps its
+    # images' activations from its forward passes to its backward passes, so the fastest may
+    # hold too few images per rank for a good placement, or none.
+    best, why = None, ""
+    for options in (pricer.encoder_options, LEAN_ENCODER)[:2 if lean else 1]:
+        enc = pricer.cost("vision_encoder", n, per_group, vlm.encoder_seq_len, options)
+        if not enc.feasible:
+            why = f"encoder placement on every pipeline rank ({n} GPUs each) does not fit: {enc.why}"
+            continue
+        placed = assign(windows, per_mb, enc.fwd_s / per_group, enc.bwd_s / per_group,
+                        _max_images(plan, enc, per_group))
+        if placed is None:
+            why = _memory_refusal(plan, enc, math.ceil(images / pp) / per_group)
+            continue
+        try:
+            _check_memory(plan, enc, max(placed.images_per_rank) / per_group)
+        except TesseraError as e:
+            why = str(e)
+            continue
+        if best is None or placed.shift_s + placed.extension_s + enc.tail_s < best[0]:
+            best = (placed.shift_s + placed.extension_s + enc.tail_s, enc, placed)
+    if best is None:
+        raise TesseraError(why)
+    _, enc, placed = best
     pieces = [Piece(p.rank, p.kind, p.micro_batch, p.start, p.end) for p in placed.passes]
     pieces += [Piece(e.stage, e.kind, e.micro_batch, e.start, e.end) for e in sim.events]
     combine = float(collective_times(cluster, "all_reduce", 2.0 * pricer.model("vision_encoder").num_params / n,
@@ -164,18 +175,37 @@ def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan) -> OptimusR
                          max(tails) + enc.tail_s + combine, tuple(pieces), placed.counts)
 
 
-def _check_memory(plan: Plan, enc: PartCost, share: float = 1.0) -> None:
-    """Each rank holds its LLM stage and an encoder replica with the activations of every image it
-    encodes; `share`: the fullest rank's images over the even share the encoder was priced for."""
+def _encoder_bytes(plan: Plan, enc: PartCost, share: float) -> tuple[float, float]:
+    """(a rank's peak bytes, the encoder's part of it) with `share` x the even share's images."""
     mem = enc.plan.prediction.stage_memory[0]
     extra = (mem.total - plan.cluster.device.reserved_bytes
              + mem.activations * (enc.plan.num_micro_batches * max(share, 1.0) - 1))
-    peak = plan.prediction.peak_memory + extra
-    limit = usable_memory(plan.cluster)
-    if peak > limit:
-        raise TesseraError(f"encoder placement in the pipeline bubbles does not fit: a rank needs "
-                           f"{peak / GiB:.1f} GiB (LLM stage {plan.prediction.peak_memory / GiB:.1f} + encoder "
-                           f"{extra / GiB:.1f}) of {limit / GiB:.1f} GiB usable")
+    return plan.prediction.peak_memory + extra, extra
+
+
+def _max_images(plan: Plan, enc: PartCost, per_group: int) -> int:
+    """The most images a rank may encode in a step: each holds the activations of its images
+    from forward to backward (one image's: the priced plan's activations over its images)."""
+    mem = enc.plan.prediction.stage_memory[0]
+    per_image = mem.activations * enc.plan.num_micro_batches / per_group
+    peak, _ = _encoder_bytes(plan, enc, 1.0)
+    room = usable_memory(plan.cluster) - peak
+    return per_group + int(math.floor(room / per_image)) if per_image > 0 else 1 << 40
+
+
+def _memory_refusal(plan: Plan, enc: PartCost, share: float) -> str:
+    peak, extra = _encoder_bytes(plan, enc, share)
+    return (f"encoder placement in the pipeline bubbles does not fit: a rank needs {peak / GiB:.1f} GiB (LLM stage "
+            f"{plan.prediction.peak_memory / GiB:.1f} + encoder {extra / GiB:.1f}) of "
+            f"{usable_memory(plan.cluster) / GiB:.1f} GiB usable")
+
+
+def _check_memory(plan: Plan, enc: PartCost, share: float = 1.0) -> None:
+    """Each rank holds its LLM stage and an encoder replica with the activations of every image it
+    encodes; `share`: the fullest rank's images over the even share the encoder was priced for."""
+    peak, _ = _encoder_bytes(plan, enc, share)
+    if peak > usable_memory(plan.cluster):
+        raise TesseraError(_memory_refusal(plan, enc, share))
 
 
 def _min_max_split(weights: list[float], parts: int, fits=None) -> list[tuple[int, int]] | None:

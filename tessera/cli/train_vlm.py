@@ -103,7 +103,7 @@ def _runnable_optimus(spec, cluster, options, dtype, task, world: int):
     best = None
     for plan in llm_pipeline_plans(pricer, task, world, degrees):
         try:
-            result = optimus_schedule(pricer, task, plan)
+            result = optimus_schedule(pricer, task, plan, lean=False)
         except TesseraError:
             continue
         if not _optimus_why_not(result, world) and (best is None or result.step_s < best.step_s):
