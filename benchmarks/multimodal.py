@@ -12,7 +12,9 @@ All figures are the cost model's predictions (H100-80GB nodes of 8, the preset c
     tokens + 1,024 text tokens per sample), and for comparison 6 tiles: encoder work in the LLM
     1F1B pipeline's bubbles vs the encoder as extra pipeline work (the best over pp = 4, 8, 16 of
     each; the extra stages memory-checked like any pipeline rank, with the encoder's fastest or
-    leanest plan; Optimus prices whole images per rank group).
+    leanest plan). Optimus is priced as the runtime runs it (adapt/bubbles.py): whole images per
+    pipeline rank and micro-batch, encoder forward passes in each rank's warm-up bubble, backward
+    passes in its cool-down bubble; the idle time between a rank's LLM operations stays idle.
     The best pipeline-free plan (encoder and LLM colocated or on separate device groups, each its
     own data/tensor-parallel plan) is priced beside them, and the best plan of all three kinds is
     reported (tessera.adapt.vlm_choice, what `tessera plan` picks).

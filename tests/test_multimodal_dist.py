@@ -1,5 +1,5 @@
-"""Vision-language training with separate encoder and LLM plans, at 4 ranks against one process
-and multi-task Spindle waves on groups of ranks against one process running the tasks one after
+"""Vision-language training with separate encoder and LLM plans, with an LLM pipeline whose bubbles
+hold the encoder's passes (Optimus), at 4 ranks against one process and multi-task Spindle waves on groups of ranks against one process running the tasks one after
 another (one torchrun launch: tests/dist/multimodal_equivalence.py)."""
 import pytest
 
@@ -13,6 +13,11 @@ EXPECTED = {
     "vlm_qwen2vl_llm_ulysses2_dp2_encoder_rank1",
     "vlm_train_3_steps_llm_dp2_tp2_zero3_encoder_ranks01",
     "vlm_planned_task_colocated",
+    "vlm_optimus_pp2_dp2_mb4_planned_bubbles",
+    "vlm_optimus_pp4_mb4_recompute_given_bubbles",
+    "vlm_optimus_pp2_tp2_gpipe_mb2_stage0_encodes_nothing",
+    "vlm_optimus_planned_pipeline_and_bubbles",
+    "vlm_optimus_train_3_steps_pp2_dp2_zero1",
     "spindle_3_tasks_2_waves_cross_group_handoff",
 }
 

@@ -5,7 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from tessera.adapt.optimus import _capacity_before, _fill, _idle_intervals, optimus_schedule
+from tessera.adapt.bubbles import PipelineWindows, assign, price
+from tessera.adapt.optimus import optimus_schedule
 from tessera.adapt.spindle import Operator, pack_waves, plan_spindle, sequential_baseline
 from tessera.errors import TesseraError
 from tessera.search.multimodal import PartPricer, plan_vlm_task
@@ -202,22 +203,49 @@ def test_wave_simulator_sanity(tiny):
     assert base.busy_s == pytest.approx(sum(plan_vlm_task(pricer, t, 16).busy_s for t in tasks.tasks))
 
 
-def test_optimus_fill_is_exact_and_respects_dependencies():
+def _check_passes(windows, placed, f, b, images):
+    """Every encoder pass inside its rank's bubbles and after / before its micro-batch's LLM work."""
+    counts = placed.counts
+    assert [sum(row[j] for row in counts) for j in range(len(images))] == list(images)
+    by_rank: dict = {}
+    for p in placed.passes:
+        by_rank.setdefault((p.rank, p.kind), []).append(p)
+        assert p.end - p.start == pytest.approx(p.images * (f if p.kind == "EF" else b))
+        if p.kind == "EF":
+            assert p.start >= -placed.shift_s - 1e-9
+            assert p.end <= min(windows.deadlines[p.micro_batch], windows.warm[p.rank]) + 1e-9
+        else:
+            assert p.start >= max(windows.releases[p.micro_batch], windows.cool[p.rank]) - 1e-9
+            assert p.end <= windows.horizon + placed.extension_s + 1e-9
+    for passes in by_rank.values():  # one pass at a time per rank, in micro-batch order
+        for a, c in zip(passes, passes[1:]):
+            assert a.micro_batch < c.micro_batch and a.end <= c.start + 1e-9
+
+
+@pytest.mark.parametrize("pp,m,per_mb", [(2, 3, 2), (3, 3, 1), (2, 4, 1)])
+def test_bubble_assignment_is_near_brute_force(pp, m, per_mb):
+    """Every whole-image assignment priced by the same formulas: the search's S + E is within one
+    image's forward + backward of the best (it water-fills divisible work, then rounds)."""
     from tessera.cost.schedule import simulate
-    sim = simulate("1f1b", [1.0] * 4, [2.0] * 4, 4, 4)
-    gaps = _idle_intervals(sim.events, 4, sim.step_time)
-    idle = sum(e - s for rank in gaps for s, e in rank)
-    assert idle == pytest.approx(4 * sim.step_time - sum(sim.busy))
-    deadline = sim.step_time / 2
-    cap = _capacity_before(gaps, deadline)
-    pieces = _fill([list(r) for r in gaps], [(cap / 2, deadline), (cap / 2, deadline)], "EF", forward=True)
-    assert sum(p.end - p.start for p in pieces) == pytest.approx(cap)
-    assert max(p.end for p in pieces) <= deadline + 1e-12
-    for r in range(4):  # no encoder piece overlaps an LLM operation on its rank
-        busy = [(e.start, e.end) for e in sim.events if e.stage == r]
-        for p in pieces:
-            if p.rank == r:
-                assert all(p.end <= s + 1e-12 or p.start >= e - 1e-12 for s, e in busy)
+    sim = simulate("1f1b", [1.0] * pp, [2.0] * pp, m, pp, 1, 0.1)
+    windows = PipelineWindows.from_events(sim.events, pp, m, sim.step_time, 0.1)
+    for f, b in ((0.3, 0.6), (1.0, 2.5), (0.1, 0.2)):
+        placed = assign(windows, [per_mb] * m, f, b)
+        _check_passes(windows, placed, f, b, [per_mb] * m)
+        splits = [c for c in itertools.product(range(per_mb + 1), repeat=pp) if sum(c) == per_mb]
+        best = math.inf
+        for choice in itertools.product(splits, repeat=m):
+            counts = [[choice[j][r] for j in range(m)] for r in range(pp)]
+            got = price(windows, counts, f, b)
+            best = min(best, got.shift_s + got.extension_s)
+        assert best - 1e-9 <= placed.shift_s + placed.extension_s <= best + f + b
+        # A rank's memory holds `limit` images: the placement keeps within it, at some cost.
+        limit = m + -(-per_mb * m // pp)
+        capped = assign(windows, [per_mb] * m, f, b, limit=limit)
+        _check_passes(windows, capped, f, b, [per_mb] * m)
+        assert max(capped.images_per_rank) <= limit
+        assert capped.shift_s + capped.extension_s >= best - 1e-9
+    assert assign(windows, [per_mb] * m, 1.0, 2.0, limit=m) is None  # no room for any image
 
 
 def test_optimus_schedule_on_a_tiny_pipeline():
@@ -232,7 +260,9 @@ def test_optimus_schedule_on_a_tiny_pipeline():
     res = optimus_schedule(pricer, task, plan)
     enc = [p for p in res.pieces if p.kind in ("EF", "EB")]
     work = sum(p.end - p.start for p in enc)
-    assert work == pytest.approx(plan.pipeline.degree * (res.encoder.fwd_s + res.encoder.bwd_s), rel=1e-6)
+    per_image = (res.encoder.fwd_s + res.encoder.bwd_s) / res.encoder.samples
+    assert work == pytest.approx(task.images() * per_image, rel=1e-6)
+    assert sum(map(sum, res.counts)) == task.images()
     stage0 = {(p.kind, p.micro_batch): p for p in res.pieces if p.rank == 0 and p.kind in ("F", "B")}
     for p in enc:  # forward pieces before their micro-batch's LLM forward, backward after its backward
         if p.kind == "EF":
@@ -283,6 +313,28 @@ def test_cli_plans_tasks_and_shows_waves(tmp_path, capsys):
     tasks.write_text("tasks:\n  - {name: s, modalities: [audio], batch: 4, text_tokens: 8}\n")
     assert main(["plan", "--model", "tiny-vlm", "--gpus", "16", "--tasks", str(tasks)]) != 0
     assert "unknown modality 'audio'" in capsys.readouterr().err
+
+
+def test_cli_plan_of_one_task_shows_the_encoder_in_the_bubbles(tmp_path, capsys):
+    """`tessera plan -o` of one image-text task records the Optimus placement; `tessera show` says it
+    and draws the encoder's passes in the LLM pipeline's bubbles (boxes with SVG ids)."""
+    import json
+
+    from tessera.cli import main
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "tiny-vlm", "--gpus", "16", "--global-batch", "32", "-o", str(out)]) == 0
+    record = json.loads(out.read_text())
+    o = record["optimus"]
+    assert {k["kind"] for k in record["kinds"]} >= {"Optimus"}
+    assert sum(map(sum, o["counts"])) == 32 and len(o["counts"]) == o["pp"]
+    encoder = [p for p in o["pieces"] if p[1] in ("EF", "EB")]
+    assert {p[1] for p in encoder} == {"EF", "EB"}
+    capsys.readouterr()
+    assert main(["show", str(out)]) == 0
+    assert f"{o['bubble_filled']:.0%} of the bubbles filled" in capsys.readouterr().out
+    svg = (tmp_path / "plan-optimus.svg").read_text()
+    r, kind, j = encoder[0][:3]
+    assert f"event-{kind}-r{r}-m{j}" in svg
 
 
 def test_spindle_keeps_every_device_within_memory():
@@ -366,7 +418,9 @@ def test_optimus_prices_whole_images_per_rank_and_the_baseline_checks_memory():
     res = optimus_schedule(pricer, task, plan)
     assert res.encoder.samples == m * math.ceil(6 / (m * 4))
     work = sum(p.end - p.start for p in res.pieces if p.kind in ("EF", "EB"))
-    assert work == pytest.approx(4 * (res.encoder.fwd_s + res.encoder.bwd_s), rel=1e-6)
+    assert work == pytest.approx(6 * (res.encoder.fwd_s + res.encoder.bwd_s) / res.encoder.samples, rel=1e-6)
+    # Whole images: every micro-batch's images are all placed, on ranks that hold whole images.
+    assert [sum(row[j] for row in res.counts) for j in range(m)] == [6 // m + (j < 6 % m) for j in range(m)]
     base = extra_stage_baseline(pricer, task, plan)
     assert 0 < base.peak_bytes <= usable_memory(cluster)
 

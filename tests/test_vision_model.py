@@ -225,3 +225,49 @@ def test_train_takes_the_encoder_strategy_from_the_planner():
     assert got.plan.pipeline.degree == 1 and got.plan.model.config == config.llm and got.encoder["dp"] == 2
     assert got.lines[0].startswith("encoder plan") and got.lines[1].startswith("LLM plan")
     assert got.lines[2].startswith("chosen: no pipeline (colocated)")
+
+
+def test_train_runs_the_planned_optimus_plan(monkeypatch):
+    """A planned Optimus choice whose encoder plan the runtime runs is run as planned: the LLM
+    pipeline plan, the encoder replicated with its passes where the planner placed them; one whose
+    encoder plan it does not run falls back to the fastest plan it runs, said in one line."""
+    import tessera.adapt.vlm_choice as vlm_choice
+    from tessera.cli.train_vlm import _runnable_optimus, encoder_strategy, plan_vlm
+    from tessera.search.space import SearchOptions
+    from tessera.spec.model import ModelSpec
+    from tessera.spec.multimodal import VLMSpec
+    from tessera.spec.presets.clusters import local_cpu_cluster
+    from tessera.spec.tasks import TaskSpec
+    from tessera.spec.workload import Workload
+
+    config = VLM_CONFIGS["tiny-vlm"]
+    llm = ModelSpec.from_config(config.llm)
+    cluster, workload = local_cpu_cluster(4), Workload(global_batch=16, seq_len=64, dtype="fp32")
+    task = TaskSpec(name="image-text", modalities=("image", "text"), batch=16, images_per_sample=1,
+                    text_tokens=64 - config.image_tokens)
+    runnable = _runnable_optimus(VLMSpec.from_config(config), cluster, SearchOptions(),
+                                 "fp32", task, 4)
+    assert runnable is not None and runnable.pp > 1
+    real = vlm_choice.choose
+
+    def optimus_first(result):
+        def choose(*args, **kwargs):
+            c = real(*args, **kwargs)
+            kinds = [vlm_choice.PlanKind("Optimus", result.step_s, result.tail_s, "", result)]
+            return vlm_choice.Choice(tuple(kinds + [k for k in c.kinds if k.kind != "Optimus"]), c.skipped)
+        return choose
+
+    monkeypatch.setattr(vlm_choice, "choose", optimus_first(runnable))
+    got = plan_vlm(config, llm, 4, workload, cluster)
+    assert got.plan is runnable.llm_plan and got.plan.pipeline.degree == runnable.pp
+    strategy = encoder_strategy(got.encoder)
+    assert strategy.bubbles == runnable.counts and strategy.zero == 0 and strategy.dp == 4
+    assert got.lines[-1].startswith("chosen: Optimus")
+    # An Optimus plan whose encoder is ZeRO-sharded: the fastest plan the runtime runs instead.
+    from dataclasses import replace
+    zero2 = replace(runnable, encoder=replace(runnable.encoder, plan=runnable.encoder.plan.model_copy(update={
+        "layers": tuple(s.model_copy(update={"zero": 2}) for s in runnable.encoder.plan.layers)})))
+    monkeypatch.setattr(vlm_choice, "choose", optimus_first(zero2))
+    got = plan_vlm(config, llm, 4, workload, cluster)
+    assert "is not run by this runtime yet (the Optimus encoder plan uses tensor/sequence parallelism or ZeRO" \
+        in got.lines[-1] and "running the fastest plan it runs" in got.lines[-1]

@@ -2,29 +2,25 @@
 
 The LLM runs a 1F1B pipeline (its plan from the search, pp stages of n = N / pp devices). Every
 pipeline rank also holds a replica of the encoder (its own plan on n devices,
-`search.multimodal.PartPricer`), so encoder work can run on any rank while that rank's LLM stage
-is idle. Images are not divisible: a micro-batch's I / m images spread over the pp rank groups in
-whole images, the fullest group taking c = ceil(I / (m pp)); each group's encoder plan is priced
-for m c images (its share of every micro-batch, rounded up), F_E, B_E its forward / backward
-seconds, and per LLM micro-batch j (work in group-seconds, pp groups of c images each):
-    forward   W_f = pp * F_E / m, due at D_j = start of stage 0's forward of j - hop,
-    backward  W_b = pp * B_E / m, released at R_j = end of stage 0's backward of j + hop,
-hop = the point-to-point hand-off of a micro-batch's embeddings (or their gradient) into stage 0's
-group. When pp m divides I this is the even split; otherwise the rounding is charged to every
-group (all wait for the fullest).
-The LLM timeline is fixed (`cost.schedule.simulate` events); encoder work fills the idle intervals.
-If the bubbles before the deadlines cannot hold the forward work, the pipeline starts S seconds
-later (all ranks run encoder forward first); if the bubbles after the releases cannot hold the
-backward work, the step ends E seconds later. With C(t) the idle rank-seconds before t:
-    S = max(0, max_j (sum_{i<=j} W_f - C(D_j)) / pp)          (earliest-deadline filling),
-    E = max(0, max_j (sum_{R_i>=R_j} W_b - C'[R_j, T]) / pp + max(0, R_j - T))
-                                                            (release-order filling,
-                                                             C' what the forward left),
-both exact for divisible work; the fill that realises them is returned for the picture.
+`search.multimodal.PartPricer`), so encoder work can run on a rank while its LLM stage idles.
+This prices the placement the runtime executes (`runtime/vlm_pipeline.py`), which is coarser
+than filling every idle interval: a rank runs its encoder forward passes in its warm-up bubble
+(before its first LLM forward) and its backward passes in its cool-down bubble (after its last
+LLM backward); the idle time between a rank's LLM operations stays idle, because
+torch.distributed.pipelining's 1F1B fuses a forward's send with the next backward's receive, so
+work placed there would hold back the next stage. Which rank encodes how many whole images of
+which micro-batch, S (the step starts S earlier) and E (it ends E later) come from
+`adapt.bubbles.assign` (its docstring has the formulas), with
+    D_j = start of stage 0's forward of j - hop,  R_j = end of stage 0's backward of j + hop,
+hop = the point-to-point hand-off of a micro-batch's image tokens (or their gradient) into stage
+0's group, and f, b the encoder's forward / backward seconds per image on a rank group: its plan
+priced for the even share of m ceil(I / (m pp)) images, divided by that count (linear in images).
     step = S + T + E + LLM tail + encoder tail + all-reduce of the encoder's gradient shards
            over the pp replicas (2 P_E / n bytes).
-Memory: each rank adds its encoder replica's peak, holding every micro-batch's encoder
-activations from forward to backward; a rank over the device's usable memory is refused.
+Memory: each rank adds its encoder replica's peak, holding the activations of every image it
+encodes from forward to backward, so the placement caps each rank's images at what its usable
+memory holds; the encoder's fastest plan and its leanest (full recompute, ZeRO-3) are both
+placed and the faster step is taken (neither fitting is refused in one line).
 
 Baseline (`extra_stage_baseline`): the encoder as extra pipeline work, Megatron-style: the
 encoder's layers (priced on n devices for a whole LLM micro-batch's images) go in front of the
@@ -53,6 +49,7 @@ from ..search.planner import NoFeasiblePlanError, search
 from ..search.space import SearchOptions
 from ..spec.tasks import TaskSpec
 from ..spec.workload import Workload
+from .bubbles import PipelineWindows, assign
 
 GiB = 2**30
 LEAN_ENCODER = LEAN_OPTIONS
@@ -78,6 +75,7 @@ class OptimusResult:
     extension_s: float  # E
     tail_s: float
     pieces: tuple[Piece, ...]
+    counts: tuple[tuple[int, ...], ...] = ()  # [pipeline rank][micro-batch] images it encodes (adapt/bubbles.py)
 
     @property
     def step_s(self) -> float:
@@ -134,121 +132,80 @@ def _llm_events(plan: Plan):
     return sim, tails
 
 
-def _idle_intervals(events, pp: int, horizon: float) -> list[list[tuple[float, float]]]:
-    per_rank = [sorted((e.start, e.end) for e in events if e.stage == r) for r in range(pp)]
-    out = []
-    for busy in per_rank:
-        gaps, t = [], 0.0
-        for s, e in busy:
-            if s > t + 1e-12:
-                gaps.append((t, s))
-            t = max(t, e)
-        if horizon > t + 1e-12:
-            gaps.append((t, horizon))
-        out.append(gaps)
-    return out
-
-
-def _capacity_before(gaps, t: float) -> float:
-    return sum(max(0.0, min(e, t) - s) for rank in gaps for s, e in rank)
-
-
-def _capacity_after(gaps, t: float) -> float:
-    return sum(max(0.0, e - max(s, t)) for rank in gaps for s, e in rank)
-
-
-def _fill(gaps, items, kind: str, forward: bool):
-    """Place divisible work: forward items (work, deadline) earliest capacity first; backward
-    items (work, release) in release order, each into the earliest capacity after its release.
-    Mutates `gaps` (removes what is used); returns the pieces."""
-    pieces = []
-    for j, (work, when) in enumerate(items):
-        left = work
-        while left > 1e-15:
-            best = None
-            for r, rank in enumerate(gaps):
-                for k, (s, e) in enumerate(rank):
-                    start = s if forward else max(s, when)
-                    if e - start <= 1e-15 or (forward and start >= when - 1e-15):
-                        continue
-                    if best is None or start < best[0]:
-                        best = (start, r, k)
-            if best is None:
-                break  # the shift / extension computed beforehand makes this unreachable
-            start, r, k = best
-            s, e = gaps[r][k]
-            stop = min(e, when) if forward else e
-            take = min(left, stop - start)
-            pieces.append(Piece(r, kind, j, start, start + take))
-            left -= take
-            new = [(s, start)] if start > s + 1e-15 else []
-            if start + take < e - 1e-15:
-                new.append((start + take, e))
-            gaps[r][k:k + 1] = new
-    return pieces
-
-
-def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan) -> OptimusResult:
-    """Encoder work in the bubbles of `plan` (an LLM pipeline plan); see the module docstring."""
+def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan, lean: bool = True) -> OptimusResult:
+    """Encoder work in the bubbles of `plan` (an LLM pipeline plan); see the module docstring.
+    `lean=False`: only the encoder's plan from the pricer's options (not the leanest)."""
     vlm, cluster = pricer.vlm, pricer.cluster
     pp, m, n = plan.pipeline.degree, plan.num_micro_batches, plan.stage_size
     images = task.images()
-    per_group = m * math.ceil(images / (m * pp))  # whole images: the fullest group's share of each micro-batch
-    enc = pricer.cost("vision_encoder", n, per_group, vlm.encoder_seq_len)
-    if not enc.feasible:
-        raise TesseraError(f"encoder placement on every pipeline rank ({n} GPUs each) does not fit: {enc.why}")
-    try:
-        _check_memory(plan, enc)
-    except TesseraError:
-        # The fastest encoder plan holds too much: every micro-batch's activations stay alive from
-        # forward to backward here, so take the leanest (full recompute, ZeRO-3) instead.
-        lean = pricer.cost("vision_encoder", n, per_group, vlm.encoder_seq_len, LEAN_ENCODER)
-        if not lean.feasible:
-            raise
-        enc = lean
-        _check_memory(plan, enc)
+    per_mb = [images // m + (j < images % m) for j in range(m)]
+    per_group = m * math.ceil(images / (m * pp))  # the even share of whole images, as priced
     sim, tails = _llm_events(plan)
-    events, horizon = sim.events, sim.step_time
     hop = group_handoff_s(cluster, vlm, images / m, n)
-    first = {(e.kind, e.micro_batch): e for e in events if e.stage == 0}
-    w_f, w_b = pp * enc.fwd_s / m, pp * enc.bwd_s / m
-    deadlines = [first["F", j].start - hop for j in range(m)]
-    releases = [first["B", j].end + hop for j in range(m)]
-    gaps = _idle_intervals(events, pp, horizon)
-    shift = 0.0
-    for j, d in enumerate(deadlines):
-        need = (j + 1) * w_f
-        shift = max(shift, (need / pp - d) if d < 0 else (need - _capacity_before(gaps, d)) / pp)
-    shift = max(0.0, shift)
-    for rank in gaps:
-        rank.insert(0, (-shift, 0.0))
-    pieces = _fill(gaps, [(w_f, d) for d in deadlines], "EF", forward=True)
-    order = sorted(range(m), key=lambda j: releases[j])
-    ext = 0.0
-    for pos, j in enumerate(order):
-        suffix = (m - pos) * w_b
-        late = max(0.0, releases[j] - horizon)  # released after the pipeline ends: wait for it
-        ext = max(ext, (suffix - _capacity_after(gaps, releases[j])) / pp + late)
-    ext = max(0.0, ext)
-    for rank in gaps:
-        rank.append((horizon, horizon + ext))
-    pieces += _fill(gaps, [(w_b, releases[j]) for j in order], "EB", forward=False)
-    pieces += [Piece(e.stage, e.kind, e.micro_batch, e.start, e.end) for e in events]
+    windows = PipelineWindows.from_events(sim.events, pp, m, sim.step_time, hop)
+    # The encoder's fastest plan and its leanest (full recompute, ZeRO-3): a rank keeps its
+    # images' activations from its forward passes to its backward passes, so the fastest may
+    # hold too few images per rank for a good placement, or none.
+    best, why = None, ""
+    for options in (pricer.encoder_options, LEAN_ENCODER)[:2 if lean else 1]:
+        enc = pricer.cost("vision_encoder", n, per_group, vlm.encoder_seq_len, options)
+        if not enc.feasible:
+            why = f"encoder placement on every pipeline rank ({n} GPUs each) does not fit: {enc.why}"
+            continue
+        placed = assign(windows, per_mb, enc.fwd_s / per_group, enc.bwd_s / per_group,
+                        _max_images(plan, enc, per_group))
+        if placed is None:
+            why = _memory_refusal(plan, enc, math.ceil(images / pp) / per_group)
+            continue
+        try:
+            _check_memory(plan, enc, max(placed.images_per_rank) / per_group)
+        except TesseraError as e:
+            why = str(e)
+            continue
+        if best is None or placed.shift_s + placed.extension_s + enc.tail_s < best[0]:
+            best = (placed.shift_s + placed.extension_s + enc.tail_s, enc, placed)
+    if best is None:
+        raise TesseraError(why)
+    _, enc, placed = best
+    pieces = [Piece(p.rank, p.kind, p.micro_batch, p.start, p.end) for p in placed.passes]
+    pieces += [Piece(e.stage, e.kind, e.micro_batch, e.start, e.end) for e in sim.events]
     combine = float(collective_times(cluster, "all_reduce", 2.0 * pricer.model("vision_encoder").num_params / n,
                                      pp, n)) if pp > 1 else 0.0
-    return OptimusResult(pp, m, plan, enc, horizon, shift, ext, max(tails) + enc.tail_s + combine, tuple(pieces))
+    return OptimusResult(pp, m, plan, enc, sim.step_time, placed.shift_s, placed.extension_s,
+                         max(tails) + enc.tail_s + combine, tuple(pieces), placed.counts)
 
 
-def _check_memory(plan: Plan, enc: PartCost) -> None:
-    """Each rank holds its LLM stage and an encoder replica with all its micro-batches' activations."""
+def _encoder_bytes(plan: Plan, enc: PartCost, share: float) -> tuple[float, float]:
+    """(a rank's peak bytes, the encoder's part of it) with `share` x the even share's images."""
     mem = enc.plan.prediction.stage_memory[0]
-    extra = mem.total - plan.cluster.device.reserved_bytes + mem.activations * (enc.plan.num_micro_batches - 1)
-    peak = plan.prediction.peak_memory + extra
-    limit = usable_memory(plan.cluster)
-    if peak > limit:
-        raise TesseraError(f"encoder placement in the pipeline bubbles does not fit: a rank needs "
-                           f"{peak / GiB:.1f} GiB (LLM stage {plan.prediction.peak_memory / GiB:.1f} + encoder "
-                           f"{extra / GiB:.1f}) of {limit / GiB:.1f} GiB usable")
+    extra = (mem.total - plan.cluster.device.reserved_bytes
+             + mem.activations * (enc.plan.num_micro_batches * max(share, 1.0) - 1))
+    return plan.prediction.peak_memory + extra, extra
+
+
+def _max_images(plan: Plan, enc: PartCost, per_group: int) -> int:
+    """The most images a rank may encode in a step: each holds the activations of its images
+    from forward to backward (one image's: the priced plan's activations over its images)."""
+    mem = enc.plan.prediction.stage_memory[0]
+    per_image = mem.activations * enc.plan.num_micro_batches / per_group
+    peak, _ = _encoder_bytes(plan, enc, 1.0)
+    room = usable_memory(plan.cluster) - peak
+    return per_group + int(math.floor(room / per_image)) if per_image > 0 else 1 << 40
+
+
+def _memory_refusal(plan: Plan, enc: PartCost, share: float) -> str:
+    peak, extra = _encoder_bytes(plan, enc, share)
+    return (f"encoder placement in the pipeline bubbles does not fit: a rank needs {peak / GiB:.1f} GiB (LLM stage "
+            f"{plan.prediction.peak_memory / GiB:.1f} + encoder {extra / GiB:.1f}) of "
+            f"{usable_memory(plan.cluster) / GiB:.1f} GiB usable")
+
+
+def _check_memory(plan: Plan, enc: PartCost, share: float = 1.0) -> None:
+    """Each rank holds its LLM stage and an encoder replica with the activations of every image it
+    encodes; `share`: the fullest rank's images over the even share the encoder was priced for."""
+    peak, _ = _encoder_bytes(plan, enc, share)
+    if peak > usable_memory(plan.cluster):
+        raise TesseraError(_memory_refusal(plan, enc, share))
 
 
 def _min_max_split(weights: list[float], parts: int, fits=None) -> list[tuple[int, int]] | None:
@@ -295,7 +252,7 @@ def extra_stage_baseline(pricer: PartPricer, task: TaskSpec, plan: Plan) -> Extr
     # The encoder's fastest plan, and its leanest (full recompute, ZeRO-3): the stages that hold
     # encoder layers keep up to pp micro-batches of their activations, so the lean one may be the
     # only one that fits, or fit a better split.
-    for options in (None, LEAN_ENCODER):
+    for options in (pricer.encoder_options, LEAN_ENCODER):
         enc = pricer.cost("vision_encoder", n, task.images(), vlm.encoder_seq_len, options)
         if not enc.feasible:
             why = f"encoder as a pipeline stage on {n} GPUs does not fit: {enc.why}"

@@ -4,8 +4,9 @@ then every plan kind the planner knows (`adapt.vlm_choice`: no pipeline, Optimus
 pipeline stages; Spindle waves, tasks one after another), fastest first, and the chosen one with
 why.
 
-`-o plan.json` writes the multimodal plan (kind "multimodal": the waves' timeline and each
-task's plans); `tessera show plan.json` draws the waves. No torch import.
+`-o plan.json` writes the multimodal plan (kind "multimodal": the waves' timeline, each task's
+plans, the Optimus placement when it was priced); `tessera show plan.json` draws the waves and the
+encoder's passes in the LLM pipeline's bubbles. No torch import.
 """
 from __future__ import annotations
 
@@ -67,6 +68,13 @@ def run_multimodal(args, cluster, out) -> int:
         out.print(f"  {k.kind}: {k.step_s * 1e3:.1f} ms per step ({k.detail})")
     for kind, why in choice.skipped:
         out.print(f"  [dim]{kind}: not priced ({why})[/dim]")
+    optimus = next((k.result for k in choice.kinds if k.kind == "Optimus"), None)
+    if optimus is not None:  # the picture of the encoder's passes in the pipeline's bubbles
+        record.update(optimus=dict(
+            pp=optimus.pp, micro_batches=optimus.num_micro_batches, shift_s=optimus.shift_s,
+            extension_s=optimus.extension_s, bubble_filled=optimus.bubble_filled(),
+            counts=[list(row) for row in optimus.counts],
+            pieces=[[p.rank, p.kind, p.micro_batch, p.start, p.end] for p in optimus.pieces]))
     best = choice.best
     out.print(f"[bold]chosen: {best.kind}[/bold], {best.step_s * 1e3:.1f} ms per step: {choice.why()}")
     record.update(chosen=dict(kind=best.kind, step_s=best.step_s, detail=best.detail, why=choice.why()),
@@ -94,4 +102,15 @@ def show_multimodal(record: dict, path: Path, out_dir: Path, console, plots: boo
 
         files = plot_waves(record["timeline"], record["gpus"], out_dir / f"{path.stem}-waves")
         console.print("waves: " + ", ".join(str(f) for f in files))
+    if record.get("optimus"):
+        o = record["optimus"]
+        console.print(f"Optimus: pp={o['pp']}, {o['micro_batches']} micro-batches, {o['bubble_filled']:.0%} of the "
+                      f"bubbles filled with encoder passes (start {o['shift_s'] * 1e3:.1f} ms earlier, end "
+                      f"{o['extension_s'] * 1e3:.1f} ms later); images per pipeline rank "
+                      f"{[sum(row) for row in o['counts']]}")
+        if plots:
+            from ..report.multimodal_plots import plot_optimus, schedule_from_record
+
+            files = plot_optimus(schedule_from_record(o), out_dir / f"{path.stem}-optimus")
+            console.print("Optimus bubbles: " + ", ".join(str(f) for f in files))
     return 0

@@ -3,16 +3,21 @@
 The planner prices every plan kind of the run's one image-text task (`adapt.vlm_choice.choose`:
 no pipeline with the encoder colocated or on ranks of its own, Optimus, the encoder as extra
 pipeline stages) and picks the fastest. The runtime (`runtime.multimodal.MultimodalTrainer`) runs
-a colocated plan: the LLM under any non-pipeline plan, the encoder data parallel on every rank with
-its ZeRO stage and recompute. When the planner's choice is another kind, the run takes the best
-colocated plan the runtime runs (the encoder searched without tensor, sequence or pipeline
-parallelism, the LLM without a pipeline) and says so in one line.
+a colocated plan (the LLM under any non-pipeline plan, the encoder data parallel on every rank with
+its ZeRO stage and recompute) and Optimus (`runtime/vlm_pipeline.py`: the LLM's 1F1B pipeline,
+the encoder replicated on every rank, its passes placed in the bubbles as the planner placed
+them) when the Optimus encoder plan is data parallel without ZeRO. When the planner's choice is
+another kind, the run takes the faster of the best colocated plan and the best Optimus plan the
+runtime runs (the encoder searched without tensor, sequence or pipeline parallelism, and without
+ZeRO for Optimus; the colocated LLM without a pipeline) and says so in one line.
 """
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import replace
+
+from ..adapt.optimus import OptimusResult
 
 # The encoder strategy the launcher chose, for the ranks it starts (beside LAUNCHED_PLAN).
 LAUNCHED_ENCODER = "TESSERA_RUN_ENCODER"
@@ -44,25 +49,78 @@ def plan_vlm(vlm, llm_model, world: int, workload, cluster) -> VLMPlan:
     choice = choose(PartPricer(spec, cluster, options=options, dtype=workload.dtype), MultiTaskWorkload(tasks=(task,)),
                     world)
     best = choice.best
-    task_plan, why_not = best.result, _not_runnable(best, world)
+    chosen, why_not = best.result, _not_runnable(best, world)
     if why_not:
         runnable_llm = replace(options, max_pp=1)
         runnable_encoder = replace(options, max_pp=1, max_tp=1, max_sp=1, allow_cp=False, allow_hsdp=False,
                                    allow_offload=False)
         pricer = PartPricer(spec, cluster, options=runnable_llm, dtype=workload.dtype,
                             encoder_options=runnable_encoder)
-        task_plan = plan_vlm_task(pricer, task, world, encoder_gpus=world)
-    enc = task_plan.encoder.plan
-    encoder = dict(dp=world, first_rank=0, zero=max(s.zero for s in enc.layers),
-                   recompute=any(s.recompute != Recompute.NONE for s in enc.layers))
-    lines = [f"encoder plan (data parallel on every rank): {task_plan.encoder.describe()}",
-             f"LLM plan: {task_plan.llm.describe()}"]
+        chosen = plan_vlm_task(pricer, task, world, encoder_gpus=world)
+        optimus = _runnable_optimus(spec, cluster, options, workload.dtype, task, world)
+        if optimus is not None and optimus.step_s < chosen.step_s:
+            chosen = optimus
+    if isinstance(chosen, OptimusResult):
+        from dataclasses import asdict
+
+        from ..runtime.multimodal import from_optimus
+
+        llm_plan, strategy = from_optimus(chosen, world)
+        encoder = {**asdict(strategy), "bubbles": [list(row) for row in strategy.bubbles]}
+        kind = "Optimus with an encoder it replicates"
+        lines = [f"encoder plan (replicated on every rank, its passes in the LLM pipeline's bubbles): "
+                 f"{chosen.encoder.describe()}; images encoded per pipeline rank "
+                 f"{[sum(row) for row in chosen.counts]}",
+                 f"LLM plan: pipeline pp={chosen.pp} with {chosen.num_micro_batches} micro-batches, "
+                 f"{chosen.bubble_filled():.0%} of its bubbles filled"]
+    else:
+        enc = chosen.encoder.plan
+        encoder = dict(dp=world, first_rank=0, zero=max(s.zero for s in enc.layers),
+                       recompute=any(s.recompute != Recompute.NONE for s in enc.layers))
+        llm_plan, kind = chosen.llm.plan, "the colocated plan"
+        lines = [f"encoder plan (data parallel on every rank): {chosen.encoder.describe()}",
+                 f"LLM plan: {chosen.llm.describe()}"]
     if why_not:
         lines.append(f"the planner's choice, {best.kind} ({best.step_s * 1e3:.1f} ms per step), {why_not}: running "
-                     f"the best colocated plan it runs ({task_plan.step_s * 1e3:.1f} ms per step)")
+                     f"the fastest plan it runs, {kind} ({chosen.step_s * 1e3:.1f} ms per step)")
     else:
         lines.append(f"chosen: {best.kind}, {best.step_s * 1e3:.1f} ms per step ({choice.why()})")
-    return VLMPlan(task_plan.llm.plan, encoder, lines)
+    return VLMPlan(llm_plan, encoder, lines)
+
+
+def _runnable_optimus(spec, cluster, options, dtype, task, world: int):
+    """The fastest Optimus plan whose encoder plan the runtime runs (data parallel, no ZeRO), or
+    None; `options`: the run's search options, which the encoder's are narrowed from."""
+    from ..adapt.optimus import llm_pipeline_plans, optimus_schedule
+    from ..adapt.vlm_choice import PIPELINE_DEGREES
+    from ..errors import TesseraError
+    from ..search.multimodal import PartPricer
+
+    encoder_options = replace(options, max_pp=1, max_tp=1, max_sp=1, allow_cp=False, allow_hsdp=False,
+                              allow_offload=False, zero_stages=(0,))
+    pricer = PartPricer(spec, cluster, dtype=dtype, encoder_options=encoder_options)
+    degrees = tuple(d for d in PIPELINE_DEGREES if world % d == 0 and d <= len(spec.llm.layers) and d < world)
+    best = None
+    for plan in llm_pipeline_plans(pricer, task, world, degrees):
+        try:
+            result = optimus_schedule(pricer, task, plan, lean=False)
+        except TesseraError:
+            continue
+        if not _optimus_why_not(result, world) and (best is None or result.step_s < best.step_s):
+            best = result
+    return best
+
+
+def _optimus_why_not(result, world: int) -> str:
+    """Why the runtime cannot run an Optimus plan ('' when it can)."""
+    from ..errors import TesseraError
+    from ..runtime.multimodal import from_optimus
+
+    try:
+        from_optimus(result, world)
+    except TesseraError as e:
+        return f"is not run by this runtime yet ({e})"
+    return ""
 
 
 def _not_runnable(kind, world: int) -> str:
@@ -71,6 +129,8 @@ def _not_runnable(kind, world: int) -> str:
     from ..runtime.multimodal import from_task_plan
     from ..search.multimodal import TaskPlan
 
+    if isinstance(kind.result, OptimusResult):
+        return _optimus_why_not(kind.result, world)
     if not isinstance(kind.result, TaskPlan):
         return "is not run by this runtime yet"
     try:
@@ -101,7 +161,10 @@ def launched_encoder() -> dict | None:
 def encoder_strategy(encoder: dict | None):
     from ..runtime.multimodal import EncoderStrategy
 
-    return EncoderStrategy(**encoder) if encoder else None
+    if not encoder:
+        return None
+    bubbles = tuple(tuple(row) for row in encoder.get("bubbles", ()))
+    return EncoderStrategy(**{**encoder, "bubbles": bubbles})
 
 
 __all__ = ["plan_vlm", "VLMPlan", "write_encoder", "launched_encoder", "encoder_strategy", "LAUNCHED_ENCODER"]

@@ -268,10 +268,17 @@ class ImageSplice:
         self.image_token_id = image_token_id
         self.take = take or (lambda x: x)
         self.images: torch.Tensor | None = None
+        # (B, S) bool: the caller's placeholder positions, set with `images` when the embedding's
+        # output is not in its input's layout (a sequence-parallel vocabulary-parallel embedding
+        # reduce-scatters the sequence): the mask is then `take` of it, like the images.
+        self.placeholders: torch.Tensor | None = None
 
     def __call__(self, module, args, output):
         if self.images is None:
             return output
+        if self.placeholders is not None:
+            mask = self.take(self.placeholders)[..., None]
+            return torch.where(mask, self.take(self.images).to(output.dtype), output)
         tokens = args[0].to_local() if hasattr(args[0], "to_local") else args[0]  # a TP embedding's input
         images = self.take(self.images)
         if tokens.shape[:2] != images.shape[:2]:  # a sequence-parallel embedding outputs its block

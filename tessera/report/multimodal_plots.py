@@ -47,6 +47,15 @@ def plot_optimus(result: Any, stem: str | Path, title: str = "") -> tuple[Path, 
     return paths
 
 
+def schedule_from_record(record: dict) -> Any:
+    """What `plot_optimus` draws, from a plan file's "optimus" record (`tessera plan -o`)."""
+    from types import SimpleNamespace
+
+    pieces = tuple(SimpleNamespace(rank=r, kind=k, micro_batch=j, start=s, end=e) for r, k, j, s, e in record["pieces"])
+    return SimpleNamespace(pp=record["pp"], num_micro_batches=record["micro_batches"], pieces=pieces,
+                           bubble_filled=lambda: record["bubble_filled"])
+
+
 def plot_waves(timeline: list, gpus: int, stem: str | Path, title: str = "") -> tuple[Path, ...]:
     """`timeline`: (operator, 'F'/'B', first device, devices, start, end) rows
     (`SpindlePlan.timeline`)."""

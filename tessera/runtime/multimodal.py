@@ -28,6 +28,9 @@ own mean): encoder gradients are summed over the encoder ranks and divided by P 
 FSDP2's mean over E ranks is rescaled by E / P. Gradient clipping takes the global norm over the
 LLM's and the encoder's gradients on every rank.
 
+With an LLM pipeline (Optimus): the encoder is replicated on every rank and its passes run in the
+pipeline's bubbles, the hand-off by point-to-point transfers into stage 0 (`runtime/vlm_pipeline.py`).
+
 Rows: the global batch has B rows in D data blocks (`data_parallel_size`), each split into m
 micro-batches of b = B / (D m) rows; micro-batch i is rows {d B / D + i b + k}. The encoder's E
 ranks take contiguous, near-equal shares of that list (floor(j N / E) .. floor((j+1) N / E)).
@@ -63,6 +66,9 @@ class EncoderStrategy:
     first_rank: int = 0
     zero: int = 0
     recompute: bool = False
+    # With an LLM pipeline (Optimus, runtime/vlm_pipeline.py): images of each micro-batch each
+    # pipeline rank encodes, [pipeline rank][micro-batch] (adapt.bubbles); () = its default.
+    bubbles: tuple = ()
 
     def ranks(self, world_size: int) -> list[int]:
         dp = self.dp or world_size
@@ -97,6 +103,24 @@ def from_task_plan(task_plan, world_size: int) -> tuple[Plan, EncoderStrategy]:
         raise TesseraError(f"task '{task_plan.task}' was planned for {enc.world_size} ranks, not {world_size}")
     return task_plan.llm.plan, EncoderStrategy(dp=world_size, zero=max(s.zero for s in enc.layers),
                                                recompute=any(s.recompute != Recompute.NONE for s in enc.layers))
+
+
+def from_optimus(result, world_size: int) -> tuple[Plan, EncoderStrategy]:
+    """The LLM pipeline plan and the encoder strategy this runtime executes for a planned Optimus
+    result (`adapt.optimus.optimus_schedule`): the encoder replicated on every rank (its plan must
+    be data parallel without ZeRO), its passes where the planner placed them (`counts`)."""
+    from ..plan import Recompute
+
+    enc = result.encoder.plan
+    if enc.pipeline.degree > 1 or any(s.tp > 1 or s.sp_degree > 1 or s.zero or s.offload_optimizer
+                                      for s in enc.layers):
+        raise TesseraError("the Optimus encoder plan uses tensor/sequence parallelism or ZeRO, which this runtime "
+                           "does not run in the bubbles yet (it replicates the encoder on every rank)")
+    if result.llm_plan.world_size != world_size:
+        raise TesseraError(f"the Optimus plan was made for {result.llm_plan.world_size} ranks, not {world_size}")
+    return result.llm_plan, EncoderStrategy(dp=world_size, recompute=any(s.recompute != Recompute.NONE
+                                                                          for s in enc.layers),
+                                            bubbles=tuple(tuple(row) for row in result.counts))
 
 
 # --- which rows go where ---------------------------------------------------------------------------
@@ -202,8 +226,7 @@ class MultimodalTrainer(Trainer):
         self.vlm = vlm
         self.encoder_strategy = encoder or EncoderStrategy()
         if config.plan.pipeline.degree > 1:
-            raise TesseraError("a vision-language plan with an LLM pipeline is not supported by this runtime yet "
-                               "(plan.pipeline.degree must be 1)")
+            _check_pipeline(config.plan, self.encoder_strategy)
         if config.eval_every:
             raise TesseraError("evaluation of a vision-language run is not supported yet (eval.every must be 0)")
         if config.plan.model.config != vlm.llm:
@@ -217,6 +240,9 @@ class MultimodalTrainer(Trainer):
         strategy.check(self.world_size)
         ranks = strategy.ranks(self.world_size)
         self.encoder_ranks = ranks
+        if self.pipeline is not None:
+            self._build_bubbles()
+            return
         self.handoff_group = dist.new_group(list(range(self.world_size)))
         self.encoder_group = dist.new_group(ranks) if len(ranks) > 1 else None
         self.encoder_mesh = None
@@ -248,6 +274,35 @@ class MultimodalTrainer(Trainer):
         embedding.register_forward_hook(self.splice)
         if self.encoder is not None:
             self.model_parts = self.model_parts + [self.encoder]
+
+    def _build_bubbles(self) -> None:
+        """The LLM pipeline's Optimus step (runtime/vlm_pipeline.py): the encoder on every rank."""
+        from ..adapt.bubbles import default_assignment
+        from .precision import _LOW_PRECISION
+        from .vlm_pipeline import BubbleRoutes, BubbleStep, check_counts
+
+        plan, pp, m = self.plan, self.plan.pipeline.degree, self.plan.num_micro_batches
+        self.handoff_group = dist.new_group(list(range(self.world_size)))
+        self.encoder_group = self.handoff_group if self.world_size > 1 else None
+        self.encoder_mesh = None
+        self.handoff = HandoffPlan(plan.workload.global_batch, self.data_size, m, tuple(self.encoder_ranks))
+        if self.handoff.rows_per_block * self.data_size * m != plan.workload.global_batch:
+            raise TesseraError(f"global batch {plan.workload.global_batch} does not split into "
+                               f"{self.data_size} data blocks x {m} micro-batches")
+        per_mb = self.data_size * self.handoff.rows_per_block
+        counts = self.encoder_strategy.bubbles or default_assignment(pp, m, per_mb).counts
+        check_counts(counts, pp, m, per_mb)
+        first, n = plan.layers[0], plan.stage_size
+        coords = [layer_coords(s, n, first.dp, first.sp_degree, first.tp) for s in range(n)]
+        routes = BubbleRoutes(tuple(map(tuple, counts)), self.handoff, n,
+                              tuple(s // (n // self.data_size) for s in range(n)), tuple(c.tp == 0 for c in coords))
+        self.routes = routes
+        self.encoder = self._build_encoder()
+        self.wire_dtype = _LOW_PRECISION.get(self.dtype, torch.float32)
+        ctx = self.loss_fn.ctx
+        self.bubble_step = BubbleStep(self, routes, image_token_id(self.vlm), _image_tokens(self.vlm),
+                                      self.vlm.llm.hidden, lambda x: ctx.data_block(x, ctx.layer_acts[0]))
+        self.model_parts = self.model_parts + [self.encoder]
 
     def _build_encoder(self) -> nn.Module:
         from .materialize import canonical_name, full_value_slice, local_rectangle
@@ -293,6 +348,8 @@ class MultimodalTrainer(Trainer):
     # --- data ------------------------------------------------------------------------------------
     def encoded_rows(self) -> list[int]:
         """Global rows whose images this rank encodes in a step (tests feed these)."""
+        if self.pipeline is not None:
+            return self.routes.encoded_rows(self.rank)
         return self.handoff.encoded_rows(self.rank)
 
     def build_data(self, split: str = "train"):
@@ -324,6 +381,10 @@ class MultimodalTrainer(Trainer):
         if self.seq_multiple > 1 and tokens.shape[1] % self.seq_multiple:
             raise TesseraError(f"seq_len {tokens.shape[1]} must be a multiple of {self.seq_multiple} "
                                "for this plan's sequence shards (a VLM's sequences are not padded)")
+        if self.pipeline is not None:
+            loss = self.bubble_step.run(tokens, labels, images)
+            self._sync_encoder_grads()
+            return loss
         module = self.parallel.module
         total = torch.zeros((), device=self.device)
         tok_chunks, lab_chunks = tokens.chunk(n), labels.chunk(n)
@@ -339,6 +400,7 @@ class MultimodalTrainer(Trainer):
             received = self.exchange.forward(sent if sent is not None else torch.zeros(
                 0, p_tokens, hidden, device=self.device), p_tokens, hidden).requires_grad_()
             self.splice.images = scatter_images(tok_chunks[i], received, self.splice.image_token_id)
+            self.splice.placeholders = tok_chunks[i] == self.splice.image_token_id
             no_sync = module.no_sync() if (hasattr(module, "no_sync") and not last) else nullcontext()
             self.parallel.sync.before_backward(last)
             with no_sync, self.loss_fn.context():
@@ -346,7 +408,7 @@ class MultimodalTrainer(Trainer):
                     logits = module(tok_chunks[i])
                     loss = self.loss_fn(logits, lab_chunks[i])
                 (loss / n).backward()
-            self.splice.images = None
+            self.splice.images = self.splice.placeholders = None
             total += _plain(loss).detach() / n
             grad = self.exchange.backward(received.grad, tuple(mine.shape) if mine is not None else (0, p_tokens, hidden),
                                           received.dtype, self.device)
@@ -372,6 +434,10 @@ class MultimodalTrainer(Trainer):
         if self.encoder is None:
             return
         pieces, e = self.loss_fn.pieces, len(self.encoder_ranks)
+        if self.pipeline is not None:  # a rank that encoded nothing this step adds zeros
+            for p in self.encoder.parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
         grads = [p.grad for p in self.encoder.parameters() if p.grad is not None]
         if self.encoder_strategy.zero:
             factor = e / pieces
@@ -390,7 +456,8 @@ class MultimodalTrainer(Trainer):
         squared norm broadcast from its first rank), then step every optimizer."""
         llm_params = [p for part in self.model_parts if part is not self.encoder for p in part.parameters()]
         llm_params = list({id(p): p for p in llm_params}.values())
-        sq = grad_norm([p for p in llm_params if id(p) not in self.tied_copies]).pow(2)
+        pp_group = self.dims.mesh.get_group("pp") if self.pipeline is not None else None
+        sq = grad_norm([p for p in llm_params if id(p) not in self.tied_copies], pp_group).pow(2)
         enc_sq = torch.zeros((), device=sq.device)
         if self.encoder is not None:
             enc_sq = grad_norm(list(self.encoder.parameters())).pow(2).to(sq.device)
@@ -422,6 +489,18 @@ class MultimodalTrainer(Trainer):
             else:
                 yield "llm." + name, p
 
+
+
+def _check_pipeline(plan: Plan, encoder: EncoderStrategy) -> None:
+    """What the Optimus runtime runs (runtime/vlm_pipeline.py), refused in one sentence otherwise."""
+    from ..plan import Schedule
+
+    if plan.pipeline.schedule not in (Schedule.ONE_F_ONE_B, Schedule.GPIPE) or plan.pipeline.virtual_stages > 1:
+        raise TesseraError(f"a vision-language plan with an LLM pipeline runs the 1f1b or gpipe schedule with one "
+                           f"chunk per rank, not {plan.pipeline.schedule.value} with {plan.pipeline.virtual_stages}")
+    if encoder.zero or encoder.first_rank or encoder.dp not in (0, plan.world_size):
+        raise TesseraError("with an LLM pipeline the encoder is replicated on every rank (encoder dp = all, "
+                           f"zero 0), not dp={encoder.dp} from rank {encoder.first_rank} with zero {encoder.zero}")
 
 
 def _image_tokens(vlm) -> int:

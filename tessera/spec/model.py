@@ -11,6 +11,7 @@ Plain data: no torch import. Units: FLOPs, bytes, tokens.
 from __future__ import annotations
 
 from enum import StrEnum
+from functools import lru_cache
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -292,16 +293,16 @@ class ModelSpec(Frozen):
         another would train the one and be priced as the other."""
         if self.config is None:
             return self
-        want = ModelSpec.from_config(self.config).layers
+        want = _config_signature(self.config)
         have = self.layers
         if len(want) != len(have):
             raise ValueError(f"model.config describes {len(want)} layers (with embedding and head), "
                              f"model.layers has {len(have)}")
         for i, (a, b) in enumerate(zip(want, have)):
-            if (a.kind, a.hidden, a.params) != (b.kind, b.hidden, b.params):
+            if a != (b.kind, b.hidden, b.params):
                 raise ValueError(f"model.layers[{i}] ({b.name}: {b.kind.value}, hidden {b.hidden}, {b.params:,} "
-                                 f"parameters) is not what model.config describes ({a.kind.value}, hidden "
-                                 f"{a.hidden}, {a.params:,} parameters)")
+                                 f"parameters) is not what model.config describes ({a[0].value}, hidden "
+                                 f"{a[1]}, {a[2]:,} parameters)")
         return self
 
     @property
@@ -342,6 +343,13 @@ class ModelSpec(Frozen):
             layers = [layer.model_copy(update=other) for layer in layers]
         # Built from the config: consistent by construction (and `_check_config` builds one).
         return cls.model_construct(name=config.name, layers=tuple(layers), config=config)
+
+
+@lru_cache(maxsize=64)
+def _config_signature(config: TransformerConfig) -> tuple:
+    """(kind, hidden, parameters) of each layer `config` describes: what `_check_config` compares,
+    built once per config (plans are validated many times during a search)."""
+    return tuple((a.kind, a.hidden, a.params) for a in ModelSpec.from_config(config).layers)
 
 
 def _norm_params(c: TransformerConfig) -> int:

@@ -76,7 +76,7 @@ def check_gradients(name: str, plan, vlm, encoder: EncoderStrategy, rtol: float 
     images = b.images[rows] if rows else b.images[:0]
     trainer.compute_gradients(trainer.local_rows(b.tokens), trainer.local_rows(b.labels), images, b.num_targets)
     floor = 1e-3 * max(float(g.abs().max()) for g in want_all.values())
-    seen = set()
+    seen, worst = set(), torch.zeros(())
     for n, p in trainer.named_parameters():
         if p.grad is None:
             raise AssertionError(f"{name}: {n} has no gradient")
@@ -86,7 +86,11 @@ def check_gradients(name: str, plan, vlm, encoder: EncoderStrategy, rtol: float 
         scale = max(float(want_all[n].abs().max()), floor)
         if err > rtol * scale:
             raise AssertionError(f"{name}: gradient of {n} off by {err:.3e} (max |grad| {scale:.3e})")
+        worst = torch.maximum(worst, torch.tensor(err / scale))
         seen.add(n)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        print(f"GRADIENT {name} max relative error {float(worst):.2e}", flush=True)
     # Every parameter of the model has its gradient checked on some rank.
     names = [None] * WORLD
     dist.all_gather_object(names, sorted(seen))
@@ -112,8 +116,12 @@ def check_training(name: str, plan, vlm, encoder: EncoderStrategy, rtol: float =
         print(f"CHECK {name} ok", flush=True)
 
 
-def plan(strategies, micro: int = 1):
-    return make_plan(LLAMA, WORLD, strategies, num_micro_batches=micro, global_batch=BATCH, seq_len=SEQ)
+def plan(strategies, micro: int = 1, stages=None):
+    return make_plan(LLAMA, WORLD, strategies, num_micro_batches=micro, global_batch=BATCH, seq_len=SEQ,
+                     stages=stages)
+
+
+PP2, PP4 = ((0, 3), (3, 6)), ((0, 2), (2, 3), (3, 4), (4, 6))
 
 
 n = len(plan(S(dp=WORLD)).layers)
@@ -127,6 +135,13 @@ CASES = [
     ("vlm_llm_layerwise_mb2_encoder_zero2_dp4", plan(layerwise, micro=2), CLIP_LIKE, EncoderStrategy(zero=2)),
     ("vlm_qwen2vl_llm_ulysses2_dp2_encoder_rank1", plan(S(dp=2, sp="ulysses", sp_degree=2)), QWEN_LIKE,
      EncoderStrategy(dp=1, first_rank=1)),
+    # Optimus: an LLM pipeline, the encoder's passes in its warm-up / cool-down bubbles (vlm_pipeline.py).
+    ("vlm_optimus_pp2_dp2_mb4_planned_bubbles", plan(S(dp=2), micro=4, stages=PP2), CLIP_LIKE, EncoderStrategy()),
+    ("vlm_optimus_pp4_mb4_recompute_given_bubbles", plan(S(recompute="full"), micro=4, stages=PP4), CLIP_LIKE,
+     EncoderStrategy(recompute=True, bubbles=((1, 0, 0, 1), (0, 1, 0, 1), (1, 0, 1, 0), (0, 1, 1, 0)))),
+    ("vlm_optimus_pp2_tp2_gpipe_mb2_stage0_encodes_nothing",
+     make_plan(LLAMA, WORLD, S(tp=2), num_micro_batches=2, global_batch=BATCH, seq_len=SEQ, stages=PP2,
+               schedule="gpipe"), CLIP_LIKE, EncoderStrategy(bubbles=((0, 0), (4, 4)))),
 ]
 
 def planned_case():
@@ -144,10 +159,31 @@ def planned_case():
     return ("vlm_planned_task_colocated", llm_plan, CLIP_LIKE, encoder)
 
 
-for case in CASES + [planned_case()]:
+def planned_optimus_case():
+    """The planner's Optimus plan for the same task (an LLM pipeline, the encoder's passes where it
+    placed them, its encoder plan data parallel without ZeRO: what `tessera train` runs)."""
+    from tessera.cli.train_vlm import _runnable_optimus
+    from tessera.runtime.multimodal import from_optimus
+    from tessera.search.space import SearchOptions
+    from tessera.spec.multimodal import VLMSpec
+    from tessera.spec.presets.clusters import local_cpu_cluster
+    from tessera.spec.tasks import TaskSpec
+
+    task = TaskSpec(name="caption", modalities=("image", "text"), batch=BATCH,
+                    text_tokens=SEQ - CLIP_LIKE.image_tokens, images_per_sample=1)
+    result = _runnable_optimus(VLMSpec.from_config(CLIP_LIKE), local_cpu_cluster(WORLD),
+                               SearchOptions(), "fp32", task, WORLD)
+    llm_plan, encoder = from_optimus(result, WORLD)
+    assert llm_plan.pipeline.degree > 1 and encoder.bubbles == result.counts
+    return ("vlm_optimus_planned_pipeline_and_bubbles", llm_plan, CLIP_LIKE, encoder)
+
+
+for case in CASES + [planned_case(), planned_optimus_case()]:
     check_gradients(*case)
 check_training("vlm_train_3_steps_llm_dp2_tp2_zero3_encoder_ranks01", plan(S(dp=2, tp=2, zero=3)), CLIP_LIKE,
                EncoderStrategy(dp=2))
+check_training("vlm_optimus_train_3_steps_pp2_dp2_zero1", plan(S(dp=2, zero=1), micro=4, stages=PP2), CLIP_LIKE,
+               EncoderStrategy())
 
 
 # --- Spindle: several tasks in waves on groups of ranks, the shared model's gradients combined ----

@@ -1,0 +1,238 @@
+"""Which LLM pipeline rank encodes which images, and when: the Optimus placement that runs.
+
+The runtime (`runtime/vlm_pipeline.py`) and the simulator (`adapt/optimus.py`) share this
+placement. Every pipeline rank (a group of the stage's devices) holds a replica of the encoder.
+Rank r encodes a_{r,j} whole images of micro-batch j:
+
+  - forward: one encoder pass per micro-batch it serves, in micro-batch order, back to back from
+    the step's start -S, all before its first LLM forward (its warm-up bubble); pass j must end
+    by D_j (stage 0's forward of j starts at D_j + hop: the hand-off of j's image tokens);
+  - backward: the same passes in micro-batch order from the end of its last LLM backward (its
+    cool-down bubble), pass j starting no earlier than R_j (stage 0's backward of j ended and
+    sent the image tokens' gradient back); the step ends at T + E.
+
+With f, b the seconds of one image's encoder forward / backward on a rank group (the encoder's
+priced plan, linear in images) and w_r, c_r the start of rank r's first LLM forward and the end
+of its last LLM backward in the LLM's simulated 1F1B timeline (makespan T):
+    S = max(0, max_{r, j: a_rj > 0} (f * sum_{i <= j} a_ri - min(D_j, w_r)))
+    E = max(0, max_r y_r - T),  y_r = the end of r's last backward pass, where pass j starts at
+        max(end of the previous pass, c_r, R_j) and takes a_rj * b.
+The LLM's own timeline is untouched: encoder work runs only where its rank would idle, inside
+the step stretched by S at the start and E at the end.
+
+Choosing a_{r,j}: for a trial (S, E), micro-batches in order are water-filled (images treated as
+divisible) onto the ranks whose backward pass would start earliest, each rank taking no more
+than both of its windows still hold and no more images in all than its memory holds; the smallest E for each S is found by bisection, S + E is
+minimised by golden-section search over S, and the best split is rounded to whole images per
+micro-batch (largest remainders) and priced exactly by the formulas above. No torch import.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+EPS = 1e-12
+
+
+@dataclass(frozen=True)
+class EncoderPass:
+    rank: int
+    kind: str  # "EF" (encoder forward) or "EB" (encoder backward)
+    micro_batch: int
+    images: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class BubbleAssignment:
+    counts: tuple[tuple[int, ...], ...]  # [pipeline rank][micro-batch] whole images encoded
+    shift_s: float  # S
+    extension_s: float  # E
+    passes: tuple[EncoderPass, ...]
+
+    @property
+    def images_per_rank(self) -> tuple[int, ...]:
+        return tuple(sum(row) for row in self.counts)
+
+
+@dataclass(frozen=True)
+class PipelineWindows:
+    """The LLM pipeline's timeline as the encoder placement sees it (seconds)."""
+
+    warm: tuple[float, ...]  # w_r: rank r's first LLM forward starts
+    cool: tuple[float, ...]  # c_r: rank r's last LLM backward ends
+    deadlines: tuple[float, ...]  # D_j
+    releases: tuple[float, ...]  # R_j
+    horizon: float  # T
+
+    @classmethod
+    def from_events(cls, events, pp: int, m: int, horizon: float, hop: float = 0.0) -> "PipelineWindows":
+        """From `cost.schedule.simulate` events (kind "F"/"B", stage, micro_batch, start, end)."""
+        first = {(e.kind, e.micro_batch): e for e in events if e.stage == 0}
+        warm = tuple(min(e.start for e in events if e.stage == r and e.kind == "F") for r in range(pp))
+        cool = tuple(max(e.end for e in events if e.stage == r and e.kind == "B") for r in range(pp))
+        return cls(warm, cool, tuple(first["F", j].start - hop for j in range(m)),
+                   tuple(first["B", j].end + hop for j in range(m)), horizon)
+
+
+def price(windows: PipelineWindows, counts, f: float, b: float) -> BubbleAssignment:
+    """S, E and the encoder passes of a whole-image assignment (the module docstring's formulas)."""
+    w = windows
+    shift = 0.0
+    for r, row in enumerate(counts):
+        done = 0.0
+        for j, a in enumerate(row):
+            if a:
+                done += a * f
+                shift = max(shift, done - min(w.deadlines[j], w.warm[r]))
+    passes, end = [], w.horizon
+    for r, row in enumerate(counts):
+        t, y = -shift, w.cool[r]
+        for j, a in enumerate(row):
+            if a:
+                passes.append(EncoderPass(r, "EF", j, a, t, t + a * f))
+                t += a * f
+                start = max(y, w.releases[j])
+                y = start + a * b
+                passes.append(EncoderPass(r, "EB", j, a, start, y))
+        end = max(end, y)
+    return BubbleAssignment(tuple(tuple(row) for row in counts), shift, end - w.horizon, tuple(passes))
+
+
+def assign(windows: PipelineWindows, images: list[int], f: float, b: float,
+           limit: int | None = None) -> BubbleAssignment | None:
+    """Whole images of each micro-batch to pipeline ranks, S + E as small as the search finds
+    (module docstring); `limit`: the most images one rank may encode in a step (its memory holds
+    their activations from forward to backward). None when the limit leaves too few places."""
+    w = windows
+    pp, m = len(w.warm), len(images)
+    total = sum(images)
+    if total == 0:
+        return price(w, [[0] * m for _ in range(pp)], f, b)
+    # Rounding to whole images adds at most one image per micro-batch to a rank's divisible share.
+    cap = total if limit is None else min(total, limit - m)
+    if cap * pp < total:
+        return None
+    # Every rank encoding up to `cap` images before the first deadline and after the last
+    # release is feasible: these bounds hold the search.
+    s_hi = f * cap + max(0.0, -min(w.deadlines)) + EPS
+    e_hi = b * cap + max(0.0, max(w.releases) - w.horizon) + EPS
+    tol = 1e-5 * max(w.horizon, f * total / pp + b * total / pp, EPS)
+
+    def smallest(lo: float, hi: float, ok) -> float:
+        if ok(lo):
+            return lo
+        while hi - lo > tol:
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+        return hi
+
+    def e_star(s: float) -> float:
+        return smallest(0.0, e_hi, lambda e: _split(w, images, f, b, s, e, cap) is not None)
+
+    s_min = smallest(0.0, s_hi, lambda s: _split(w, images, f, b, s, e_hi, cap) is not None)
+    best = (s_min + e_star(s_min), s_min)
+    lo, hi = s_min, s_min + best[0] - s_min  # a larger S than S_min + E*(S_min) cannot win
+    ratio = (math.sqrt(5) - 1) / 2
+    a, c = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+    fa, fc = a + e_star(a), c + e_star(c)
+    while hi - lo > tol:
+        if fa <= fc:
+            hi, c, fc = c, a, fa
+            a = hi - ratio * (hi - lo)
+            fa = a + e_star(a)
+        else:
+            lo, a, fa = a, c, fc
+            c = lo + ratio * (hi - lo)
+            fc = c + e_star(c)
+    for value, s in ((fa, a), (fc, c)):
+        if value < best[0]:
+            best = (value, s)
+    s = best[1]
+    split = _split(w, images, f, b, s, e_star(s), cap)
+    counts = _whole_images(split, images)
+    return price(w, counts, f, b)
+
+
+def _split(w: PipelineWindows, images, f: float, b: float, s: float, e: float, limit: float = math.inf):
+    """Divisible images per (rank, micro-batch) that keep every pass inside its windows for a
+    start shift s and an end extension e, and every rank within `limit` images, or None.
+    Micro-batches in order; each one water-filled onto the ranks whose backward pass would start
+    earliest (level L: rank r takes min(cap_r, max(0, (L - z_r) / b)) images)."""
+    pp = len(w.warm)
+    held = [0.0] * pp
+    x = [-s] * pp  # forward cursor
+    y = list(w.cool)  # backward cursor
+    end = w.horizon + e
+    unit = b if b > 0 else (f if f > 0 else 1.0)
+    out = [[0.0] * len(images) for _ in range(pp)]
+    for j, need in enumerate(images):
+        if need <= 0:
+            continue
+        z = [max(y[r], w.releases[j]) for r in range(pp)]
+        cap = []
+        for r in range(pp):
+            fwd = (min(w.deadlines[j], w.warm[r]) - x[r]) / f if f > 0 else math.inf
+            bwd = (end - z[r]) / b if b > 0 else math.inf
+            cap.append(max(0.0, min(fwd, bwd, need, limit - held[r])))
+        if sum(cap) < need * (1 - 1e-9):
+            return None
+        level_of = z if b > 0 else x
+        take = _water_fill(level_of, cap, need, unit)
+        for r, a in enumerate(take):
+            if a > 0:
+                out[r][j] = a
+                held[r] += a
+                x[r] += a * f
+                y[r] = z[r] + a * b
+    return out
+
+
+def _water_fill(level, cap, need: float, unit: float) -> list[float]:
+    """a_r = min(cap_r, max(0, (L - level_r) / unit)) with sum a_r = need (sum cap_r >= need)."""
+    events = []
+    for r, (z, c) in enumerate(zip(level, cap)):
+        if c > 0:
+            events.append((z, 1))
+            events.append((z + c * unit, -1))
+    events.sort()
+    got, slope, prev = 0.0, 0, events[0][0]
+    mark = events[-1][0]
+    for at, step in events:
+        nxt = got + slope * (at - prev) / unit
+        if nxt >= need:
+            mark = prev + (need - got) * unit / slope
+            break
+        got, prev, slope = nxt, at, slope + step
+    return [min(c, max(0.0, (mark - z) / unit)) if c > 0 else 0.0 for z, c in zip(level, cap)]
+
+
+def _whole_images(split, images) -> list[list[int]]:
+    """Round each micro-batch's divisible split to whole images summing to its count (largest remainders)."""
+    pp = len(split)
+    counts = [[0] * len(images) for _ in range(pp)]
+    for j, need in enumerate(images):
+        shares = [split[r][j] for r in range(pp)]
+        scale = need / sum(shares) if sum(shares) > 0 else 0.0
+        shares = [a * scale for a in shares]
+        floors = [int(math.floor(a + 1e-9)) for a in shares]
+        left = need - sum(floors)
+        order = sorted(range(pp), key=lambda r: (-(shares[r] - floors[r]), r))
+        for r in order[:left]:
+            floors[r] += 1
+        for r in range(pp):
+            counts[r][j] = floors[r]
+    return counts
+
+
+def default_assignment(pp: int, m: int, images_per_micro_batch: int) -> BubbleAssignment:
+    """The placement for a pipeline whose times were not priced (a hand-made plan): a uniform
+    1F1B pipeline whose stage takes 1 s forward and 2 s backward per micro-batch, and an
+    encoder whose micro-batch takes as long as one LLM stage's."""
+    from ..cost.schedule import simulate
+
+    sim = simulate("1f1b", [1.0] * pp, [2.0] * pp, m, pp)
+    windows = PipelineWindows.from_events(sim.events, pp, m, sim.step_time)
+    per = max(images_per_micro_batch, 1)
+    return assign(windows, [images_per_micro_batch] * m, 1.0 / per, 2.0 / per)
