@@ -280,10 +280,7 @@ class ImageSplice:
             mask = self.take(self.placeholders)[..., None]
             return torch.where(mask, self.take(self.images).to(output.dtype), output)
         tokens = args[0].to_local() if hasattr(args[0], "to_local") else args[0]  # a TP embedding's input
-        images = self.take(self.images)
-        if tokens.shape[:2] != images.shape[:2]:  # a sequence-parallel embedding outputs its block
-            tokens = self.take(tokens)
-        return splice_images(output, tokens, images, self.image_token_id)
+        return splice_images(output, tokens, self.take(self.images), self.image_token_id)
 
 
 class VisionLanguageModel(nn.Module):
