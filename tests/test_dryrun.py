@@ -229,3 +229,12 @@ def test_context_parallel_ring_against_the_cost_model():
     # ZeRO-3 shards a block's tp half over dp x cp = 4 ranks: gathered forward and backward.
     assert got[("all_gather", 4, 725_504 / 2 * 2)] == (blocks * m * 2, blocks * m * 2)
     assert not [r for r in rows if r.why.startswith(("ring", "Ulysses")) and not r.matches]
+
+
+def test_gpipe_measures_the_gradients_accumulated_over_the_step():
+    """Under GPipe every backward follows every forward: the ZeRO-1 gradients a stage accumulates
+    unsharded peak between backwards, where the probe samples too (it once saw a third of them)."""
+    plan = tiny(pp=2, zero=1, dtype="fp32", schedule="gpipe", batch=32)
+    rows = {row.name: row for row in dry_run(plan, [0], materialize=False).ranks[0].comparison.state}
+    for name in ("params", "grads", "optimizer"):
+        assert rows[name].measured == pytest.approx(rows[name].predicted, rel=0.02), name

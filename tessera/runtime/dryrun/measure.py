@@ -109,7 +109,7 @@ def _fsdp_params(module: nn.Module):
 class StateProbe:
     """Largest model-state bytes seen at the sample points (module docstring)."""
 
-    def __init__(self, parts: list[nn.Module], optimizers: list, dtype: str):
+    def __init__(self, parts: list[nn.Module], optimizers: list, dtype: str, stages: list = ()):
         self.parts, self.optimizers = parts, optimizers
         self.working = _DTYPES[dtype]
         self.device, self.host = StateBytes(), StateBytes()
@@ -118,10 +118,24 @@ class StateProbe:
         for opt in optimizers:
             self.handles.append(opt.register_step_pre_hook(lambda *_: self.sample()))
             self.handles.append(opt.register_step_post_hook(lambda *_: self.sample()))
+        # After each pipeline backward too: under GPipe every backward follows every forward, and
+        # the gradients a ZeRO-0/1 unit accumulates over the step peak before the last one.
+        self.stages = list(stages)
+        for stage in self.stages:
+            stage.backward_maybe_with_nosync = self._sampled(stage.backward_maybe_with_nosync)
+
+    def _sampled(self, backward):
+        def run(*args, **kwargs):
+            out = backward(*args, **kwargs)
+            self.sample()
+            return out
+        return run
 
     def close(self) -> None:
         for h in self.handles:
             h.remove()
+        for stage in self.stages:
+            del stage.backward_maybe_with_nosync  # the class's method again
 
     def sample(self) -> None:
         from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
@@ -198,6 +212,14 @@ def _skip_pipeline_setup(trainer, counter: CollectiveCounter) -> bool:
     return True
 
 
+def _pipeline_stages(trainer) -> list:
+    """This rank's torch.distributed.pipelining stages (none without a pipeline)."""
+    schedule = getattr(getattr(trainer, "pipeline", None), "schedule", None)
+    if schedule is None:
+        return []
+    return list(getattr(schedule, "_stages", None) or [schedule._stage])
+
+
 def _step_whatever_the_values(trainer) -> None:
     """The fake process group leaves collective outputs unwritten (any bytes, NaN included), so a
     materialized rank's loss and norm mean nothing: the optimizer steps as the plan does, and the
@@ -224,7 +246,7 @@ def measure_rank(plan: Plan, rank: int, materialize: bool = False, step: bool = 
             _step_whatever_the_values(trainer)
             built = time.perf_counter()
             tokens, labels = step_batch(trainer, fake=not materialize)
-            probe = StateProbe(trainer.model_parts, trainer.optimizers, plan.workload.dtype)
+            probe = StateProbe(trainer.model_parts, trainer.optimizers, plan.workload.dtype, _pipeline_stages(trainer))
             counter = CollectiveCounter()
             counted = 0
             if step:
