@@ -81,8 +81,9 @@ class _CopyToTP(torch.autograd.Function):
         return grad, None
 
 
-class _ReduceFromTP(torch.autograd.Function):
-    """Sum of the tp ranks' partial outputs (one all-reduce); identity backward."""
+class ReduceFromTP(torch.autograd.Function):
+    """Sum of the tp ranks' partial outputs (one all-reduce); identity backward (the gradient is
+    complete on every rank). Also the vocabulary-parallel embedding's reduction (tp_embedding.py)."""
 
     @staticmethod
     def forward(ctx, y, group):
@@ -208,7 +209,7 @@ class TPMoEIO:
     def leave(self, out: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             return _ReduceScatterSeqTP.apply(out, self.group, self.tp)
-        return _ReduceFromTP.apply(out, self.group)
+        return ReduceFromTP.apply(out, self.group)
 
 
 def tp_experts(moe, tp_mesh, dense_tp_mesh) -> None:

@@ -23,23 +23,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .expert_tp import ReduceFromTP
+
 
 def _seq_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).contiguous()
-
-
-class _AllReduce(torch.autograd.Function):
-    """Sum over the group forward; the gradient passes unchanged (it is complete on every rank)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
 
 
 class _ReduceScatterSeq(torch.autograd.Function):
@@ -95,4 +83,4 @@ class VocabParallelEmbedding(nn.Module):
             partial = partial + (extra if self.first_rank else extra - extra.detach())
         if self.sequence_parallel:
             return _ReduceScatterSeq.apply(partial, self.group)
-        return _AllReduce.apply(partial, self.group)
+        return ReduceFromTP.apply(partial, self.group)
