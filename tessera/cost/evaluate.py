@@ -32,6 +32,7 @@ offloaded states (`host`) <= the device's share of host memory.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import replace
 
 import numpy as np
 
@@ -40,6 +41,7 @@ from .layer import (LayerCosts, cost_key, StepContext, StrategyTable, layer_cost
                     transition_time)
 from .hetero import is_uniform, pipeline_rank_speeds, replica_groups
 from .schedule import ScheduleResult, in_flight, simulate
+from .tied import sent_rows, tied_copies
 
 
 def usable_memory(cluster) -> float:
@@ -102,13 +104,32 @@ def _per_layer_costs(plan: Plan, ctx: StepContext) -> list[LayerCosts]:
     across plans inside `shared_layer_costs`)."""
     cache = _context_memo(ctx)
     out = []
-    for layer, lkey, s in zip(plan.model.layers, _layer_keys(plan.model), plan.layers):
+    copy = plan.pipeline.degree == 1 and tied_copies(plan) is not None
+    for i, (layer, lkey, s) in enumerate(zip(plan.model.layers, _layer_keys(plan.model), plan.layers)):
+        if copy and i == len(plan.layers) - 1:
+            # The LM head tied to an embedding of another layout holds its own copy (cost/tied.py):
+            # its states and ZeRO traffic are those of the whole table, plus the exchange.
+            costs = layer_costs(layer.model_copy(update={"tied_params": 0}), StrategyTable.build([s]), ctx)
+            sync = tied_exchange_seconds(plan, ctx)
+            out.append(replace(costs, step=costs.step + sync))
+            continue
         key = (lkey, tuple(s.__dict__.values()))  # the strategy's fields: hashed far faster than the model
         costs = cache.get(key)
         if costs is None:
             costs = cache[key] = layer_costs(layer, StrategyTable.build([s]), ctx)
         out.append(costs)
     return out
+
+
+def tied_exchange_seconds(plan: Plan, ctx: StepContext) -> float:
+    """Time of the tied copies' gradient exchange (cost/tied.py): one all-to-all over the stage of
+    the largest piece a rank sends (its first rank's, the fullest shard), exposed after backward."""
+    from .comm import collective_time
+
+    copies = tied_copies(plan)
+    cfg = plan.model.config
+    sent = sent_rows(copies, cfg.vocab_size, copies[0].base) * cfg.hidden * plan.workload.grad_bytes
+    return float(collective_time(ctx.cluster, "all_to_all", sent, plan.stage_size, 1))
 
 
 def _scalar(costs: LayerCosts, field: str) -> float:

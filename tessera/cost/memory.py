@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..spec.model import LayerSpec
+from ..spec.model import LayerKind, LayerSpec
 from ..spec.workload import Workload
 from .schedule import in_flight
 
@@ -76,7 +76,7 @@ RC_NONE, RC_SELECTIVE, RC_FULL = 0, 1, 2
 
 __all__ = ["RC_NONE", "RC_SELECTIVE", "RC_FULL", "in_flight", "model_state_bytes",
            "activation_bytes", "buffer_bytes", "expert_shard", "memory_budget", "required_memory",
-           "offloaded_bytes"]
+           "offloaded_bytes", "tp_rank_params"]
 
 
 def memory_budget(cluster) -> float:
@@ -95,20 +95,50 @@ def expert_shard(shard, dp, sp, ep):
     return np.gcd(np.asarray(shard, dtype=np.int64), (np.asarray(dp) * np.asarray(sp)) // np.asarray(ep))
 
 
+def tp_rank_params(layer: LayerSpec, tp, shard=1, dense_params: float | None = None):
+    """Dense parameters of one tensor-parallel rank, gathered (what its ZeRO shard group of S
+    ranks all-gathers and reduce-scatters), arrays over strategies.
+
+    A block: dense / tp (its norms and row-parallel biases, replicated over tp, are ~1e-4 of it).
+    The embedding and the LM head: the vocabulary table's ceil(V / tp) rows (vocabulary-parallel,
+    `runtime/tp_embedding.py`, the first tp ranks' share) plus what tensor parallelism replicates
+    whole: GPT-2's learned positions (S_max rows), the final norm's vectors. Each tensor's first
+    dimension is padded to a multiple of S, as FSDP2 pads it into S equal pieces (torch.chunk's
+    ceil(rows / S) rows each; the last ranks' pieces are shorter or empty). `dense_params`: the
+    dense parameters to count, without a tied table counted elsewhere (then only the rest)."""
+    tp = np.asarray(tp)
+    dense = layer.dense_params if dense_params is None else dense_params
+    if layer.kind not in (LayerKind.EMBEDDING, LayerKind.LM_HEAD) or not layer.vocab_size:
+        return dense / tp
+    shard = np.asarray(shard)
+    h = layer.hidden
+    rest = layer.dense_params - layer.vocab_size * h  # replicated over tp: positions, or the norm
+    pad = lambda n: np.ceil(n / shard) * shard  # noqa: E731
+    if rest % h:
+        kept = rest
+    elif layer.kind == LayerKind.EMBEDDING:
+        kept = pad(rest // h) * h  # the position table's rows
+    else:
+        kept = (rest // h) * pad(h)  # norm vectors of h
+    table = pad(np.ceil(layer.vocab_size / tp)) * h
+    return kept + np.where(dense > rest, table, 0.0)
+
+
 def model_state_bytes(layer: LayerSpec, workload: Workload, tp, ep, zero, shard, expert_shard_deg, offload,
                       dense_params: float | None = None):
-    """(params, grads, optimizer) bytes on one device, arrays over strategies."""
+    """(params, grads, optimizer) bytes on one device, arrays over strategies; a sharded state
+    holds the first rank's padded piece of each tensor (`tp_rank_params`)."""
     tp, ep, zero = np.asarray(tp), np.asarray(ep), np.asarray(zero)
     offload = np.asarray(offload, dtype=bool)
-    dense = layer.dense_params if dense_params is None else dense_params
-    pd = dense / tp
+    pd = tp_rank_params(layer, tp, 1, dense_params)
+    padded = tp_rank_params(layer, tp, shard, dense_params)
     pe = layer.expert_params / (tp * ep)
     pb, gb, ob = workload.param_bytes, workload.grad_bytes, workload.optimizer_bytes
 
     def sharded(k):
         s = np.where(zero >= k, shard, 1)
         se = np.where(zero >= k, expert_shard_deg, 1)
-        return pd / s + pe / se
+        return np.where(zero >= k, padded / s, pd) + pe / se
 
     # In mixed precision FSDP2's sharded parameter is the fp32 master (counted in ob): a ZeRO-3
     # layer keeps no working copy between uses (its gathered one is a buffer, `buffer_bytes`).
@@ -125,8 +155,7 @@ def offloaded_bytes(layer: LayerSpec, workload: Workload, tp, ep, shard, expert_
     shards, gb + ob per sharded parameter, + pb in an fp32 run (in mixed precision FSDP2's fp32
     shard is the master copy that ob counts): what FSDP2's CPUOffloadPolicy keeps on the host."""
     tp, ep = np.asarray(tp), np.asarray(ep)
-    dense = layer.dense_params if dense_params is None else dense_params
-    local = dense / tp / shard + layer.expert_params / (tp * ep) / expert_shard_deg
+    local = tp_rank_params(layer, tp, shard, dense_params) / shard + layer.expert_params / (tp * ep) / expert_shard_deg
     master_is_param = workload.dtype == "fp32"
     per_param = workload.grad_bytes + workload.optimizer_bytes + (workload.param_bytes if master_is_param else 0)
     return np.where(np.asarray(offload, dtype=bool), per_param * local, 0.0)
@@ -156,12 +185,11 @@ def activation_bytes(layer: LayerSpec, tokens, tp, megatron_sp, recompute, seq_l
 
 def buffer_bytes(layer: LayerSpec, workload: Workload, tokens, tp, ep, megatron_sp, zero, recompute, offload=False,
                  seq_len: int = 0, sp=1, dense_params: float | None = None, elt: float = 2.0,
-                 fused_norms: bool = True):
+                 fused_norms: bool = True, shard=1):
     """Transient bytes while this layer's backward runs (see the module docstring)."""
     tp, ep, zero = np.asarray(tp), np.asarray(ep), np.asarray(zero)
     rc = np.asarray(recompute)
-    dense = layer.dense_params if dense_params is None else dense_params
-    gathered = workload.param_bytes * (dense / tp + layer.expert_params / (tp * ep))
+    gathered = workload.param_bytes * (tp_rank_params(layer, tp, shard, dense_params) + layer.expert_params / (tp * ep))
     replay = activation_bytes(layer, tokens, tp, megatron_sp, RC_NONE, seq_len=seq_len, sp=sp, elt=elt,
                               fused_norms=fused_norms)
     kept = activation_bytes(layer, tokens, tp, megatron_sp, RC_SELECTIVE, seq_len=seq_len, sp=sp, elt=elt,
