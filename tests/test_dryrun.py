@@ -208,3 +208,34 @@ def test_context_parallel_ring_against_the_cost_model():
     # ZeRO-3 shards a block's tp half over dp x cp = 4 ranks: gathered forward and backward.
     assert got[("all_gather", 4, 725_504 / 2 * 2)] == (blocks * m * 2, blocks * m * 2)
     assert not [r for r in rows if r.why.startswith(("ring", "Ulysses")) and not r.matches]
+
+
+def test_tied_head_in_another_layout_exchanges_shards_as_predicted():
+    """tiny-gpt2 ties its LM head to the embedding. Sharded two ways (the embedding tp2 x ZeRO-3
+    over 4, the head tp4 + SP x ZeRO-1 over 2; a hand-made plan, the search gives the pair one
+    layout) the head holds its own copy, priced as one, and the tied gradient is summed shard to
+    shard: one all-to-all over the 8 ranks of what each rank's two shards owe the other copy
+    (rank 0: rows 0-6,282 of each, 2 x 6,283 rows x 256 x 4 bytes), and no collective carries
+    the whole table (50,257 x 256 x 4 bytes), as gathering whole gradients did."""
+    from tessera.cost.evaluate import evaluate
+    from tessera.cost.tied import sent_rows, tied_copies
+    from tessera.plan import LayerStrategy, SPKind
+
+    base = manual_plan(get_model("tiny-gpt2"), make_cluster("h100-80gb", 8), Workload(global_batch=16, seq_len=64))
+    layers = ((LayerStrategy(dp=4, tp=2, zero=3),) + (LayerStrategy(dp=8, zero=2),) * (len(base.layers) - 2)
+              + (LayerStrategy(dp=2, tp=4, sp=SPKind.MEGATRON, zero=1),))
+    plan = base.model_copy(update={"layers": layers})
+    plan = plan.model_copy(update={"prediction": evaluate(plan)})
+    result = dry_run(plan, [0, 7], materialize=False)
+    assert result.count_mismatches == 0 and result.max_state_error < 0.001
+    assert sent_rows(tied_copies(plan), 50_257, 0) == 2 * 6_283
+    for r in result.ranks:
+        m = r.measurement
+        (exchange,) = [c for c in m.collectives if c.kind == "all_to_all"]
+        assert (exchange.group_size, exchange.bytes) == (8, sent_rows(tied_copies(plan), 50_257, m.rank) * 256 * 4)
+        assert max(c.bytes for c in m.collectives) < 50_257 * 256 * 4
+    # The search's plans share one weight: no copy, no exchange.
+    shared = manual_plan(get_model("tiny-gpt2"), make_cluster("h100-80gb", 8), Workload(global_batch=16, seq_len=64),
+                         tp=2, zero=3)
+    assert tied_copies(shared) is None
+    assert not [c for c in step_collectives(shared, 0) if c.kind == "all_to_all"]
