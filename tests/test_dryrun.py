@@ -231,8 +231,9 @@ def test_tied_head_in_another_layout_exchanges_shards_as_predicted():
     assert sent_rows(tied_copies(plan), 50_257, 0) == 2 * 6_283
     for r in result.ranks:
         m = r.measurement
-        (exchange,) = [c for c in m.collectives if c.kind == "all_to_all"]
-        assert (exchange.group_size, exchange.bytes) == (8, sent_rows(tied_copies(plan), 50_257, m.rank) * 256 * 4)
+        (row,) = [row for row in r.comparison.collectives if row.why.startswith("bookkeeping: tied embedding")]
+        assert (row.kind, row.group_size, row.predicted, row.measured) == ("all_to_all", 8, 1, 1)
+        assert row.bytes == sent_rows(tied_copies(plan), 50_257, m.rank) * 256 * 4
         assert max(c.bytes for c in m.collectives) < 50_257 * 256 * 4
     # The search's plans share one weight: no copy, no exchange.
     shared = manual_plan(get_model("tiny-gpt2"), make_cluster("h100-80gb", 8), Workload(global_batch=16, seq_len=64),
