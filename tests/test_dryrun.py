@@ -227,7 +227,8 @@ def test_tied_head_in_another_layout_exchanges_shards_as_predicted():
     plan = base.model_copy(update={"layers": layers})
     plan = plan.model_copy(update={"prediction": evaluate(plan)})
     result = dry_run(plan, [0, 7], materialize=False)
-    assert result.count_mismatches == 0 and result.max_state_error < 0.001
+    # Each rank's own pieces of the tables (rank 7's are the short last ones: `rank_states`).
+    assert result.count_mismatches == 0 and result.max_state_error < 1e-4
     assert sent_rows(tied_copies(plan), 50_257, 0) == 2 * 6_283
     for r in result.ranks:
         m = r.measurement

@@ -37,11 +37,13 @@ from dataclasses import replace
 import numpy as np
 
 from ..plan import MemoryBreakdown, Plan, Prediction
+from ..spec.model import LayerKind
 from .layer import (LayerCosts, cost_key, StepContext, StrategyTable, layer_costs, pipeline_p2p_time, shape_key,
                     transition_time)
 from .hetero import is_uniform, pipeline_rank_speeds, replica_groups
 from .schedule import ScheduleResult, in_flight, simulate
-from .tied import sent_rows, tied_copies
+from .memory import expert_shard, model_state_bytes
+from .tied import TiedCopy, chunk_rows, sent_rows, tied_copies
 
 
 def usable_memory(cluster) -> float:
@@ -248,6 +250,41 @@ def stage_memory(plan: Plan, costs: list[LayerCosts] | None = None) -> tuple[Mem
             host=sum(_scalar(costs[i], "host") for i in layers),
         ))
     return tuple(out)
+
+
+def rank_states(plan: Plan, rank: int, memory: tuple[MemoryBreakdown, ...] | None = None) -> MemoryBreakdown:
+    """`stage_memory` of `rank`'s pipeline stage with the rank's own pieces of the vocabulary
+    tables. Tensor parallelism cuts a table's V rows into tp blocks of ceil(V / tp), FSDP2 a block
+    into S pieces of ceil(rows / S), the last ones shorter or empty (`cost/tied.py` locates a
+    rank's); the stage's prediction counts the fullest piece, its first rank's: the memory that
+    must fit. The other categories are the stage's."""
+    memory = memory if memory is not None else stage_memory(plan)
+    pipe = plan.pipeline
+    pp_rank = rank // plan.stage_size
+    out = memory[pp_rank]
+    copy = pipe.degree == 1 and tied_copies(plan) is not None
+    delta = np.zeros(3)
+    for c, (start, end) in enumerate(pipe.stages):
+        if pipe.rank_of_chunk(c) != pp_rank:
+            continue
+        for i in range(start, end):
+            layer, s = plan.model.layers[i], plan.layers[i]
+            if layer.kind not in (LayerKind.EMBEDDING, LayerKind.LM_HEAD) or not layer.vocab_size:
+                continue
+            shared = layer.tied_params if pipe.degree == 1 and not copy else 0
+            where = TiedCopy.of(s, pp_rank * plan.stage_size, plan.stage_size)
+            t = int(where.coordinates[rank - where.base][0])
+            tp_start, tp_stop = chunk_rows(layer.vocab_size, s.tp, t)
+            piece = where.rows(rank, layer.vocab_size)
+            es = expert_shard(s.shard_degree, s.dp * s.cp, s.sp_degree, s.ep)
+            args = (layer, plan.workload, s.tp, s.ep, s.zero, s.shard_degree, es, s.offload_optimizer,
+                    layer.dense_params - shared)
+            first = np.array([float(np.asarray(x)) for x in model_state_bytes(*args)])
+            own = np.array([float(np.asarray(x)) for x in model_state_bytes(
+                *args, rows=(tp_stop - tp_start, piece[1] - piece[0]))])
+            delta += own - first
+    return out.model_copy(update={"params": float(out.params + delta[0]), "grads": float(out.grads + delta[1]),
+                                  "optimizer": float(out.optimizer + delta[2])})
 
 
 def model_flops_per_step(plan: Plan) -> float:

@@ -95,7 +95,8 @@ def expert_shard(shard, dp, sp, ep):
     return np.gcd(np.asarray(shard, dtype=np.int64), (np.asarray(dp) * np.asarray(sp)) // np.asarray(ep))
 
 
-def tp_rank_params(layer: LayerSpec, tp, shard=1, dense_params: float | None = None):
+def tp_rank_params(layer: LayerSpec, tp, shard=1, dense_params: float | None = None,
+                   rows: tuple[int, int] | None = None):
     """Dense parameters of one tensor-parallel rank, gathered (what its ZeRO shard group of S
     ranks all-gathers and reduce-scatters), arrays over strategies.
 
@@ -105,7 +106,10 @@ def tp_rank_params(layer: LayerSpec, tp, shard=1, dense_params: float | None = N
     whole: GPT-2's learned positions (S_max rows), the final norm's vectors. Each tensor's first
     dimension is padded to a multiple of S, as FSDP2 pads it into S equal pieces (torch.chunk's
     ceil(rows / S) rows each; the last ranks' pieces are shorter or empty). `dense_params`: the
-    dense parameters to count, without a tied table counted elsewhere (then only the rest)."""
+    dense parameters to count, without a tied table counted elsewhere (then only the rest).
+    `rows`: (tp block rows, shard piece rows) of one rank instead of the first rank's, for a
+    prediction of that rank (`evaluate.rank_states`): its table counts block rows unsharded,
+    piece x S sharded (so that a state divided by S is its own piece)."""
     tp = np.asarray(tp)
     dense = layer.dense_params if dense_params is None else dense_params
     if layer.kind not in (LayerKind.EMBEDDING, LayerKind.LM_HEAD) or not layer.vocab_size:
@@ -120,18 +124,21 @@ def tp_rank_params(layer: LayerSpec, tp, shard=1, dense_params: float | None = N
         kept = pad(rest // h) * h  # the position table's rows
     else:
         kept = (rest // h) * pad(h)  # norm vectors of h
-    table = pad(np.ceil(layer.vocab_size / tp)) * h
+    if rows is None:
+        table = pad(np.ceil(layer.vocab_size / tp)) * h
+    else:
+        table = np.where(shard > 1, rows[1] * shard, rows[0]) * h
     return kept + np.where(dense > rest, table, 0.0)
 
 
 def model_state_bytes(layer: LayerSpec, workload: Workload, tp, ep, zero, shard, expert_shard_deg, offload,
-                      dense_params: float | None = None):
+                      dense_params: float | None = None, rows: tuple[int, int] | None = None):
     """(params, grads, optimizer) bytes on one device, arrays over strategies; a sharded state
-    holds the first rank's padded piece of each tensor (`tp_rank_params`)."""
+    holds the first rank's padded piece of each tensor (`tp_rank_params`; `rows`: another rank's)."""
     tp, ep, zero = np.asarray(tp), np.asarray(ep), np.asarray(zero)
     offload = np.asarray(offload, dtype=bool)
-    pd = tp_rank_params(layer, tp, 1, dense_params)
-    padded = tp_rank_params(layer, tp, shard, dense_params)
+    pd = tp_rank_params(layer, tp, 1, dense_params, rows)
+    padded = tp_rank_params(layer, tp, shard, dense_params, rows)
     pe = layer.expert_params / (tp * ep)
     pb, gb, ob = workload.param_bytes, workload.grad_bytes, workload.optimizer_bytes
 

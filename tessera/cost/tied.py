@@ -33,7 +33,7 @@ import numpy as np
 from ..plan import LayerStrategy
 
 
-def _chunk(n: int, pieces: int, i: int) -> tuple[int, int]:
+def chunk_rows(n: int, pieces: int, i: int) -> tuple[int, int]:
     """Rows [start, stop) of piece i when torch.chunk cuts n rows into `pieces`."""
     size = -(-n // pieces)
     start = min(i * size, n)
@@ -84,8 +84,8 @@ class TiedCopy:
 
     def block(self, t: int, k: int, vocab: int) -> tuple[int, int]:
         """Rows of tp index t, shard index k."""
-        start, stop = _chunk(vocab, self.tp, t)
-        a, b = _chunk(stop - start, self.shard, k)
+        start, stop = chunk_rows(vocab, self.tp, t)
+        a, b = chunk_rows(stop - start, self.shard, k)
         return start + a, start + b
 
     def rows(self, rank: int, vocab: int) -> tuple[int, int]:
