@@ -91,7 +91,7 @@ from ..spec.model import LayerKind, ModelSpec
 from ..spec.workload import Workload
 from .bounds import Context as _Context
 from .bounds import SplitBounds
-from .dp import Slot, solve_rank
+from .dp import RankSolution, Slot, solve_rank
 from .explain import bubble_warning, explain, structure
 from .limits import check_search_size
 from .space import (Candidates, SearchOptions, candidate_table, divisors, dominated_on_rank, fastest_costs,
@@ -349,10 +349,12 @@ class _Search(SplitBounds):
         """`_solve_rank` for a rank holding both the embedding and the LM head tied to it: the two
         take one parameter layout (the runtime then shares one weight, priced once).
 
-        Exact: the program without that constraint is a relaxation (its bound stays valid); when
-        its optimum gives the pair two layouts, the program is solved once per layout both
-        layers can take, each pruned by the best found so far, and the best is kept; the bound is
-        the smallest of theirs."""
+        The program without that constraint is a relaxation (its bound stays valid). When its
+        optimum gives the pair two layouts, that optimum is repaired: the blocks kept, the pair
+        re-chosen together in one layout (`_repair_tied`); a repair within `optimality_gap` of the
+        relaxation is taken (the search's own tolerance). Otherwise the program is solved once
+        per layout both layers can take, each pruned by the best found so far (the repair first),
+        and the best is kept, the bound the smallest of theirs: exact."""
         sol, keep, bound = self._solve_rank(c, n, B, chunks, k, weight, trans, upper)
         if sol is None:
             return sol, keep, bound
@@ -362,9 +364,13 @@ class _Search(SplitBounds):
         picked = (emb_keys[int(keep[first][sol.choice[0]])], head_keys[int(keep[last][sol.choice[-1]])])
         if picked[0] == picked[1]:
             return sol, keep, bound
+        slots = self._slots(cands, chunks, self.layouts[(n, B)][0], weight, k, trans)
+        repaired = self._repair_tied(slots, keep, sol, trans, emb_keys, head_keys)
+        if repaired is not None and repaired.time <= sol.time * (1 + self.opts.optimality_gap):
+            return repaired, keep, bound
+        best = (repaired, keep) if repaired is not None and repaired.time < upper else None
         common = set(emb_keys) & set(head_keys)
         order = [g for g in picked if g in common] + sorted(common - set(picked))
-        best: tuple | None = None
         bounds = []
         for g in order:
             ceiling = min(upper, best[0].time) if best is not None else upper
@@ -376,6 +382,46 @@ class _Search(SplitBounds):
         if best is None:
             return None, keep, max(bound, min(tied_bound, upper))
         return best[0], best[1], max(bound, min(tied_bound, best[0].time))
+
+    def _repair_tied(self, slots: list[Slot], keep: dict, sol, trans: np.ndarray, emb_keys: list,
+                     head_keys: list):
+        """`sol` (one rank holding every layer, embedding first and LM head last) with the
+        embedding and head re-chosen in one parameter layout, the other layers kept: the fastest
+        pair of each layout that fits the budget, the best of them (None when none fits)."""
+        first, last = self.kind_of[0], self.kind_of[-1]
+        choice = list(sol.choice)
+        e, h = slots[0], slots[-1]
+        inner = range(1, len(slots) - 1)
+        mem = sum(float(slots[i].mem[choice[i]]) for i in inner)
+        buf = max((float(slots[i].buf[choice[i]]) for i in inner), default=0.0)
+        time = sum(float(slots[i].time[choice[i]]) for i in inner)
+        time += sum(float(trans[slots[i - 1].layout[choice[i - 1]], slots[i].layout[choice[i]]])
+                    for i in range(2, len(slots) - 1) if not slots[i].chunk_start)
+        after_e = slots[1].layout[choice[1]] if len(slots) > 2 else None
+        before_h = slots[-2].layout[choice[-2]] if len(slots) > 2 else None
+        e_time = e.time + (trans[e.layout, after_e] if after_e is not None and not slots[1].chunk_start else 0.0)
+        h_time = h.time + (trans[before_h, h.layout] if before_h is not None and not h.chunk_start else 0.0)
+        if len(slots) == 2 and not h.chunk_start:
+            e_time = e.time
+        e_key = [emb_keys[int(j)] for j in keep[first]]
+        h_key = [head_keys[int(j)] for j in keep[last]]
+        best = None
+        for a in range(len(e.time)):
+            for b in range(len(h.time)):
+                if e_key[a] != h_key[b]:
+                    continue
+                t = time + float(e_time[a]) + float(h_time[b])
+                if len(slots) == 2 and not h.chunk_start:
+                    t += float(trans[e.layout[a], h.layout[b]])
+                m = mem + float(e.mem[a]) + float(h.mem[b])
+                top = max(buf, float(e.buf[a]), float(h.buf[b]))
+                if m + top <= self.budget and (best is None or t < best[0]):
+                    best = (t, m, top, a, b)
+        if best is None:
+            return None
+        t, m, top, a, b = best
+        choice[0], choice[-1] = a, b
+        return RankSolution(t, m, top, tuple(choice), sol.states_explored)
 
     def _record(self, plan: Plan) -> None:
         self.scored.append(_Scored(plan.prediction.step_time_s, plan))
