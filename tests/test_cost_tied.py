@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from tessera.cost.tied import TiedCopy, exchange
+from tessera.cost.tied import TableShards, exchange
 from tessera.plan import LayerStrategy, SPKind
 from tessera.search import search
 from tessera.search.space import param_layouts
@@ -22,7 +22,7 @@ def S(**kw):
 ])
 def test_every_rank_receives_the_other_copys_rows_of_its_shard_exactly_once(a, b):
     vocab, n = 103, 8  # rows that split unevenly: short and empty shards
-    copies = [TiedCopy.of(a, 0, n), TiedCopy.of(b, 0, n)]
+    copies = [TableShards.of(a, 0, n), TableShards.of(b, 0, n)]
     for c in copies:  # the distinct blocks tile the table
         cover = np.zeros(vocab, dtype=int)
         for start, stop in c.holders(vocab)[1]:

@@ -236,6 +236,19 @@ def test_tied_head_in_another_layout_exchanges_shards_as_predicted():
         assert (row.kind, row.group_size, row.predicted, row.measured) == ("all_to_all", 8, 1, 1)
         assert row.bytes == sent_rows(tied_copies(plan), 50_257, m.rank) * 256 * 4
         assert max(c.bytes for c in m.collectives) < 50_257 * 256 * 4
+    # Across a pipeline (the copies on stages 0 and 2 of 3, the embedding tp2, the head ZeRO-3
+    # over dp2): the exchange runs over both stages' 4 ranks, as priced.
+    pipe = manual_plan(get_model("tiny-gpt2"), make_cluster("h100-80gb", 6), Workload(global_batch=16, seq_len=64),
+                       pp=3, zero=1)
+    layers = ((LayerStrategy(tp=2, sp=SPKind.MEGATRON),) + (LayerStrategy(dp=2, zero=1),) * (len(pipe.layers) - 2)
+              + (LayerStrategy(dp=2, zero=3),))
+    pipe = pipe.model_copy(update={"layers": layers})
+    pipe = pipe.model_copy(update={"prediction": evaluate(pipe)})
+    result = dry_run(pipe, [0, 5], materialize=False)
+    assert result.count_mismatches == 0 and result.max_state_error < 1e-4
+    for r in result.ranks:
+        (row,) = [row for row in r.comparison.collectives if row.why.startswith("bookkeeping: tied embedding")]
+        assert (row.kind, row.group_size, row.measured) == ("all_to_all", 4, 1)
     # The search's plans share one weight: no copy, no exchange.
     shared = manual_plan(get_model("tiny-gpt2"), make_cluster("h100-80gb", 8), Workload(global_batch=16, seq_len=64),
                          tp=2, zero=3)

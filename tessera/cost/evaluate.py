@@ -43,7 +43,7 @@ from .layer import (LayerCosts, cost_key, StepContext, StrategyTable, layer_cost
 from .hetero import is_uniform, pipeline_rank_speeds, replica_groups
 from .schedule import ScheduleResult, in_flight, simulate
 from .memory import expert_shard, model_state_bytes
-from .tied import TiedCopy, chunk_rows, sent_rows, tied_copies
+from .tied import TableShards, chunk_rows, sent_rows, tied_copies
 
 
 def usable_memory(cluster) -> float:
@@ -257,7 +257,9 @@ def rank_states(plan: Plan, rank: int, memory: tuple[MemoryBreakdown, ...] | Non
     tables. Tensor parallelism cuts a table's V rows into tp blocks of ceil(V / tp), FSDP2 a block
     into S pieces of ceil(rows / S), the last ones shorter or empty (`cost/tied.py` locates a
     rank's); the stage's prediction counts the fullest piece, its first rank's: the memory that
-    must fit. The other categories are the stage's."""
+    must fit. A rank's gradients and AdamW moments follow its own piece; its sharded parameter
+    storage (the fp32 master in mixed precision) is the fullest piece's size on every rank, as
+    FSDP2 pads it. The other categories are the stage's."""
     memory = memory if memory is not None else stage_memory(plan)
     pipe = plan.pipeline
     pp_rank = rank // plan.stage_size
@@ -272,7 +274,7 @@ def rank_states(plan: Plan, rank: int, memory: tuple[MemoryBreakdown, ...] | Non
             if layer.kind not in (LayerKind.EMBEDDING, LayerKind.LM_HEAD) or not layer.vocab_size:
                 continue
             shared = layer.tied_params if pipe.degree == 1 and not copy else 0
-            where = TiedCopy.of(s, pp_rank * plan.stage_size, plan.stage_size)
+            where = TableShards.of(s, pp_rank * plan.stage_size, plan.stage_size)
             t = int(where.coordinates[rank - where.base][0])
             tp_start, tp_stop = chunk_rows(layer.vocab_size, s.tp, t)
             piece = where.rows(rank, layer.vocab_size)
@@ -282,7 +284,13 @@ def rank_states(plan: Plan, rank: int, memory: tuple[MemoryBreakdown, ...] | Non
             first = np.array([float(np.asarray(x)) for x in model_state_bytes(*args)])
             own = np.array([float(np.asarray(x)) for x in model_state_bytes(
                 *args, rows=(tp_stop - tp_start, piece[1] - piece[0]))])
-            delta += own - first
+            d = own - first
+            if s.shard_degree > 1:  # FSDP2 stores every rank's sharded parameter padded to the fullest piece
+                wl = plan.workload
+                master = 0 if wl.dtype == "fp32" else 4  # that storage is the fp32 master in mixed precision
+                d[0] = 0.0 if s.zero >= 3 else d[0]
+                d[2] *= (wl.optimizer_bytes - master) / wl.optimizer_bytes if wl.optimizer_bytes else 0.0
+            delta += d
     return out.model_copy(update={"params": float(out.params + delta[0]), "grads": float(out.grads + delta[1]),
                                   "optimizer": float(out.optimizer + delta[2])})
 

@@ -3,7 +3,9 @@
 All functions take numpy arrays of strategy fields (one entry per candidate strategy), so the
 search costs a whole candidate set at once and `evaluate` uses the very same formulas.
 
-Model states (bytes), with P_d = dense params / tp and P_e = expert params / (tp * ep):
+Model states (bytes), with P_d = dense params / tp (`tp_rank_params`: the embedding's and LM
+head's vocabulary rows padded to a multiple of S as FSDP2 pads them, GPT-2's learned positions
+and the final norm whole on every tp rank) and P_e = expert params / (tp * ep):
     params    = pb * (P_d / S3 + P_e / S3e)          pb = 2 (bf16) or 4 (fp32 workload); 0 at
                                                      ZeRO-3 in mixed precision (FSDP2's fp32
                                                      shard is the master ob counts, the bf16

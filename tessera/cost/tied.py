@@ -41,9 +41,10 @@ def chunk_rows(n: int, pieces: int, i: int) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
-class TiedCopy:
-    """One copy of the tied table: the pipeline stage that holds it (its first global rank and
-    size) and the layer's parameter layout there."""
+class TableShards:
+    """Which rows of a (V x h) vocabulary table each rank of a pipeline stage holds (the stage's
+    first global rank and size) under a layer's parameter layout: one copy of a tied table, or
+    any embedding or LM head table (`evaluate.rank_states`)."""
 
     base: int
     size: int
@@ -55,7 +56,7 @@ class TiedCopy:
     _cache: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     @classmethod
-    def of(cls, s: LayerStrategy, base: int, size: int) -> "TiedCopy":
+    def of(cls, s: LayerStrategy, base: int, size: int) -> "TableShards":
         return cls(base, size, s.dp, s.cp, s.sp_degree, s.tp, s.shard_degree)
 
     @property
@@ -129,7 +130,7 @@ class Piece:
     stop: int
 
 
-def exchange(copies: list[TiedCopy], vocab: int, rank: int) -> tuple[list[Piece], list[Piece]]:
+def exchange(copies: list[TableShards], vocab: int, rank: int) -> tuple[list[Piece], list[Piece]]:
     """(sends, receives) of `rank` in the exchange of the module docstring; each list is in the
     order both ends pack it: by peer, then destination copy, source copy and first row."""
     held = [i for i, c in enumerate(copies) if rank in c.ranks]
@@ -156,17 +157,17 @@ def exchange(copies: list[TiedCopy], vocab: int, rank: int) -> tuple[list[Piece]
     return sorted(sends, key=key), sorted(receives, key=key)
 
 
-def group_ranks(copies: list[TiedCopy]) -> list[int]:
+def group_ranks(copies: list[TableShards]) -> list[int]:
     """The global ranks of the exchange's all-to-all, in order."""
     return sorted({r for c in copies for r in c.ranks})
 
 
-def sent_rows(copies: list[TiedCopy], vocab: int, rank: int) -> int:
+def sent_rows(copies: list[TableShards], vocab: int, rank: int) -> int:
     """Rows of the table `rank` sends in the exchange (bytes: rows x h x gradient bytes)."""
     return sum(p.stop - p.start for p in exchange(copies, vocab, rank)[0])
 
 
-def tied_copies(plan) -> list[TiedCopy] | None:
+def tied_copies(plan) -> list[TableShards] | None:
     """The two copies of a plan whose LM head holds its own copy of the tied embedding in another
     layout (None: the weight is shared, or held alike on two stages and summed by an all-reduce
     of the two shards, or not tied at all)."""
@@ -178,8 +179,8 @@ def tied_copies(plan) -> list[TiedCopy] | None:
         return None
     pipe = plan.pipeline
     n = plan.stage_size
-    return [TiedCopy.of(first, pipe.rank_of_chunk(0) * n, n),
-            TiedCopy.of(last, pipe.rank_of_chunk(len(pipe.stages) - 1) * n, n)]
+    return [TableShards.of(first, pipe.rank_of_chunk(0) * n, n),
+            TableShards.of(last, pipe.rank_of_chunk(len(pipe.stages) - 1) * n, n)]
 
 
 def same_parameter_layout(a: LayerStrategy, b: LayerStrategy) -> bool:

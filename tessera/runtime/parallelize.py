@@ -345,11 +345,11 @@ def parallelize(model: Transformer, plan: Plan, dims: ParallelDims, rank: int,
 
     result = Parallelized(module=chunk, chunk=chunk, loss=ParallelLoss(ctx), untied_head=untie)
     if untie:  # one stage (the world): both copies on every rank
-        from ..cost.tied import TiedCopy
+        from ..cost.tied import TableShards
 
         n = plan.stage_size
         device = torch.device("cuda", torch.cuda.current_device()) if dims.device_type == "cuda" else None
-        result.tied_exchange = ([TiedCopy.of(first, 0, n), TiedCopy.of(last, 0, n)], model.config.vocab_size,
+        result.tied_exchange = ([TableShards.of(first, 0, n), TableShards.of(last, 0, n)], model.config.vocab_size,
                                 rank, device)
     pieces = result.loss.pieces
     if uses_ddp(plan):

@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..cost.tied import TiedCopy, exchange
+from ..cost.tied import TableShards, exchange
 
 
 @torch.no_grad()
-def exchange_tied_gradients(grads: dict[int, torch.Tensor], copies: list[TiedCopy], vocab: int, rank: int,
+def exchange_tied_gradients(grads: dict[int, torch.Tensor], copies: list[TableShards], vocab: int, rank: int,
                             group_ranks: list[int], group=None, device: torch.device | None = None) -> None:
     """Add to each local gradient shard (`grads`: copy index -> this rank's gradient of that copy,
     a DTensor or a tensor) the other copies' gradients of its rows. `group_ranks`: the global ranks

@@ -18,6 +18,10 @@ Constraints
               + reserved <= device memory                                     (cost/memory.py)
     layout    dp divides B; tp within a node and dividing the heads; ep divides experts and dp sp
     batch     micro_batch_size * m * max_l dp_l = G
+    tied      an LM head tied to the embedding takes the embedding's parameter layout (dp,
+              ulysses, tp, ZeRO shard degree, cp): the runtime shares the weight only then, and
+              the cost model prices it once only then (`_solve_tied_rank`; a pipeline's head copy
+              follows the embedding's layout too, summed by an all-reduce of equal shards)
 
 Method (which function does what)
     `_contexts`      enumerates (pp, m, schedule, v) and orders them by a balanced-stage
