@@ -63,8 +63,9 @@ can match exactly; `why` starts with "bookkeeping"):
                           (4 bytes per token each: the loss is taken on fp32 logits);
     sequence-parallel norms  an all-reduce over tp of each norm parameter's gradient, which
                           Megatron SP leaves partial per rank: per micro-batch (h*ab bytes) where
-                          ZeRO-2/3 reduces every micro-batch, or once (h*4 bytes) where gradients
-                          accumulate over the step (ZeRO-0/1, and a pipeline's stages);
+                          an FSDP2 unit reduces every micro-batch (ZeRO-2/3, pipelines too), or
+                          once (h*4 bytes) where gradients accumulate over the step (ZeRO-0/1, or
+                          a layer FSDP2 does not wrap: one rank, fp32, no offload);
     tied embeddings       with a pipeline, one all-reduce (first and last stage) of the tied
                           weight's gradient shard (4 bytes per element); an LM head that holds
                           its copy of the table in another layout than the embedding's (on
@@ -360,7 +361,10 @@ def _bookkeeping(r: _Rank, layers: list[int], add) -> None:
                 "bookkeeping: loss parallel, sum of exponentials and target logit")
         if s.tp > 1 and s.sp == SPKind.MEGATRON and layer.kind != LayerKind.EMBEDDING:
             norms = _norm_params(plan, layer)
-            if pp > 1 or s.zero <= 1:  # gradients accumulate across micro-batches: reduced once, in fp32
+            # FSDP2 units that reduce every micro-batch (ZeRO-2/3) reduce the norms' partial
+            # gradients with it; elsewhere gradients accumulate and are settled once, in fp32.
+            fsdp = s.dp * s.cp * s.sp_degree > 1 or plan.workload.dtype != "fp32" or s.offload_optimizer
+            if s.zero <= 1 or not fsdp:
                 add("all_reduce", s.tp, layer.hidden * 4, norms, layer.name,
                     "bookkeeping: sequence-parallel norm gradients, once per step")
             else:
