@@ -233,8 +233,54 @@ def test_context_parallel_ring_against_the_cost_model():
 
 def test_gpipe_measures_the_gradients_accumulated_over_the_step():
     """Under GPipe every backward follows every forward: the ZeRO-1 gradients a stage accumulates
-    unsharded peak between backwards, where the probe samples too (it once saw a third of them)."""
+    unsharded peak between backwards, where the probe samples too (it once saw a quarter of them)."""
     plan = tiny(pp=2, zero=1, dtype="fp32", schedule="gpipe", batch=32)
     rows = {row.name: row for row in dry_run(plan, [0], materialize=False).ranks[0].comparison.state}
     for name in ("params", "grads", "optimizer"):
         assert rows[name].measured == pytest.approx(rows[name].predicted, rel=0.02), name
+
+
+def test_tied_head_in_another_layout_exchanges_shards_as_predicted():
+    """tiny-gpt2 ties its LM head to the embedding. Sharded two ways (the embedding tp2 x ZeRO-3
+    over 4, the head tp4 + SP x ZeRO-1 over 2; a hand-made plan, the search gives the pair one
+    layout) the head holds its own copy, priced as one, and the tied gradient is summed shard to
+    shard: one all-to-all over the 8 ranks of what each rank's two shards owe the other copy
+    (rank 0: rows 0-6,282 of each, 2 x 6,283 rows x 256 x 4 bytes), and no collective carries
+    the whole table (50,257 x 256 x 4 bytes), as gathering whole gradients did."""
+    from tessera.cost.evaluate import evaluate
+    from tessera.cost.tied import sent_rows, tied_copies
+    from tessera.plan import LayerStrategy, SPKind
+
+    base = manual_plan(get_model("tiny-gpt2"), make_cluster("h100-80gb", 8), Workload(global_batch=16, seq_len=64))
+    layers = ((LayerStrategy(dp=4, tp=2, zero=3),) + (LayerStrategy(dp=8, zero=2),) * (len(base.layers) - 2)
+              + (LayerStrategy(dp=2, tp=4, sp=SPKind.MEGATRON, zero=1),))
+    plan = base.model_copy(update={"layers": layers})
+    plan = plan.model_copy(update={"prediction": evaluate(plan)})
+    result = dry_run(plan, [0, 7], materialize=False)
+    # Each rank's own pieces of the tables (rank 7's are the short last ones: `rank_states`).
+    assert result.count_mismatches == 0 and result.max_state_error < 1e-4
+    assert sent_rows(tied_copies(plan), 50_257, 0) == 2 * 6_283
+    for r in result.ranks:
+        m = r.measurement
+        (row,) = [row for row in r.comparison.collectives if row.why.startswith("bookkeeping: tied embedding")]
+        assert (row.kind, row.group_size, row.predicted, row.measured) == ("all_to_all", 8, 1, 1)
+        assert row.bytes == sent_rows(tied_copies(plan), 50_257, m.rank) * 256 * 4
+        assert max(c.bytes for c in m.collectives) < 50_257 * 256 * 4
+    # Across a pipeline (the copies on stages 0 and 2 of 3, the embedding tp2, the head ZeRO-3
+    # over dp2): the exchange runs over both stages' 4 ranks, as priced.
+    pipe = manual_plan(get_model("tiny-gpt2"), make_cluster("h100-80gb", 6), Workload(global_batch=16, seq_len=64),
+                       pp=3, zero=1)
+    layers = ((LayerStrategy(tp=2, sp=SPKind.MEGATRON),) + (LayerStrategy(dp=2, zero=1),) * (len(pipe.layers) - 2)
+              + (LayerStrategy(dp=2, zero=3),))
+    pipe = pipe.model_copy(update={"layers": layers})
+    pipe = pipe.model_copy(update={"prediction": evaluate(pipe)})
+    result = dry_run(pipe, [0, 5], materialize=False)
+    assert result.count_mismatches == 0 and result.max_state_error < 1e-4
+    for r in result.ranks:
+        (row,) = [row for row in r.comparison.collectives if row.why.startswith("bookkeeping: tied embedding")]
+        assert (row.kind, row.group_size, row.measured) == ("all_to_all", 4, 1)
+    # The search's plans share one weight: no copy, no exchange.
+    shared = manual_plan(get_model("tiny-gpt2"), make_cluster("h100-80gb", 8), Workload(global_batch=16, seq_len=64),
+                         tp=2, zero=3)
+    assert tied_copies(shared) is None
+    assert not [c for c in step_collectives(shared, 0) if c.kind == "all_to_all"]

@@ -26,6 +26,7 @@ EXPECTED = {
     4: {"dp4_ddp", "zero1_dp4", "zero2_dp4", "zero3_dp4_full_recompute", "hsdp_4_shard2", "zero3_cpu_offload",
         "dp2_tp2", "ulysses2_dp2_ddp", "ulysses2_zero3_dp2_layerwise", "zero3_tp2_sp_selective", "zero1_tp2",
         "layerwise_dp2tp2_then_dp4", "layerwise_vocab_tp4_blocks_dp4", "gpt2_tied_zero3_tp2_sp",
+        "gpt2_tied_zero3_embedding_dp2_tp2_head",
         "moe_zero2_tp2_sp", "pp2_dp2_zero3_1f1b", "pp2_tp2_sp_gpipe_layerwise", "pp2_interleaved_gpt2_tied_dp2",
         "pp2_dp2_zero_bubble_zero0123", "pp2_dp2_interleaved_4_chunks_zero0123",
         "pp2_gpt2_tied_tp2_embedding_dp2_head", "offload_zero1_zero2_zero3",

@@ -177,3 +177,25 @@ def test_context_estimates_bound_every_plan_of_their_micro_batch_count(space):
     by_m = sorted((c.m, c.estimate) for c in contexts)
     for (m1, e1), (m2, e2) in zip(by_m, by_m[1:]):
         assert e2 - e1 == pytest.approx((m2 - m1) * fixed)
+
+
+def test_search_with_a_tied_head_finds_the_constrained_brute_force_optimum():
+    """An LM head tied to the embedding: the runtime shares the weight only when the two layers
+    have one parameter layout (dp, ulysses, tp, ZeRO shard degree, cp), and the cost model prices
+    the table once only then, so the search gives them one. It equals the enumerated optimum of
+    the assignments that do, at a tight and a roomy budget."""
+    tied = SMALL.model_copy(update={"num_layers": 1, "tie_embeddings": True})
+    model = ModelSpec.from_config(tied)
+    assert model.layers[-1].tied_params
+    cluster = make_cluster("h100-80gb", 4).model_copy(update={"memory_margin": 0.0})
+    workload = Workload(global_batch=8, seq_len=4096)
+    options = SearchOptions(pp=1, **OPTIONS)
+    key = lambda s: (s.dp, s.sp_degree, s.tp, s.shard_degree, s.cp)  # noqa: E731
+    results = [r for r in _brute_force_pp1(model, cluster, workload, options) if key(r[3][0]) == key(r[3][-1])]
+    peaks = sorted(r[1] for r in results)
+    for gib in (peaks[len(peaks) // 3] / 2**30 * 1.001, 80.0):
+        feasible = [r for r in results if r[1] <= gib * 2**30]
+        plan = search(model, _with_memory(cluster, gib), workload, options)
+        assert key(plan.layers[0]) == key(plan.layers[-1])
+        assert plan.prediction.step_time_s == pytest.approx(min(r[0] for r in feasible), rel=1e-9)
+        assert plan.search.step_lower_bound_s <= min(r[0] for r in feasible) * (1 + 1e-12)

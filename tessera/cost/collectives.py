@@ -12,7 +12,10 @@ layer: m micro-batches; b = micro_batch_size * dp_of_batch sequences per micro-b
 stage; t = b / dp * seq_len / (u cp) tokens on the device (u: Ulysses degree, cp: context
 parallel degree); h hidden size; ab = activation bytes per element (2, or 4 for fp32); pb =
 parameter bytes; gb = gradient bytes (`Workload.grad_bytes`: 4, the runtime reduces in fp32);
-P = the layer's parameters / tp; S the ZeRO shard degree (dp, or the HSDP group, times cp);
+P = the layer's parameters / tp (`memory.tp_rank_params`: the embedding's and LM head's vocabulary
+rows padded to a multiple of S as FSDP2 pads them, GPT-2's positions and the final norm whole; an
+LM head tied to the embedding on its pipeline rank without the table, which is the embedding's);
+S the ZeRO shard degree (dp, or the HSDP group, times cp);
 R = dp * cp * u / S replicas.
 
 Per micro-batch (count m):
@@ -59,10 +62,16 @@ can match exactly; `why` starts with "bookkeeping"):
                           per-token maximum, of the sum of exponentials and of the target logit
                           (4 bytes per token each: the loss is taken on fp32 logits);
     sequence-parallel norms  an all-reduce over tp of each norm parameter's gradient, which
-                          Megatron SP leaves partial per rank: per micro-batch (h*ab bytes), or
-                          with a pipeline, whose stages accumulate gradients, once (h*4 bytes);
+                          Megatron SP leaves partial per rank: per micro-batch (h*ab bytes) where
+                          an FSDP2 unit reduces every micro-batch (ZeRO-2/3, pipelines too), or
+                          once (h*4 bytes) where gradients accumulate over the step (ZeRO-0/1, or
+                          a layer FSDP2 does not wrap: one rank, fp32, no offload);
     tied embeddings       with a pipeline, one all-reduce (first and last stage) of the tied
-                          weight's gradient shard (4 bytes per element).
+                          weight's gradient shard (4 bytes per element); an LM head that holds
+                          its copy of the table in another layout than the embedding's (on
+                          their pipeline rank, or on another stage) instead exchanges shards
+                          with it: one all-to-all over the ranks of both copies, of what this
+                          rank sends (`cost/tied.py`).
 Collectives over one rank move nothing and are left out. No torch.
 """
 from __future__ import annotations
@@ -72,9 +81,10 @@ from dataclasses import dataclass
 
 from ..plan import LayerStrategy, Plan, Recompute, SPKind
 from ..spec.model import LayerKind, LayerSpec
-from .memory import expert_shard
+from .memory import expert_shard, tp_rank_params
 from .moe import ep_collectives
 from .reshard import exchange, layout_of, same_blocks, sent_by, seq_multiple
+from .tied import group_ranks, sent_rows, tied_copies
 
 @dataclass(frozen=True)
 class Collective:
@@ -104,6 +114,7 @@ class _Rank:
         self.b = plan.micro_batch_size * plan.dp_of_batch  # sequences per micro-batch over the stage
         wl = plan.workload
         self.seq, self.ab, self.pb, self.gb = wl.seq_len, (4 if wl.dtype == "fp32" else 2), wl.param_bytes, wl.grad_bytes
+        self.copies = tied_copies(plan)  # an LM head holding a copy of the tied embedding in another layout
 
     def tokens(self, s: LayerStrategy) -> float:
         """Tokens of a micro-batch on this device under strategy `s`."""
@@ -229,15 +240,20 @@ def _layer_collectives(r: _Rank, i: int, add) -> None:
     # working dtype (pb bytes), gradients reduced in `grad_dtype` (gb bytes). Under expert
     # parallelism the experts (params / (tp ep)) sync over their dp * cp * u / ep replicas, sharded
     # over es = gcd(S, dp * u / ep) (runtime/expert_parallel.py), the rest as a dense layer's.
+    # A tied LM head on the embedding's pipeline rank uses the embedding's weight (one layout,
+    # search/planner.py): its own collectives are those of the rest (the final norm).
     group = s.dp * s.cp * s.sp_degree
-    parts = [(layer.params, s.shard_degree, group, "")]
+    shared = layer.tied_params if r.plan.pipeline.degree == 1 and r.copies is None else 0
+    dense = tp_rank_params(layer, s.tp, s.shard_degree, layer.dense_params - shared)
+    parts = [(dense, s.shard_degree, group, "")]
     if layer.num_experts and s.ep > 1:
         replicas = group // s.ep
-        parts = [(layer.params - layer.expert_params, s.shard_degree, group, ""),
-                 (layer.expert_params / s.ep, expert_shard(s.shard_degree, s.dp, s.sp_degree, s.ep), replicas,
-                  "experts: ")]
+        parts.append((layer.expert_params / s.ep / s.tp, expert_shard(s.shard_degree, s.dp, s.sp_degree, s.ep),
+                      replicas, "experts: "))
+    elif layer.num_experts:
+        parts = [(dense + layer.expert_params / s.tp, s.shard_degree, group, "")]
     for params, shard, over, label in parts:
-        _zero_collectives(add, s.zero, r.pb * params / s.tp, r.gb * params / s.tp, shard, over, m, name, label)
+        _zero_collectives(add, s.zero, r.pb * params, r.gb * params, shard, over, m, name, label)
 
 
 def _zero_collectives(add, z: int, p: float, g: float, shard: int, group: int, m: int, name: str,
@@ -325,7 +341,9 @@ def _bookkeeping(r: _Rank, layers: list[int], add) -> None:
         learned = plan.model.config is not None and plan.model.config.position == "learned"
         plain = s.tp == 1 or layer.kind != LayerKind.EMBEDDING or learned
         candidates = [shard] if plain else []
-        if s.tp > 1:
+        # The head's copy of a tied table is left out of the norm (the embedding counts it).
+        copy = layer.kind == LayerKind.LM_HEAD and r.copies is not None and pp == 1
+        if s.tp > 1 and not copy:
             candidates.append(shard + (r.tp_group(s),))
         if layer.num_experts and s.ep > 1:  # experts: their shard and tp axes, then the ep group (optim.grad_norm)
             candidates.append(r.expert_groups(s))
@@ -346,14 +364,20 @@ def _bookkeeping(r: _Rank, layers: list[int], add) -> None:
                 "bookkeeping: loss parallel, sum of exponentials and target logit")
         if s.tp > 1 and s.sp == SPKind.MEGATRON and layer.kind != LayerKind.EMBEDDING:
             norms = _norm_params(plan, layer)
-            if pp > 1:  # gradients accumulate across micro-batches: reduced once, in fp32
+            # FSDP2 units that reduce every micro-batch (ZeRO-2/3) reduce the norms' partial
+            # gradients with it; elsewhere gradients accumulate and are settled once, in fp32.
+            fsdp = s.dp * s.cp * s.sp_degree > 1 or plan.workload.dtype != "fp32" or s.offload_optimizer
+            if s.zero <= 1 or not fsdp:
                 add("all_reduce", s.tp, layer.hidden * 4, norms, layer.name,
                     "bookkeeping: sequence-parallel norm gradients, once per step")
             else:
                 add("all_reduce", s.tp, layer.hidden * r.ab, r.m * norms, layer.name,
                     "bookkeeping: sequence-parallel norm gradients")
     cfg = plan.model.config
-    if pp > 1 and cfg is not None and cfg.tie_embeddings:
+    if r.copies is not None and any(r.rank in c.ranks for c in r.copies):
+        add("all_to_all", len(group_ranks(r.copies)), sent_rows(r.copies, cfg.vocab_size, r.rank) * cfg.hidden * r.gb,
+            1, "step", "bookkeeping: tied embedding gradient, exchanged between the copies' shards", empty=True)
+    elif pp > 1 and cfg is not None and cfg.tie_embeddings:
         first, last = 0, len(plan.pipeline.stages) - 1
         if plan.pipeline.rank_of_chunk(first) != plan.pipeline.rank_of_chunk(last):
             if first in r.chunks or last in r.chunks:

@@ -32,14 +32,18 @@ offloaded states (`host`) <= the device's share of host memory.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import replace
 
 import numpy as np
 
 from ..plan import MemoryBreakdown, Plan, Prediction
+from ..spec.model import LayerKind
 from .layer import (LayerCosts, cost_key, StepContext, StrategyTable, layer_costs, pipeline_p2p_time, shape_key,
                     transition_time)
 from .hetero import is_uniform, pipeline_rank_speeds, replica_groups
 from .schedule import ScheduleResult, in_flight, simulate
+from .memory import expert_shard, model_state_bytes
+from .tied import TableShards, chunk_rows, sent_rows, tied_copies
 
 
 def usable_memory(cluster) -> float:
@@ -102,13 +106,32 @@ def _per_layer_costs(plan: Plan, ctx: StepContext) -> list[LayerCosts]:
     across plans inside `shared_layer_costs`)."""
     cache = _context_memo(ctx)
     out = []
-    for layer, lkey, s in zip(plan.model.layers, _layer_keys(plan.model), plan.layers):
+    copy = plan.pipeline.degree == 1 and tied_copies(plan) is not None
+    for i, (layer, lkey, s) in enumerate(zip(plan.model.layers, _layer_keys(plan.model), plan.layers)):
+        if copy and i == len(plan.layers) - 1:
+            # The LM head tied to an embedding of another layout holds its own copy (cost/tied.py):
+            # its states and ZeRO traffic are those of the whole table, plus the exchange.
+            costs = layer_costs(layer.model_copy(update={"tied_params": 0}), StrategyTable.build([s]), ctx)
+            sync = tied_exchange_seconds(plan, ctx)
+            out.append(replace(costs, step=costs.step + sync))
+            continue
         key = (lkey, tuple(s.__dict__.values()))  # the strategy's fields: hashed far faster than the model
         costs = cache.get(key)
         if costs is None:
             costs = cache[key] = layer_costs(layer, StrategyTable.build([s]), ctx)
         out.append(costs)
     return out
+
+
+def tied_exchange_seconds(plan: Plan, ctx: StepContext) -> float:
+    """Time of the tied copies' gradient exchange (cost/tied.py): one all-to-all over the stage of
+    the largest piece a rank sends (its first rank's, the fullest shard), exposed after backward."""
+    from .comm import collective_time
+
+    copies = tied_copies(plan)
+    cfg = plan.model.config
+    sent = sent_rows(copies, cfg.vocab_size, copies[0].base) * cfg.hidden * plan.workload.grad_bytes
+    return float(collective_time(ctx.cluster, "all_to_all", sent, plan.stage_size, 1))
 
 
 def _scalar(costs: LayerCosts, field: str) -> float:
@@ -227,6 +250,49 @@ def stage_memory(plan: Plan, costs: list[LayerCosts] | None = None) -> tuple[Mem
             host=sum(_scalar(costs[i], "host") for i in layers),
         ))
     return tuple(out)
+
+
+def rank_states(plan: Plan, rank: int, memory: tuple[MemoryBreakdown, ...] | None = None) -> MemoryBreakdown:
+    """`stage_memory` of `rank`'s pipeline stage with the rank's own pieces of the vocabulary
+    tables. Tensor parallelism cuts a table's V rows into tp blocks of ceil(V / tp), FSDP2 a block
+    into S pieces of ceil(rows / S), the last ones shorter or empty (`cost/tied.py` locates a
+    rank's); the stage's prediction counts the fullest piece, its first rank's: the memory that
+    must fit. A rank's gradients and AdamW moments follow its own piece; its sharded parameter
+    storage (the fp32 master in mixed precision) is the fullest piece's size on every rank, as
+    FSDP2 pads it. The other categories are the stage's."""
+    memory = memory if memory is not None else stage_memory(plan)
+    pipe = plan.pipeline
+    pp_rank = rank // plan.stage_size
+    out = memory[pp_rank]
+    copy = pipe.degree == 1 and tied_copies(plan) is not None
+    delta = np.zeros(3)
+    for c, (start, end) in enumerate(pipe.stages):
+        if pipe.rank_of_chunk(c) != pp_rank:
+            continue
+        for i in range(start, end):
+            layer, s = plan.model.layers[i], plan.layers[i]
+            if layer.kind not in (LayerKind.EMBEDDING, LayerKind.LM_HEAD) or not layer.vocab_size:
+                continue
+            shared = layer.tied_params if pipe.degree == 1 and not copy else 0
+            where = TableShards.of(s, pp_rank * plan.stage_size, plan.stage_size)
+            t = int(where.coordinates[rank - where.base][0])
+            tp_start, tp_stop = chunk_rows(layer.vocab_size, s.tp, t)
+            piece = where.rows(rank, layer.vocab_size)
+            es = expert_shard(s.shard_degree, s.dp * s.cp, s.sp_degree, s.ep)
+            args = (layer, plan.workload, s.tp, s.ep, s.zero, s.shard_degree, es, s.offload_optimizer,
+                    layer.dense_params - shared)
+            first = np.array([float(np.asarray(x)) for x in model_state_bytes(*args)])
+            own = np.array([float(np.asarray(x)) for x in model_state_bytes(
+                *args, rows=(tp_stop - tp_start, piece[1] - piece[0]))])
+            d = own - first
+            if s.shard_degree > 1:  # FSDP2 stores every rank's sharded parameter padded to the fullest piece
+                wl = plan.workload
+                master = 0 if wl.dtype == "fp32" else 4  # that storage is the fp32 master in mixed precision
+                d[0] = 0.0 if s.zero >= 3 else d[0]
+                d[2] *= (wl.optimizer_bytes - master) / wl.optimizer_bytes if wl.optimizer_bytes else 0.0
+            delta += d
+    return out.model_copy(update={"params": float(out.params + delta[0]), "grads": float(out.grads + delta[1]),
+                                  "optimizer": float(out.optimizer + delta[2])})
 
 
 def model_flops_per_step(plan: Plan) -> float:

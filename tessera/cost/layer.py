@@ -99,7 +99,7 @@ from .compute import (BACKWARD_FACTOR, achieved_flops, attention_seconds, linear
 from .moe import moe_times
 from .reshard import busiest_share, group_size, layout_of
 from .memory import (RC_FULL, RC_NONE, RC_SELECTIVE, activation_bytes, buffer_bytes, expert_shard,
-                     model_state_bytes, offloaded_bytes)
+                     model_state_bytes, offloaded_bytes, tp_rank_params)
 
 _RC_CODE = {"none": RC_NONE, "selective": RC_SELECTIVE, "full": RC_FULL}
 
@@ -396,7 +396,9 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
     shard = t.shard
     es = expert_shard(shard, t.dp * t.cp, t.sp, t.ep)
     slow = cl.overlap_slowdown
-    pd, pe = (layer.dense_params - shared) / t.tp, layer.expert_params / (t.tp * t.ep)
+    # P_d: the gathered dense parameters of a tp rank, padded as FSDP2 pads them (`tp_rank_params`).
+    pd = tp_rank_params(layer, t.tp, shard, layer.dense_params - shared)
+    pe = layer.expert_params / (t.tp * t.ep)
     ag = rs = ar_step = rep = h2d = d2h = 0.0
     for p, s, group in ((pd, shard, t.dp * t.cp * t.sp), (pe, es, t.dp * t.cp * t.sp // t.ep)):
         if not np.any(p):
@@ -469,7 +471,7 @@ def layer_costs(layer: LayerSpec, t: StrategyTable, ctx: StepContext) -> LayerCo
         # Ring attention keeps its output (the activation dtype) and fp32 log-sum-exp like
         # SDPA does; what it adds is transient (`ring_buffer_bytes`).
     buf = buffer_bytes(layer, wl, tokens_dev, t.tp, t.ep, t.megatron, z, t.recompute, offload=t.offload,
-                       seq_len=wl.seq_len, sp=t.sp, dense_params=layer.dense_params - shared, elt=ab,
+                       seq_len=wl.seq_len, sp=t.sp, dense_params=layer.dense_params - shared, elt=ab, shard=shard,
                        fused_norms=fused_norms)
     buf = buf + ring_buffer_bytes(layer, ab, tokens, t)
     shape = np.shape(t.dp)

@@ -3,7 +3,9 @@
 All functions take numpy arrays of strategy fields (one entry per candidate strategy), so the
 search costs a whole candidate set at once and `evaluate` uses the very same formulas.
 
-Model states (bytes), with P_d = dense params / tp and P_e = expert params / (tp * ep):
+Model states (bytes), with P_d = dense params / tp (`tp_rank_params`: the embedding's and LM
+head's vocabulary rows padded to a multiple of S as FSDP2 pads them, GPT-2's learned positions
+and the final norm whole on every tp rank) and P_e = expert params / (tp * ep):
     params    = pb * (P_d / S3 + P_e / S3e)          pb = 2 (bf16) or 4 (fp32 workload); 0 at
                                                      ZeRO-3 in mixed precision (FSDP2's fp32
                                                      shard is the master ob counts, the bf16
@@ -68,7 +70,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..spec.model import LayerSpec
+from ..spec.model import LayerKind, LayerSpec
 from ..spec.workload import Workload
 from .schedule import in_flight
 
@@ -76,7 +78,7 @@ RC_NONE, RC_SELECTIVE, RC_FULL = 0, 1, 2
 
 __all__ = ["RC_NONE", "RC_SELECTIVE", "RC_FULL", "in_flight", "model_state_bytes",
            "activation_bytes", "buffer_bytes", "expert_shard", "memory_budget", "required_memory",
-           "offloaded_bytes"]
+           "offloaded_bytes", "tp_rank_params"]
 
 
 def memory_budget(cluster) -> float:
@@ -95,20 +97,57 @@ def expert_shard(shard, dp, sp, ep):
     return np.gcd(np.asarray(shard, dtype=np.int64), (np.asarray(dp) * np.asarray(sp)) // np.asarray(ep))
 
 
+def tp_rank_params(layer: LayerSpec, tp, shard=1, dense_params: float | None = None,
+                   rows: tuple[int, int] | None = None):
+    """Dense parameters of one tensor-parallel rank, gathered (what its ZeRO shard group of S
+    ranks all-gathers and reduce-scatters), arrays over strategies.
+
+    A block: dense / tp (its norms and row-parallel biases, replicated over tp, are ~1e-4 of it).
+    The embedding and the LM head: the vocabulary table's ceil(V / tp) rows (vocabulary-parallel,
+    `runtime/tp_embedding.py`, the first tp ranks' share) plus what tensor parallelism replicates
+    whole: GPT-2's learned positions (S_max rows), the final norm's vectors. Each tensor's first
+    dimension is padded to a multiple of S, as FSDP2 pads it into S equal pieces (torch.chunk's
+    ceil(rows / S) rows each; the last ranks' pieces are shorter or empty). `dense_params`: the
+    dense parameters to count, without a tied table counted elsewhere (then only the rest).
+    `rows`: (tp block rows, shard piece rows) of one rank instead of the first rank's, for a
+    prediction of that rank (`evaluate.rank_states`): its table counts block rows unsharded,
+    piece x S sharded (so that a state divided by S is its own piece)."""
+    tp = np.asarray(tp)
+    dense = layer.dense_params if dense_params is None else dense_params
+    if layer.kind not in (LayerKind.EMBEDDING, LayerKind.LM_HEAD) or not layer.vocab_size:
+        return dense / tp
+    shard = np.asarray(shard)
+    h = layer.hidden
+    rest = layer.dense_params - layer.vocab_size * h  # replicated over tp: positions, or the norm
+    pad = lambda n: np.ceil(n / shard) * shard  # noqa: E731
+    if rest % h:
+        kept = rest
+    elif layer.kind == LayerKind.EMBEDDING:
+        kept = pad(rest // h) * h  # the position table's rows
+    else:
+        kept = (rest // h) * pad(h)  # norm vectors of h
+    if rows is None:
+        table = pad(np.ceil(layer.vocab_size / tp)) * h
+    else:
+        table = np.where(shard > 1, rows[1] * shard, rows[0]) * h
+    return kept + np.where(dense > rest, table, 0.0)
+
+
 def model_state_bytes(layer: LayerSpec, workload: Workload, tp, ep, zero, shard, expert_shard_deg, offload,
-                      dense_params: float | None = None):
-    """(params, grads, optimizer) bytes on one device, arrays over strategies."""
+                      dense_params: float | None = None, rows: tuple[int, int] | None = None):
+    """(params, grads, optimizer) bytes on one device, arrays over strategies; a sharded state
+    holds the first rank's padded piece of each tensor (`tp_rank_params`; `rows`: another rank's)."""
     tp, ep, zero = np.asarray(tp), np.asarray(ep), np.asarray(zero)
     offload = np.asarray(offload, dtype=bool)
-    dense = layer.dense_params if dense_params is None else dense_params
-    pd = dense / tp
+    pd = tp_rank_params(layer, tp, 1, dense_params, rows)
+    padded = tp_rank_params(layer, tp, shard, dense_params, rows)
     pe = layer.expert_params / (tp * ep)
     pb, gb, ob = workload.param_bytes, workload.grad_bytes, workload.optimizer_bytes
 
     def sharded(k):
         s = np.where(zero >= k, shard, 1)
         se = np.where(zero >= k, expert_shard_deg, 1)
-        return pd / s + pe / se
+        return np.where(zero >= k, padded / s, pd) + pe / se
 
     # In mixed precision FSDP2's sharded parameter is the fp32 master (counted in ob): a ZeRO-3
     # layer keeps no working copy between uses (its gathered one is a buffer, `buffer_bytes`).
@@ -125,8 +164,7 @@ def offloaded_bytes(layer: LayerSpec, workload: Workload, tp, ep, shard, expert_
     shards, gb + ob per sharded parameter, + pb in an fp32 run (in mixed precision FSDP2's fp32
     shard is the master copy that ob counts): what FSDP2's CPUOffloadPolicy keeps on the host."""
     tp, ep = np.asarray(tp), np.asarray(ep)
-    dense = layer.dense_params if dense_params is None else dense_params
-    local = dense / tp / shard + layer.expert_params / (tp * ep) / expert_shard_deg
+    local = tp_rank_params(layer, tp, shard, dense_params) / shard + layer.expert_params / (tp * ep) / expert_shard_deg
     master_is_param = workload.dtype == "fp32"
     per_param = workload.grad_bytes + workload.optimizer_bytes + (workload.param_bytes if master_is_param else 0)
     return np.where(np.asarray(offload, dtype=bool), per_param * local, 0.0)
@@ -156,12 +194,11 @@ def activation_bytes(layer: LayerSpec, tokens, tp, megatron_sp, recompute, seq_l
 
 def buffer_bytes(layer: LayerSpec, workload: Workload, tokens, tp, ep, megatron_sp, zero, recompute, offload=False,
                  seq_len: int = 0, sp=1, dense_params: float | None = None, elt: float = 2.0,
-                 fused_norms: bool = True):
+                 fused_norms: bool = True, shard=1):
     """Transient bytes while this layer's backward runs (see the module docstring)."""
     tp, ep, zero = np.asarray(tp), np.asarray(ep), np.asarray(zero)
     rc = np.asarray(recompute)
-    dense = layer.dense_params if dense_params is None else dense_params
-    gathered = workload.param_bytes * (dense / tp + layer.expert_params / (tp * ep))
+    gathered = workload.param_bytes * (tp_rank_params(layer, tp, shard, dense_params) + layer.expert_params / (tp * ep))
     replay = activation_bytes(layer, tokens, tp, megatron_sp, RC_NONE, seq_len=seq_len, sp=sp, elt=elt,
                               fused_norms=fused_norms)
     kept = activation_bytes(layer, tokens, tp, megatron_sp, RC_SELECTIVE, seq_len=seq_len, sp=sp, elt=elt,

@@ -95,27 +95,6 @@ def _param_groups(module: nn.Module) -> list:
 
 
 @torch.no_grad()
-def sum_tied_gradients(params: list, group=None) -> None:
-    """Give every copy of a tied weight the sum of all copies' gradients, whatever their sharding.
-
-    Each copy's gradient is gathered whole over its own mesh (`full_tensor`), the wholes summed
-    (and all-reduced over `group`, for copies on other ranks), and each copy keeps its own shard."""
-    from .materialize import full_value_slice
-
-    grads = [p.grad for p in params]
-    if any(g is None for g in grads):
-        raise RuntimeError("a tied embedding/head weight has no gradient after backward")
-    total = None
-    for g in grads:
-        whole = g.full_tensor() if hasattr(g, "full_tensor") else g
-        total = whole.clone() if total is None else total + whole
-    if group is not None:
-        dist.all_reduce(total, group=group)
-    for g in grads:
-        (g.to_local() if hasattr(g, "to_local") else g).copy_(full_value_slice(total, g))
-
-
-@torch.no_grad()
 def settle_gradients(params) -> None:
     """Lay every tensor-parallel gradient out like its parameter, once per step.
 

@@ -28,9 +28,11 @@ g = dp * cp * sp ranks averages gradients over g; when g != P (layer-wise hetero
 by g / P after backward (`GradScaler`-free: one foreach multiply).
 
 Tied embeddings: when the embedding and LM head layers shard alike the head uses the embedding's
-parameter; otherwise the head holds its own copy (same initial value) and after backward both
-receive g_embedding + g_head (`sync_tied_grads`, whole gradients summed across the two layouts),
-so they take identical optimizer steps; the gradient norm counts the tied weight once.
+parameter (the search gives the pair one layout, and the cost model prices the weight once);
+otherwise the head holds its own copy (same initial value) and after backward both receive
+g_embedding + g_head (`sync_tied_grads`: each shard adds the other copy's rows of it, one
+all-to-all of gradient shards, `runtime/tied_sync.py`), so they take identical optimizer steps;
+the gradient norm counts the tied weight once.
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ from ..models.transformer import Transformer
 from ..plan import LayerStrategy, Plan, Recompute, Schedule, SPKind
 from ..spec.model import LayerKind
 from .expert_parallel import check_moe_layer, dense_modules, parallelize_moe, shard_experts
-from .grad_sync import GradSync, ShardedUnit, sum_tied_gradients
+from .grad_sync import GradSync, ShardedUnit
 from .materialize import EMBEDDING_WEIGHT, HEAD_WEIGHT, canonical_name
 from .mesh import Axis, LayerLayout, ParallelDims
 from .parallel_model import ParallelLoss, ParallelTransformer, StageContext
@@ -244,6 +246,8 @@ class Parallelized:
     sync: GradSync = field(default_factory=GradSync)  # the FSDP2 units and their ZeRO stages
     ddp_group: object = None  # the DDP path's process group (dp x sp ranks), None otherwise
     untied_head: bool = False  # tied embeddings sharded two ways: the head holds a copy
+    # The copies' layouts, this rank, the vocabulary and the device of their gradient exchange.
+    tied_exchange: tuple | None = None
 
     @property
     def tied_head_copy(self) -> nn.Parameter | None:
@@ -253,7 +257,11 @@ class Parallelized:
     def sync_tied_grads(self) -> None:
         """Give the embedding and its head copy the tied gradient g_embedding + g_head."""
         if self.untied_head:
-            sum_tied_gradients([_find_param(self.chunk, EMBEDDING_WEIGHT), _find_param(self.chunk, HEAD_WEIGHT)])
+            from .tied_sync import exchange_tied_gradients
+
+            copies, vocab, rank, device = self.tied_exchange
+            grads = {0: _find_param(self.chunk, EMBEDDING_WEIGHT).grad, 1: _find_param(self.chunk, HEAD_WEIGHT).grad}
+            exchange_tied_gradients(grads, copies, vocab, rank, list(range(copies[0].size)), device=device)
 
     def wrap_ddp(self) -> None:
         """Wrap a DDP plan's materialised chunk in `DistributedDataParallel` (no-op otherwise).
@@ -342,6 +350,13 @@ def parallelize(model: Transformer, plan: Plan, dims: ParallelDims, rank: int,
         chunk.norm = _recompute(chunk.norm, Recompute.FULL)
 
     result = Parallelized(module=chunk, chunk=chunk, loss=ParallelLoss(ctx), untied_head=untie)
+    if untie:  # one stage (the world): both copies on every rank
+        from ..cost.tied import TableShards
+
+        n = plan.stage_size
+        device = torch.device("cuda", torch.cuda.current_device()) if dims.device_type == "cuda" else None
+        result.tied_exchange = ([TableShards.of(first, 0, n), TableShards.of(last, 0, n)], model.config.vocab_size,
+                                rank, device)
     pieces = result.loss.pieces
     if uses_ddp(plan):
         layout = LayerLayout.of(strategies[0])

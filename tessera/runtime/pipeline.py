@@ -22,7 +22,8 @@ gradients are summed with an all-reduce between the first- and last-stage ranks 
 pipeline column. Since d(loss)/dW_tied = g_embedding + g_head, both copies then receive the
 tied gradient and the same optimizer update, so they stay equal. Copies sharded alike sum their
 local shards; copies sharded differently (the embedding and head layers' strategies differ)
-sum their whole gradients (`grad_sync.sum_tied_gradients`).
+exchange shards instead: each rank adds the other copy's rows of its own shard, received in one
+all-to-all over both stages' ranks (`runtime/tied_sync.py`; the search gives the pair one layout).
 
 Gradient synchronisation. `torch.distributed.pipelining`'s stage keeps FSDP2 from reducing or
 resharding during every micro-batch's backward and reduces once at the end of the step.
@@ -49,7 +50,7 @@ from torch import nn
 from ..errors import TesseraError
 from ..models.transformer import Transformer
 from ..plan import Plan, Schedule
-from .grad_sync import settle_gradients, sum_tied_gradients
+from .grad_sync import settle_gradients
 from .mesh import LayerLayout
 
 logger = logging.getLogger(__name__)
@@ -150,6 +151,13 @@ def _tied_sync_group(mesh, plan: Plan):
     pairs = torch.stack([ranks[first], ranks[last]], dim=1)  # (columns, 2)
     pair_mesh = DeviceMesh(mesh.device_type, pairs, mesh_dim_names=("column", "tied"))
     return pair_mesh.get_group("tied") if pair_mesh.get_coordinate() is not None else None
+
+
+def _tied_exchange_group(ranks: list[int]):
+    """The process group of the first and last stages' ranks (every rank creates it; None: the world)."""
+    if len(ranks) == dist.get_world_size():
+        return None
+    return dist.new_group(ranks)
 
 
 def _planned_stage_class():
@@ -280,6 +288,7 @@ class PipelineRunner:
     tied_params: list[nn.Parameter] = field(default_factory=list)
     tied_group: object = None
     tied_same_layout: bool = True  # both copies sharded alike: sum the local shards directly
+    tied_exchange: tuple | None = None  # otherwise: (copies, vocab, rank, group ranks, group), cost/tied.py
     _tied_is_copy: list[bool] = field(default_factory=list)
 
     @property
@@ -365,7 +374,12 @@ class PipelineRunner:
         if not self.tied_params:
             return
         if not self.tied_same_layout:
-            sum_tied_gradients(self.tied_params, self.tied_group)
+            from .tied_sync import exchange_tied_gradients
+
+            copies, vocab, rank, ranks, group = self.tied_exchange
+            copy = 0 if rank in copies[0].ranks else 1
+            exchange_tied_gradients({copy: self.tied_params[0].grad}, copies, vocab, rank, ranks, group,
+                                    device=self.device)
             return
         grads = [p.grad for p in self.tied_params]
         if any(g is None for g in grads):
@@ -425,8 +439,16 @@ def build_pipeline(model: Transformer, plan: Plan, mesh, loss_fn: Callable[[torc
                             schedule=_make_schedule(plan, stages, loss_fn), device=device)
     if tied:
         # First and last chunk are on different ranks (pp >= 2, chunk c on rank c % pp).
-        runner.tied_group = _tied_sync_group(mesh, plan)
         runner.tied_same_layout = LayerLayout.of(plan.layers[0]) == LayerLayout.of(plan.layers[-1])
+        if runner.tied_same_layout:
+            runner.tied_group = _tied_sync_group(mesh, plan)
+        else:  # shard to shard over the ranks of both copies (cost/tied.py)
+            from ..cost.tied import group_ranks, tied_copies
+
+            copies = tied_copies(plan)
+            ranks = group_ranks(copies)
+            runner.tied_exchange = (copies, plan.model.config.vocab_size, dist.get_rank(), ranks,
+                                    _tied_exchange_group(ranks))
         for part in parts:
             for name, is_copy in ((EMBEDDING_WEIGHT, False), (HEAD_WEIGHT, True)):
                 param = _find_param(part, name)

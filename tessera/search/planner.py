@@ -18,6 +18,10 @@ Constraints
               + reserved <= device memory                                     (cost/memory.py)
     layout    dp divides B; tp within a node and dividing the heads; ep divides experts and dp sp
     batch     micro_batch_size * m * max_l dp_l = G
+    tied      an LM head tied to the embedding takes the embedding's parameter layout (dp,
+              ulysses, tp, ZeRO shard degree, cp): the runtime shares the weight only then, and
+              the cost model prices it once only then (`_solve_tied_rank`; a pipeline's head copy
+              follows the embedding's layout too, summed by an all-reduce of equal shards)
 
 Method (which function does what)
     `_contexts`      enumerates (pp, m, schedule, v) and orders them by a balanced-stage
@@ -87,15 +91,15 @@ from ..cost.schedule import in_flight
 from ..errors import TesseraError
 from ..plan import PipelineSpec, Plan, Schedule, SearchInfo
 from ..spec.cluster import ClusterSpec
-from ..spec.model import ModelSpec
+from ..spec.model import LayerKind, ModelSpec
 from ..spec.workload import Workload
 from .bounds import Context as _Context
 from .bounds import SplitBounds
-from .dp import Slot, solve_rank
+from .dp import RankSolution, Slot, solve_rank
 from .explain import bubble_warning, explain, structure
 from .limits import check_search_size
 from .space import (Candidates, SearchOptions, candidate_table, divisors, dominated_on_rank, fastest_costs,
-                    prune_dominated, space_notes, virtual_stage_options)
+                    param_layouts, prune_dominated, space_notes, virtual_stage_options)
 
 log = logging.getLogger(__name__)
 GiB = 2**30
@@ -125,6 +129,10 @@ class _Search(SplitBounds):
         keys: dict[tuple, int] = {}
         self.kind_of = [keys.setdefault(cost_key(layer), len(keys)) for layer in model.layers]
         self.kind_layer = {k: model.layers[i] for i, k in reversed(list(enumerate(self.kind_of)))}
+        # An LM head tied to the embedding: the two take one parameter layout (`_solve_tied_rank`).
+        self.tied = (len(model.layers) > 1 and model.layers[0].kind == LayerKind.EMBEDDING
+                     and model.layers[-1].tied_params > 0)
+        self.tied_kinds = {self.kind_of[0], self.kind_of[-1]} if self.tied else set()
         self.budget = memory_budget(cluster)
         self.tables: dict[tuple[int, int], dict[int, Candidates] | None] = {}
         self.layouts: dict[tuple[int, int], tuple[dict, np.ndarray]] = {}
@@ -213,7 +221,7 @@ class _Search(SplitBounds):
                 self.tables[key] = None
                 return None
             costs = layer_costs(layer, table, ctx)
-            keep = prune_dominated(table, costs)
+            keep = prune_dominated(table, costs, by_shard=kind in self.tied_kinds)
             self.stats["candidates"] += len(table)
             self.stats["pruned"] += len(table) - len(keep)
             table = table.subset(keep)
@@ -268,6 +276,8 @@ class _Search(SplitBounds):
         best_step = self.scored[0].step * slack if self.scored else np.inf
         choice: list[int] = [0] * len(self.model.layers)
         P, hop = self._paths(c, cands)
+        last = len(self.model.layers) - 1
+        embedding_layout = None  # the tied embedding's parameter layout, once its rank is solved
         try:
             for r in range(c.pp):
                 k = in_flight(c.schedule, c.pp, r, c.m, c.v)
@@ -277,19 +287,15 @@ class _Search(SplitBounds):
                 # its busy time: path + (m / weight) objective <= simulated step <= over x step.
                 path = float(P[chunks[0][0]]) + r * hop
                 upper = (best_step * self.over / (1 + self.opts.optimality_gap) - path) * weight / c.m
-                key = (n, B, c.m, weight, tuple(tuple(self.kind_of[s:e]) for s, e in chunks), k)
-                hit = self.dp_cache.get(key)
-                if hit is None or (hit[0] is None and upper > hit[2]):  # None under a tighter bound
-                    slots = self._slots(cands, chunks, layouts, weight, k, trans)
-                    res = solve_rank(slots, trans, self.budget, self.opts.memory_bins, self.opts.max_memory_bins,
-                                     upper_bound=max(upper, 0.0), gap=self.opts.optimality_gap)
-                    sol = res.solution
-                    if sol is not None:
-                        self.stats["states"] += sol.states_explored
-                    elif not self.scored:
-                        self._note_infeasible(slots, c, cands)
-                    hit = self.dp_cache[key] = (sol, self._keep, upper, res.bound)
-                sol, keep, _, rank_bound = hit
+                rank_layers = [i for s, e in chunks for i in range(s, e)]
+                tied_here = self.tied and rank_layers[0] == 0 and rank_layers[-1] == last
+                restrict = {}
+                if self.tied and rank_layers[-1] == last and embedding_layout is not None:
+                    restrict = {self.kind_of[last]: embedding_layout}  # a pipeline's head copy: the same layout
+                if tied_here:
+                    sol, keep, rank_bound = self._solve_tied_rank(c, n, B, chunks, k, weight, trans, upper)
+                else:
+                    sol, keep, rank_bound = self._solve_rank(c, n, B, chunks, k, weight, trans, upper, restrict)
                 bound = max(bound, (path + rank_bound * c.m / weight) / self.over)  # the comment above, backwards
                 if sol is None:
                     return None
@@ -298,6 +304,8 @@ class _Search(SplitBounds):
                     for i in range(s, e):
                         choice[i] = int(keep[self.kind_of[i]][sol.choice[pos]])
                         pos += 1
+                if self.tied and rank_layers[0] == 0:
+                    embedding_layout = param_layouts(cands[self.kind_of[0]].table)[choice[0]]
         finally:
             if c.pp > 1:  # tightened at the end where it limits the proof (`_tighten`)
                 self.solved.append((bound, c, split))
@@ -314,14 +322,123 @@ class _Search(SplitBounds):
         self._record(plan.model_copy(update={"prediction": pred}))
         return pred.step_time_s
 
+    def _solve_rank(self, c: _Context, n: int, B: int, chunks, k: float, weight: float, trans: np.ndarray,
+                    upper: float, restrict: dict | None = None):
+        """(solution or None, candidate indices per kind, bound) of one rank's program, cached;
+        `restrict`: kind -> the one parameter layout its candidates may take."""
+        restrict = restrict or {}
+        key = (n, B, c.m, weight, tuple(tuple(self.kind_of[s:e]) for s, e in chunks), k,
+               tuple(sorted(restrict.items())))
+        hit = self.dp_cache.get(key)
+        if hit is None or (hit[0] is None and upper > hit[2]):  # None under a tighter bound
+            cands = self._candidates(n, B)
+            layouts = self.layouts[(n, B)][0]
+            slots = self._slots(cands, chunks, layouts, weight, k, trans, restrict)
+            if slots is None:  # no candidate of a restricted kind takes that layout
+                hit = self.dp_cache[key] = (None, {}, np.inf, np.inf)
+            else:
+                res = solve_rank(slots, trans, self.budget, self.opts.memory_bins, self.opts.max_memory_bins,
+                                 upper_bound=max(upper, 0.0), gap=self.opts.optimality_gap)
+                sol = res.solution
+                if sol is not None:
+                    self.stats["states"] += sol.states_explored
+                elif not self.scored and not restrict:
+                    self._note_infeasible(slots, c, cands)
+                hit = self.dp_cache[key] = (sol, self._keep, upper, res.bound)
+        sol, keep, _, rank_bound = hit
+        return sol, keep, rank_bound
+
+    def _solve_tied_rank(self, c: _Context, n: int, B: int, chunks, k: float, weight: float,
+                         trans: np.ndarray, upper: float):
+        """`_solve_rank` for a rank holding both the embedding and the LM head tied to it: the two
+        take one parameter layout (the runtime then shares one weight, priced once).
+
+        The program without that constraint is a relaxation (its bound stays valid). When its
+        optimum gives the pair two layouts, that optimum is repaired: the blocks kept, the pair
+        re-chosen together in one layout (`_repair_tied`); a repair within `optimality_gap` of the
+        relaxation is taken (the search's own tolerance). Otherwise the program is solved once
+        per layout both layers can take, each pruned by the best found so far (the repair first),
+        and the best is kept, the bound the smallest of theirs: exact."""
+        sol, keep, bound = self._solve_rank(c, n, B, chunks, k, weight, trans, upper)
+        if sol is None:
+            return sol, keep, bound
+        cands = self._candidates(n, B)
+        first, last = self.kind_of[0], self.kind_of[-1]
+        emb_keys, head_keys = param_layouts(cands[first].table), param_layouts(cands[last].table)
+        picked = (emb_keys[int(keep[first][sol.choice[0]])], head_keys[int(keep[last][sol.choice[-1]])])
+        if picked[0] == picked[1]:
+            return sol, keep, bound
+        slots = self._slots(cands, chunks, self.layouts[(n, B)][0], weight, k, trans)
+        repaired = self._repair_tied(slots, keep, sol, trans, emb_keys, head_keys)
+        if repaired is not None and repaired.time <= sol.time * (1 + self.opts.optimality_gap):
+            return repaired, keep, bound
+        best = (repaired, keep) if repaired is not None and repaired.time < upper else None
+        common = set(emb_keys) & set(head_keys)
+        order = [g for g in picked if g in common] + sorted(common - set(picked))
+        bounds = []
+        for g in order:
+            ceiling = min(upper, best[0].time) if best is not None else upper
+            s, kp, b = self._solve_rank(c, n, B, chunks, k, weight, trans, ceiling, {first: g, last: g})
+            bounds.append(b)
+            if s is not None and (best is None or s.time < best[0].time):
+                best = (s, kp)
+        tied_bound = min(bounds) if bounds else np.inf
+        if best is None:
+            return None, keep, max(bound, min(tied_bound, upper))
+        return best[0], best[1], max(bound, min(tied_bound, best[0].time))
+
+    def _repair_tied(self, slots: list[Slot], keep: dict, sol, trans: np.ndarray, emb_keys: list,
+                     head_keys: list):
+        """`sol` (one rank holding every layer, embedding first and LM head last) with the
+        embedding and head re-chosen in one parameter layout, the other layers kept: the fastest
+        pair of each layout that fits the budget, the best of them (None when none fits)."""
+        first, last = self.kind_of[0], self.kind_of[-1]
+        choice = list(sol.choice)
+        e, h = slots[0], slots[-1]
+        inner = range(1, len(slots) - 1)
+        mem = sum(float(slots[i].mem[choice[i]]) for i in inner)
+        buf = max((float(slots[i].buf[choice[i]]) for i in inner), default=0.0)
+        time = sum(float(slots[i].time[choice[i]]) for i in inner)
+        time += sum(float(trans[slots[i - 1].layout[choice[i - 1]], slots[i].layout[choice[i]]])
+                    for i in range(2, len(slots) - 1) if not slots[i].chunk_start)
+        after_e = slots[1].layout[choice[1]] if len(slots) > 2 else None
+        before_h = slots[-2].layout[choice[-2]] if len(slots) > 2 else None
+        e_time = e.time + (trans[e.layout, after_e] if after_e is not None and not slots[1].chunk_start else 0.0)
+        h_time = h.time + (trans[before_h, h.layout] if before_h is not None and not h.chunk_start else 0.0)
+        if len(slots) == 2 and not h.chunk_start:
+            e_time = e.time
+        e_key = [emb_keys[int(j)] for j in keep[first]]
+        h_key = [head_keys[int(j)] for j in keep[last]]
+        best = None
+        for a in range(len(e.time)):
+            for b in range(len(h.time)):
+                if e_key[a] != h_key[b]:
+                    continue
+                t = time + float(e_time[a]) + float(h_time[b])
+                if len(slots) == 2 and not h.chunk_start:
+                    t += float(trans[e.layout[a], h.layout[b]])
+                m = mem + float(e.mem[a]) + float(h.mem[b])
+                top = max(buf, float(e.buf[a]), float(h.buf[b]))
+                if m + top <= self.budget and (best is None or t < best[0]):
+                    best = (t, m, top, a, b)
+        if best is None:
+            return None
+        t, m, top, a, b = best
+        choice[0], choice[-1] = a, b
+        return RankSolution(t, m, top, tuple(choice), sol.states_explored)
+
     def _record(self, plan: Plan) -> None:
         self.scored.append(_Scored(plan.prediction.step_time_s, plan))
         self.scored.sort(key=lambda x: x.step)
         del self.scored[50:]
 
-    def _slots(self, cands, chunks, layouts, m: float, k: float, trans: np.ndarray) -> list[Slot]:
+    def _slots(self, cands, chunks, layouts, m: float, k: float, trans: np.ndarray,
+               restrict: dict | None = None) -> list[Slot] | None:
         """DP inputs for one rank, per layer kind: the rank's objective terms, without the
-        strategies another dominates for this rank (`dominated_on_rank`)."""
+        strategies another dominates for this rank (`dominated_on_rank`); a kind in `restrict`
+        keeps only its candidates of that parameter layout (before the dominance test, which
+        compares across layouts). None: a restricted kind has no such candidate."""
+        restrict = restrict or {}
         per_kind: dict[int, tuple] = {}
         slots = []
         penalty = trans.max(axis=0) + trans.max(axis=1)  # worst extra re-sharding into and out of a layout
@@ -330,11 +447,19 @@ class _Search(SplitBounds):
                 kind = self.kind_of[i]
                 if kind not in per_kind:
                     x = cands[kind]
-                    t = m * (x.costs.fwd + x.costs.bwd) + x.costs.step
-                    mem = x.costs.states + k * x.costs.act
-                    lay = np.array([layouts[v] for v in x.layout])
-                    keep = dominated_on_rank(t, mem, x.costs.buf, lay, penalty)
-                    per_kind[kind] = (t[keep], mem[keep], x.costs.buf[keep], lay[keep], keep)
+                    allowed = np.arange(len(x.table))
+                    if kind in restrict:
+                        allowed = np.array([j for j, g in enumerate(param_layouts(x.table)) if g == restrict[kind]],
+                                           dtype=np.int64)
+                        if not len(allowed):
+                            return None
+                    t = (m * (x.costs.fwd + x.costs.bwd) + x.costs.step)[allowed]
+                    mem = (x.costs.states + k * x.costs.act)[allowed]
+                    buf = x.costs.buf[allowed]
+                    lay = np.array([layouts[x.layout[j]] for j in allowed])
+                    kept = dominated_on_rank(t, mem, buf, lay, penalty)
+                    keep = allowed[kept]
+                    per_kind[kind] = (t[kept], mem[kept], buf[kept], lay[kept], keep)
                 t, mem, buf, lay, keep = per_kind[kind]
                 slots.append(Slot(time=t, mem=mem, buf=buf, layout=lay, chunk_start=i == s))
         self._keep = {kind: v[4] for kind, v in per_kind.items()}

@@ -303,14 +303,24 @@ def fastest_costs(costs: LayerCosts, m: int) -> dict[str, float]:
             "fb": float(np.min(costs.fwd + costs.bwd)), "work": float(np.min(m * (costs.fwd + costs.bwd) + costs.step))}
 
 
-def prune_dominated(table: StrategyTable, costs: LayerCosts) -> np.ndarray:
+def prune_dominated(table: StrategyTable, costs: LayerCosts, by_shard: bool = False) -> np.ndarray:
     """Indices of the strategies no other strategy of the same layout dominates (docstring proof);
-    among exact ties the first is kept."""
+    among exact ties the first is kept. `by_shard`: the layout includes the ZeRO shard degree too
+    (a tied embedding and LM head must take one parameter layout, `param_layouts`)."""
     comp = np.stack([costs.fwd, costs.bwd - costs.wgrad, costs.wgrad, costs.step, costs.states,
                      costs.act, costs.buf], axis=1)
-    layout = np.stack([table.dp, table.tp, table.sp, table.megatron.astype(np.int64), table.cp], axis=1)
+    columns = [table.dp, table.tp, table.sp, table.megatron.astype(np.int64), table.cp]
+    layout = np.stack(columns + ([table.shard] if by_shard else []), axis=1)
     _, group = np.unique(layout, axis=0, return_inverse=True)
     return undominated(group.ravel(), comp)
+
+
+def param_layouts(table: StrategyTable) -> list[tuple[int, int, int, int, int]]:
+    """Each candidate's parameter layout (dp, ulysses, tp, ZeRO shard degree, cp): the degrees that
+    decide which ranks share the layer's parameters (the runtime's `LayerLayout`); a tied
+    embedding and LM head of one rank share their weight only when theirs are equal."""
+    return list(zip(table.dp.tolist(), table.sp.tolist(), table.tp.tolist(), table.shard.tolist(),
+                    table.cp.tolist()))
 
 
 def undominated(group: np.ndarray, comp: np.ndarray) -> np.ndarray:

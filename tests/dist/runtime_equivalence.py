@@ -66,6 +66,11 @@ def plans_4():
         ("layerwise_dp2tp2_then_dp4", make_plan(LLAMA, 4, layerwise, num_micro_batches=2), LLAMA),
         ("layerwise_vocab_tp4_blocks_dp4", make_plan(LLAMA, 4, tp_ends), LLAMA),
         ("gpt2_tied_zero3_tp2_sp", make_plan(GPT2, 4, S(dp=2, tp=2, zero=3, sp="megatron")), GPT2),
+        # The head's copy in another layout than the embedding's: ranks 1 and 2 hold each other's
+        # rows of the tied table and exchange their gradient shards (cost/tied.py).
+        ("gpt2_tied_zero3_embedding_dp2_tp2_head", make_plan(GPT2, 4, [S(dp=4, zero=3)] * 5
+                                                              + [S(dp=2, tp=2, sp="megatron", zero=2)],
+                                                              num_micro_batches=2), GPT2),
         ("moe_zero2_tp2_sp", make_plan(MOE, 4, S(dp=2, tp=2, zero=2, sp="megatron")), MOE),
         ("pp2_dp2_zero3_1f1b", make_plan(LLAMA, 4, S(dp=2, zero=3), num_micro_batches=2,
                                          stages=((0, 3), (3, 6))), LLAMA),

@@ -4,6 +4,7 @@ Every sampled rank runs in a forked child process (`measure.measure_rank`): a fr
 group, and no DTensor or device-mesh caches shared between ranks (their groups would belong to
 the previous rank's process group); the child's peak RSS is that rank's cost on this machine.
 The prediction is the cost model's (`cost.evaluate.stage_memory` for the rank's pipeline stage,
+with `rank_states` giving the rank's own pieces of the vocabulary tables,
 `cost.collectives.step_collectives` for its collectives).
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from ...cost.collectives import step_collectives
-from ...cost.evaluate import stage_memory
+from ...cost.evaluate import rank_states, stage_memory
 from ...errors import TesseraError
 from ...plan import Plan
 from .compare import RankComparison, compare_collectives, compare_state
@@ -126,7 +127,7 @@ def measure_in_child(plan: Plan, rank: int, materialize: bool, step: bool = True
 def compare_rank(plan: Plan, m: RankMeasurement, memory=None) -> RankComparison:
     memory = memory if memory is not None else stage_memory(plan)
     predicted = memory[m.pp_rank]
-    state = compare_state(predicted, m.device, m.host)
+    state = compare_state(rank_states(plan, m.rank, memory), m.device, m.host)
     needed = state[-1].measured + predicted.activations + predicted.buffers
     return RankComparison(rank=m.rank, pp_rank=m.pp_rank, mode=m.mode, state=state,
                           collectives=compare_collectives(step_collectives(plan, m.rank), m.collectives),

@@ -96,7 +96,7 @@ def _real_device_meshes() -> Iterator[None]:
 
     patches = [(DeviceMesh, "__init__"), (ParallelDims, "layer_mesh"), (ParallelDims, "sp_group"),
                (ParallelDims, "rank_mesh"), (ParallelDims, "mesh"), (ParallelDims, "stage_group"),
-               (pipeline, "_tied_sync_group")]
+               (pipeline, "_tied_sync_group"), (pipeline, "_tied_exchange_group")]
     saved = [(owner, name, owner.__dict__[name]) for owner, name in patches]
     for owner, name, original in saved:
         setattr(owner, name, _outside_modes(original))
