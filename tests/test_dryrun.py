@@ -111,7 +111,7 @@ def test_interleaved_pipeline_gathers_zero1_units_once_per_step():
     gathers = [row for row in r.comparison.collectives if row.kind == "all_gather"]
     assert {(row.bytes, row.predicted, row.measured) for row in gathers} == {
         (2 * 725_504, 3, 3),  # each block's unit once per step (bf16)
-        (2 * 50_257 * 256, 1, 1)}  # the embedding (the chunk's root)
+        (2 * 50_260 * 256, 1, 1)}  # the embedding (the chunk's root; rows padded to 4 ranks, as FSDP2 pads)
     assert all(row.matches for row in r.comparison.collectives)
     assert abs(r.comparison.state_error) < 0.02
 
