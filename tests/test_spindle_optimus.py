@@ -42,6 +42,19 @@ def _brute_force(ops, sizes, fwd, bwd, total, mem=None, budget=math.inf):
     return best
 
 
+def _four_operators() -> list[Operator]:
+    """Task a (encoder, then its LLM), and LLM-only tasks b and c."""
+    return [Operator("a/enc", "a", "vision_encoder"), Operator("a/llm", "a", "llm", (0,)),
+            Operator("b/llm", "b", "llm"), Operator("c/llm", "c", "llm")]
+
+
+def _times(rng, n: int, sizes: list[int]):
+    """Forward and backward seconds per operator and group size: random work, sub-linear speed-up."""
+    work = rng.uniform(0.5, 4.0, size=n)
+    fwd = np.array([[w / 3 / g ** 0.8 for g in sizes] for w in work])
+    return fwd, 2 * fwd
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_wave_packing_matches_brute_force(seed):
     rng = np.random.default_rng(seed)
@@ -64,15 +77,12 @@ def test_wave_packing_matches_brute_force(seed):
 
 
 def test_wave_packing_under_a_memory_budget_matches_brute_force():
-    ops = [Operator("a/enc", "a", "vision_encoder"), Operator("a/llm", "a", "llm", (0,)),
-           Operator("b/llm", "b", "llm"), Operator("c/llm", "c", "llm")]
+    ops = _four_operators()
     sizes = [1, 2, 4]
     tight = 0
     for seed in range(6):
         rng = np.random.default_rng(seed)
-        work = rng.uniform(0.5, 4.0, size=len(ops))
-        fwd = np.array([[w / 3 / g ** 0.8 for g in sizes] for w in work])
-        bwd = 2 * fwd
+        fwd, bwd = _times(rng, len(ops), sizes)
         # Model states shard over the group (1 / g per device), activations a little on top.
         mem = np.array([[s / g + a for g in sizes]
                         for s, a in zip(rng.uniform(4, 8, len(ops)), rng.uniform(0, 0.2, len(ops)))])
@@ -98,15 +108,12 @@ def test_exact_memory_packing_matches_brute_force():
     from types import SimpleNamespace as NS
 
     from tessera.adapt.spindle import Placed, Wave, _pack_waves_exact_memory, _wave_options, device_memory
-    ops = [Operator("a/enc", "a", "vision_encoder"), Operator("a/llm", "a", "llm", (0,)),
-           Operator("b/llm", "b", "llm"), Operator("c/llm", "c", "llm")]
+    ops = _four_operators()
     sizes = [1, 2, 4]
     binding = 0
     for seed in range(4):
         rng = np.random.default_rng(seed)
-        work = rng.uniform(0.5, 4.0, size=len(ops))
-        fwd = np.array([[w / 3 / g ** 0.8 for g in sizes] for w in work])
-        bwd = 2 * fwd
+        fwd, bwd = _times(rng, len(ops), sizes)
         states = np.array([[s / g for g in sizes] for s in rng.uniform(2, 6, len(ops))])
         act = np.array([[a / g for g in sizes] for a in rng.uniform(1, 4, len(ops))])
         buf = np.full_like(fwd, 0.1)
@@ -145,8 +152,7 @@ def test_device_memory_adds_up_states_across_waves_and_every_waves_activations()
     from types import SimpleNamespace as NS
 
     from tessera.adapt.spindle import Placed, Wave, device_memory, round_ends
-    ops = [Operator("a/enc", "a", "vision_encoder"), Operator("a/llm", "a", "llm", (0,)),
-           Operator("b/llm", "b", "llm"), Operator("c/llm", "c", "llm")]
+    ops = _four_operators()
     costs = {(0, 2, "fastest"): NS(states_bytes=10.0, act_bytes=1.0, buf_bytes=0.5),
              (1, 4, "fastest"): NS(states_bytes=100.0, act_bytes=2.0, buf_bytes=3.0),
              (2, 2, "fastest"): NS(states_bytes=200.0, act_bytes=4.0, buf_bytes=1.0),
