@@ -271,3 +271,30 @@ def test_train_runs_the_planned_optimus_plan(monkeypatch):
     got = plan_vlm(config, llm, 4, workload, cluster)
     assert "is not run by this runtime yet (the Optimus encoder plan uses tensor/sequence parallelism or ZeRO" \
         in got.lines[-1] and "running the fastest plan it runs" in got.lines[-1]
+
+
+def test_the_optimus_runtime_refuses_what_it_cannot_run_in_one_line():
+    """Bubble counts of the wrong shape or sum, a multi-chunk LLM schedule and a non-replicated
+    encoder are each refused in one sentence naming the value."""
+    from tessera.runtime.multimodal import EncoderStrategy, _check_pipeline
+    from tessera.runtime.vlm_pipeline import check_counts
+    from tessera.search import manual_plan
+    from tessera.spec import Workload
+    from tessera.spec.presets import get_model, make_cluster
+
+    check_counts([[1, 1], [1, 1]], pp=2, m=2, images_per_micro_batch=2)  # a valid placement
+    with pytest.raises(TesseraError, match=r"^encoder bubbles must give 2 pipeline ranks x 2 micro-batches of image "
+                                           r"counts, not 1 x 2$"):
+        check_counts([[1, 1]], pp=2, m=2, images_per_micro_batch=2)
+    with pytest.raises(TesseraError, match=r"^encoder bubbles: micro-batch 1 has 2 images, the counts place 3$"):
+        check_counts([[1, 2], [1, 1]], pp=2, m=2, images_per_micro_batch=2)
+
+    def pipeline(**kw):
+        return manual_plan(get_model("tiny-llama"), make_cluster("h100-80gb", 4), Workload(global_batch=8, seq_len=64),
+                           pp=2, dp=2, **kw)
+
+    _check_pipeline(pipeline(), EncoderStrategy())
+    with pytest.raises(TesseraError, match=r"one chunk per rank, not interleaved_1f1b with 2$"):
+        _check_pipeline(pipeline(schedule="interleaved_1f1b", virtual_stages=2), EncoderStrategy())
+    with pytest.raises(TesseraError, match=r"encoder is replicated on every rank .* not dp=2 from rank 0 with zero 1$"):
+        _check_pipeline(pipeline(), EncoderStrategy(dp=2, zero=1))
