@@ -76,9 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().print_help()
         return 0
     from ..runtime.affinity import pin_cpu_rank
+    from ..runtime.host_malloc import steady_host_allocator
 
     try:
         pin_cpu_rank()  # before any thread starts, so that they all inherit it
+        steady_host_allocator()  # before anything is allocated: one malloc regime for the whole run
         module = importlib.import_module(_available_verbs()[args.verb][0])
         return int(module.run(args) or 0)
     except (TesseraError, ValueError, FileNotFoundError) as e:
