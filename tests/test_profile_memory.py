@@ -63,3 +63,22 @@ def test_allocator_window_counts_what_is_built_inside_and_its_peak_in_the_measur
         del small, before
     assert window.peak_bytes == 4 * n * 4
     assert kept.numel() == n
+
+
+def test_a_block_freed_on_a_thread_the_profiler_does_not_watch_leaves_the_peak_when_reused():
+    """The CPU allocator reports only what profiled threads free: a tensor a gloo thread drops is
+    never taken off its running total. Its address handed out again shows it was freed."""
+    from tessera.profile.measure.validate import live_peak
+
+    MiB = 2**20
+    events = [(0, 0xA, 8 * MiB),  # model states, built before the step
+              (1, 0xB, 4 * MiB),  # a collective's buffer; its free happens on another thread (no event)
+              (10, 0xB, 2 * MiB),  # inside the step: 0xB handed out again, so the 4 MiB block was freed
+              (11, 0xC, 1 * MiB),
+              (12, 0xC, -1 * MiB),
+              (30, 0xD, 16 * MiB)]  # after the window: not in it
+    assert live_peak(events, (5, 20)) == 11 * MiB  # states + the reused block + 1 MiB of scratch
+    assert live_peak(events, (0, 0)) == 8 * MiB  # only the first event is inside
+    assert live_peak(events[:2], (5, 20)) == 12 * MiB  # no event inside: what was live when it opened
+    assert live_peak([(0, 0xE, -3 * MiB)], (0, 5)) == 0.0  # a free of a block allocated before profiling
+

@@ -45,9 +45,10 @@ token on a GPU (r = 4), and on a CPU in fp32 4 (6 h + 2 q + 2 kv + 4 f + heads +
 exactly (tests/test_cost_memory.py).
 
 Transient buffer of a layer (the peak while its backward runs):
-    buf = t (s bwd_transient + bwd_transient_fp32) / tp
+    buf = t (s bwd_transient + bwd_transient_fp32 [+ bwd_transient_fp32_vocab_parallel if tp > 1]) / tp
                                 (its incoming and MLP-branch gradients; the LM head's gradients
-                                 of the log-probabilities and fp32 logits, 8 V bytes per token)
+                                 of the log-probabilities and fp32 logits, 8 V bytes per token,
+                                 12 V under DTensor's vocabulary-parallel loss)
         + 2 * pb * (P_d + P_e)  if zero == 3  (its own and the prefetched next layer's weights)
         + pb * (P_d + P_e)      if offloaded with zero >= 2 (its unsharded gradient before the
                                  reduce-scatter and the copy to the host)
@@ -203,7 +204,8 @@ def buffer_bytes(layer: LayerSpec, workload: Workload, tokens, tp, ep, megatron_
                               fused_norms=fused_norms)
     kept = activation_bytes(layer, tokens, tp, megatron_sp, RC_SELECTIVE, seq_len=seq_len, sp=sp, elt=elt,
                             fused_norms=fused_norms)
-    transient = tokens * ((elt / 2.0) * layer.bwd_transient + layer.bwd_transient_fp32) / tp
+    fp32 = layer.bwd_transient_fp32 + np.where(tp > 1, layer.bwd_transient_fp32_vocab_parallel, 0.0)
+    transient = tokens * ((elt / 2.0) * layer.bwd_transient + fp32) / tp
     return (transient + np.where(zero == 3, 2.0 * gathered, 0.0)
             + np.where(np.asarray(offload, dtype=bool) & (zero >= 2), gathered, 0.0)
             + np.where(rc == RC_FULL, replay, np.where(rc == RC_SELECTIVE, replay - kept, 0.0)))

@@ -153,7 +153,13 @@ class LayerSpec(Frozen):
       - `bwd_transient`, `bwd_transient_fp32`: bytes alive only while the layer's backward runs,
         beside its saved tensors (16-bit scaled / fp32), divided by TP: a block's incoming
         gradient and its MLP branches' gradients; the LM head's gradient of the log-probabilities
-        and of the fp32 logits at the start of backward.
+        and of the fp32 logits at the start of backward;
+      - `bwd_transient_fp32_vocab_parallel`: fp32 bytes the LM head's backward holds beside those
+        when it runs tensor parallel (divided by TP too): DTensor's `loss_parallel` builds the
+        gradient of the vocabulary-sharded logits as (a zero tensor with -1 at the targets +
+        exp(log-probabilities)) x the output gradient, three V-sized tensors alive at once where
+        the plain loss has two (torch/distributed/tensor/parallel/loss.py,
+        `_nll_loss_and_log_softmax_backward`).
 
     Per-operation compute (cost/compute.py, used on devices with a GEMM description):
       - `matmuls`: the linear layers' GEMMs (`Matmul`), priced by their shape after TP sharding
@@ -189,6 +195,7 @@ class LayerSpec(Frozen):
     act_held_tp: float = Field(default=0.0, ge=0)
     bwd_transient: float = Field(default=0.0, ge=0)
     bwd_transient_fp32: float = Field(default=0.0, ge=0)
+    bwd_transient_fp32_vocab_parallel: float = Field(default=0.0, ge=0)
     selective_flops_per_token: float = 0.0
     selective_attn_fraction: float = 0.0
     num_heads: int = 0
@@ -460,7 +467,8 @@ class _Execution:
         whatever a; the cast's fp32 copy of the logits is freed once log_softmax has read it);
         the training loop holds the logits themselves (a V) until the backward ends; the backward
         starts with the gradient of the log-probabilities and then of the fp32 logits alive
-        together (2 r V), the largest transient of the step for a large vocabulary.
+        together (2 r V), the largest transient of the step for a large vocabulary; tensor
+        parallel (`loss_parallel`), a third fp32 V-sized tensor beside them (r V).
         "fused" (Megatron-LM): the norm's input and output and the fp32 logits of the
         vocabulary-parallel cross-entropy (4 V)."""
         h, v = c.hidden, c.vocab_size
@@ -468,6 +476,7 @@ class _Execution:
             return dict(act_bytes_tp=4.0 * v, act_bytes_replicated=4.0 * h, act_bytes_input=2.0 * h)
         return dict(act_bytes_replicated=4.0 * h, act_fp32_replicated=4.0 if c.norm == "rmsnorm" else 8.0,
                     act_fp32_tp=4.0 * v, act_held_tp=2.0 * v, bwd_transient_fp32=8.0 * v,
+                    bwd_transient_fp32_vocab_parallel=4.0 * v,
                     act_bytes_input=2.0 * h, rms_norm_width=h if c.norm == "rmsnorm" else 0)
 
     def score_bytes(self) -> tuple[float, float]:

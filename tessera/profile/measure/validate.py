@@ -103,32 +103,60 @@ class AllocatorWindow:
 
 
 def cpu_allocator_peak(prof, marker: str) -> float:
-    """The largest live total the CPU allocator reported to `prof` during the `marker` range,
-    counted from the profiler's start.
+    """The largest sum of live blocks the CPU allocator reported to `prof` during the `marker`
+    range, counted from the profiler's start (`live_peak`).
 
-    The CPU allocator's reported total only moves while memory profiling is on: blocks allocated
-    under an earlier profiler and freed after it stopped are never taken off. So the total is
-    taken relative to its value just before the first allocation of this profiler (without that,
-    a second plan measured in the same process counted the first plan's model states again)."""
+    Rebuilt from the allocation events, not read from their running total: the CPU allocator
+    reports (and takes off its total) only what threads with the profiler enabled allocate and
+    free, and tensors a collective used are often freed by the gloo thread that ran it (functional
+    collectives' outputs, all-to-all buffers, FSDP2's reduce-scatter inputs), so the running total
+    never drops them; in a tensor-parallel fp32 step it ran 12 MiB over what was live (and kept
+    growing). The events show such a block once its address is handed out again.
+
+    The total also moves only while memory profiling is on: blocks allocated under an earlier
+    profiler and freed after it stopped are never taken off (without counting from this
+    profiler's events, a second plan measured in the same process counted the first plan's model
+    states again)."""
     from torch._C._profiler import _EventType
 
-    window, allocations = None, []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
+    window, events, order = None, [], 0
+    stack = list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
+    while stack:  # depth first, children in the order they ran
         node = stack.pop()
         if node.tag == _EventType.Allocation:
             fields = node.extra_fields
-            allocations.append((node.start_time_ns, fields.total_allocated, fields.alloc_size))
+            events.append((node.start_time_ns, order, fields.ptr, fields.alloc_size))
+            order += 1
         elif window is None and node.name == marker:
             window = (node.start_time_ns, node.end_time_ns)
-        stack.extend(node.children)
+        stack.extend(reversed(node.children))
     if window is None:
         raise RuntimeError(f"the profiler recorded no '{marker}' range")
-    allocations.sort()
-    base = allocations[0][1] - allocations[0][2] if allocations else 0.0
-    before = [total for t, total, _ in allocations if t < window[0]]
-    during = [total for t, total, _ in allocations if window[0] <= t <= window[1]]
-    return float(max(during + before[-1:], default=base) - base)
+    events.sort()
+    return live_peak([(t, ptr, size) for t, _, ptr, size in events], window)
+
+
+def live_peak(events, window: tuple[int, int]) -> float:
+    """Largest sum of live blocks after any event inside `window` (with none inside, the sum
+    when it opens).
+
+    `events`: (time, address, signed size) in the order they happened; a negative size frees the
+    block at that address. An allocation at an address still live means that block was freed
+    where no event was recorded (another thread): it is dropped there, never earlier, so at every
+    event the sum counts all that was really live."""
+    live: dict[int, int] = {}
+    total, peak = 0, None
+    for t, ptr, size in events:
+        if t > window[1]:
+            break
+        if size > 0:
+            total += size - live.get(ptr, 0)
+            live[ptr] = size
+        else:
+            total -= live.pop(ptr, 0)
+        if t >= window[0]:
+            peak = total if peak is None else max(peak, total)
+    return float(total if peak is None else peak)
 
 
 class _Run:
