@@ -12,7 +12,12 @@ the slowest rank):
   and mean what `tessera.cost.comm` means: the full buffer for all_reduce, the gathered size for
   all_gather / reduce_scatter, the bytes each rank sends for all_to_all, one message for p2p
   (half a ping-pong round trip).
-- matmul FLOP/s per dtype: square matmuls of side `matmul_size`, on every rank at once.
+- matmul FLOP/s per dtype: square matmuls of side `matmul_size`, on every rank at once, timed
+  at many moments of the profile (`MatmulSamples`: a round before the collectives, one after
+  each collective curve, `reps` at the end; the statistic is over all of them), so that a burst
+  of load on a shared machine moves a few samples rather than the rate. On the 2-core CI machine
+  four profiles in a row timed 5 matmuls back to back at 4 ranks as 31.0 to 43.9 GFLOP/s; a
+  model profile taken at 2 ranks and applied to 4 scales every layer by that rate.
 - overlap slowdown: how much slower compute and all-reduces finish together than the cost model's
   perfect overlap (see `measure_overlap_slowdown`).
 - oversubscription: ranks x threads per core on this node (CPU; see `ClusterSpec.oversubscription`).
@@ -208,7 +213,9 @@ def _time_reps(env: Environment, fn: Callable[[], None], reps: int, barrier_grou
 
 
 def measure_collectives(env: Environment, sizes: Sequence[int], reps: int, collectives: Sequence[str],
-                        progress: Progress | None = None, statistic: str = "median") -> list[CollectiveCurve]:
+                        progress: Progress | None = None, statistic: str = "median",
+                        between: Callable[[], None] | None = None) -> list[CollectiveCurve]:
+    """One curve per collective, group size and span; `between()` runs after each (every rank)."""
     curves = []
     for span, g, groups in group_layouts(env):
         # Every rank creates every group, in the same order (new_group is collective).
@@ -232,6 +239,8 @@ def measure_collectives(env: Environment, sizes: Sequence[int], reps: int, colle
                                           message_bytes=tuple(float(n) for n in sizes),
                                           seconds=tuple(monotone(seconds))))
             log.debug("%s %s p=%d: %s", collective, span, g, seconds)
+            if between:
+                between()
             if progress:
                 progress(f"{collective} {span} x{g}", 1)
         for h in handles:
@@ -251,13 +260,35 @@ def _set_tf32(env: Environment, on: bool) -> None:
         torch.backends.cuda.matmul.allow_tf32 = on
 
 
-def measure_matmul(env: Environment, dtype: str, n: int, reps: int, statistic: str = "median") -> float:
-    """Achieved FLOP/s of an n x n x n matmul in `dtype`, every rank at once (mean over ranks)."""
-    _set_tf32(env, dtype == "tf32")
-    a, b = _matmul_operands(env, dtype, n)
-    t = _time_reps(env, lambda: torch.mm(a, b), reps, statistic=statistic)
-    _set_tf32(env, False)
-    return _mean(env, 2.0 * n**3 / t)
+class MatmulSamples:
+    """Matmul timings per dtype taken at several moments (module docstring): `sample()` times
+    each dtype's n x n x n matmul once, every rank at once, the slowest rank's seconds;
+    `flops(statistic)` is the achieved FLOP/s of the statistic over all samples."""
+
+    def __init__(self, env: Environment, sides: dict[str, int]):
+        self.env, self.sides = env, sides
+        self.operands = {d: _matmul_operands(env, d, n) for d, n in sides.items()}
+        self.times: dict[str, list[float]] = {d: [] for d in sides}
+        for d in sides:  # warm-up
+            self._run(d)
+
+    def _run(self, dtype: str) -> None:
+        _set_tf32(self.env, dtype == "tf32")
+        torch.mm(*self.operands[dtype])
+        _set_tf32(self.env, False)
+
+    def sample(self, rounds: int = 1) -> None:
+        for _ in range(rounds):
+            for d in self.sides:
+                dist.barrier()
+                _sync(self.env)
+                t0 = time.perf_counter()
+                self._run(d)
+                _sync(self.env)
+                self.times[d].append(_slowest(self.env, time.perf_counter() - t0))
+
+    def flops(self, statistic: str = "median") -> dict[str, float]:
+        return {d: 2.0 * self.sides[d] ** 3 / summarize(t, statistic) for d, t in self.times.items()}
 
 
 def measure_overlap_slowdown(env: Environment, n: int, nbytes: int, reps: int) -> float:
@@ -392,16 +423,18 @@ def profile_hardware(options: HardwareOptions | None = None, progress: Progress 
     if unknown:
         raise ValueError(f"unknown collective(s) {', '.join(unknown)}; known: {', '.join(COLLECTIVES)}")
 
+    # A slow dtype (bf16 on most CPUs) gets a smaller matrix so that it stays quick.
+    matmuls = MatmulSamples(env, {d: n if cuda or d == "fp32" else max(128, n // 4) for d in dtypes})
+    matmuls.sample()
     with warnings.catch_warnings():  # the *_into_tensor names are deprecated in newer torch, kept for 2.11
         warnings.simplefilter("ignore", FutureWarning)
-        curves = (measure_collectives(env, sizes, o.reps, o.collectives, progress, o.statistic)
+        curves = (measure_collectives(env, sizes, o.reps, o.collectives, progress, o.statistic, between=matmuls.sample)
                   if env.world > 1 else [])
-    measured = {}
-    for d in dtypes:
-        # A slow dtype (bf16 on most CPUs) gets a smaller matrix so that it stays quick.
-        side = n if cuda or d == "fp32" else max(128, n // 4)
-        measured[d] = measure_matmul(env, d, side, max(3, o.reps), o.statistic)
-        if progress:
+    matmuls.sample(max(3, o.reps))
+    measured = matmuls.flops(o.statistic)
+    del matmuls
+    if progress:
+        for d in dtypes:
             progress(f"matmul {d}", 1)
     slowdown = 1.0
     if env.world > 1:
