@@ -95,6 +95,24 @@ def _no_dist_kwarg(fn) -> dict:
     return {"no_dist": not _dist()} if "no_dist" in inspect.signature(fn).parameters else {}
 
 
+def _save_planner():
+    """DCP's default save planner, reusing the global plan while no rank's local plan changed.
+
+    Without it every save gathers each rank's plan (hundreds of items: optimizer state is saved
+    flattened, hyperparameters per parameter) to rank 0, which deduplicates the replicated ones and
+    scatters the result back: on 4 CPU ranks of a 4M-parameter model, a third of a save's CPU time
+    on rank 0, and O(world) there however large the job. With caching a rank whose items are the
+    same as at its last save sends an empty plan and all reuse the cached global plan; a rank whose
+    state changed (another plan after a re-plan) sends its new plan and the global plan is rebuilt."""
+    import inspect
+
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    if "enable_plan_caching" in inspect.signature(DefaultSavePlanner.__init__).parameters:
+        return DefaultSavePlanner(enable_plan_caching=True)
+    return DefaultSavePlanner()
+
+
 def _all_gather(obj, group=None) -> list:
     if not _dist():
         return [obj]
@@ -371,11 +389,11 @@ class CheckpointManager:
         if self.async_save:
             with _quiet_single_process():
                 future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group,
-                                        **_no_dist_kwarg(dcp.async_save))
+                                        planner=_save_planner(), **_no_dist_kwarg(dcp.async_save))
             self._pending = _Finisher(self, future, tmp, final, step)
         else:
             with _quiet_single_process():
-                dcp.save(state, checkpoint_id=str(tmp), **_no_dist_kwarg(dcp.save))
+                dcp.save(state, checkpoint_id=str(tmp), planner=_save_planner(), **_no_dist_kwarg(dcp.save))
             self._finish(tmp, final, step)
         return final
 
