@@ -16,8 +16,9 @@ the slowest rank):
   at many moments of the profile (`MatmulSamples`: a round before the collectives, one after
   each collective curve, `reps` at the end; the statistic is over all of them), so that a burst
   of load on a shared machine moves a few samples rather than the rate. On the 2-core CI machine
-  four profiles in a row timed 5 matmuls back to back at 4 ranks as 31.0 to 43.9 GFLOP/s; a
-  model profile taken at 2 ranks and applied to 4 scales every layer by that rate.
+  profiles minutes apart timed 5 matmuls back to back at 4 ranks as 31.0 to 45.6 GFLOP/s (a
+  model profile taken at 2 ranks and applied to 4 scales every layer by that rate); three in a
+  row with the samples spread read 36.6 to 45.8: the machine's own drift over minutes remains.
 - overlap slowdown: how much slower compute and all-reduces finish together than the cost model's
   perfect overlap (see `measure_overlap_slowdown`).
 - oversubscription: ranks x threads per core on this node (CPU; see `ClusterSpec.oversubscription`).
