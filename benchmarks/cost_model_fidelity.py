@@ -191,6 +191,10 @@ def main() -> int:
     model_json.write_text(MODEL.model_dump_json(indent=1))
     profile = profile_all(args, out, worlds, model_json, sizes)
     model = apply_model_profile(ModelSpec.from_config(MODEL), load_model_profile(profile))
+    # The model profile reaches the other world sizes through their matmul rates: say them.
+    rates = {w: load_cluster_profile(out / f"cluster{w}.json", expect_gpus=w).device.peak_flops["fp32"] for w in worlds}
+    print("fp32 matmul per rank, as profiled: " + ", ".join(
+        f"{w} ranks {r / 1e9:.1f} GFLOP/s ({rates[worlds[0]] / r:.2f}x the time of {worlds[0]})" for w, r in rates.items()))
     plans = {w: build_plans(out, w, names[w], model, worlds[0], sizes) for w in worlds}
 
     attempts: dict[str, list[Validation]] = {}  # plan -> one record per attempt
