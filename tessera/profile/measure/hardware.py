@@ -190,6 +190,16 @@ class _CollectiveBench:
             dist.send(self.full, self.peer, group=g)
 
 
+def _time_once(env: Environment, fn: Callable[[], None], barrier_group=None) -> float:
+    """This rank's seconds of one run of `fn`, started after a barrier of `barrier_group`."""
+    dist.barrier(group=barrier_group)
+    _sync(env)
+    t0 = time.perf_counter()
+    fn()
+    _sync(env)
+    return time.perf_counter() - t0
+
+
 def _time_reps(env: Environment, fn: Callable[[], None], reps: int, barrier_group=None,
                statistic: str = "median") -> float:
     """Median (or min) over `reps` runs, after one warm-up, of the slowest rank's seconds of `fn`.
@@ -200,14 +210,7 @@ def _time_reps(env: Environment, fn: Callable[[], None], reps: int, barrier_grou
     """
     fn()
     _sync(env)
-    times = []
-    for _ in range(reps):
-        dist.barrier(group=barrier_group)
-        _sync(env)
-        t0 = time.perf_counter()
-        fn()
-        _sync(env)
-        times.append(time.perf_counter() - t0)
+    times = [_time_once(env, fn, barrier_group) for _ in range(reps)]
     slowest = torch.tensor(times, dtype=torch.float64, device=env.device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=barrier_group)
     return summarize(slowest.tolist(), statistic)
@@ -281,12 +284,7 @@ class MatmulSamples:
     def sample(self, rounds: int = 1) -> None:
         for _ in range(rounds):
             for d in self.sides:
-                dist.barrier()
-                _sync(self.env)
-                t0 = time.perf_counter()
-                self._run(d)
-                _sync(self.env)
-                self.times[d].append(_slowest(self.env, time.perf_counter() - t0))
+                self.times[d].append(_slowest(self.env, _time_once(self.env, lambda: self._run(d))))
 
     def flops(self, statistic: str = "median") -> dict[str, float]:
         return {d: 2.0 * self.sides[d] ** 3 / summarize(t, statistic) for d, t in self.times.items()}
