@@ -10,8 +10,8 @@ All figures are the cost model's predictions (H100-80GB nodes of 8, the preset c
 (b) Optimus: an InternViT-6B-shaped encoder with a LLaMA-3-70B LLM on 512 GPUs, 256 samples of
     4096 LLM tokens; dynamic-resolution images of 12 tiles of 448 px (InternVL-style, 3,072 image
     tokens + 1,024 text tokens per sample), and for comparison 6 tiles: encoder work in the LLM
-    1F1B pipeline's bubbles vs the encoder as extra pipeline work (the best over pp = 4, 8, 16 of
-    each; the extra stages memory-checked like any pipeline rank, with the encoder's fastest or
+    1F1B pipeline's bubbles vs the encoder as extra pipeline work (the best over pp = 4, 8, 16 and
+    every tensor-parallel degree of a node, for each; the extra stages memory-checked like any pipeline rank, with the encoder's fastest or
     leanest plan). Optimus is priced as the runtime runs it (adapt/bubbles.py): whole images per
     pipeline rank and micro-batch, encoder forward passes in each rank's warm-up bubble, backward
     passes in its cool-down bubble; the idle time between a rank's LLM operations stays idle.

@@ -444,10 +444,14 @@ def test_one_task_picks_the_fastest_plan_kind():
     opt, base = compare(pricer, task, 16, (2, 4))
     # compare skips pipeline plans whose LLM step alone is no faster than its best Optimus step:
     # the best is still the best over every plan.
-    from tessera.adapt.optimus import llm_pipeline_plans
+    from tessera.adapt.optimus import extra_stage_baseline, llm_pipeline_plans
     plans = llm_pipeline_plans(pricer, task, 16, (2, 4))
-    assert len(plans) == 2
+    # One plan per (pipeline degree, tensor-parallel degree) that fits, and both Optimus and the
+    # baseline are the best over all of them (the baseline as strong as the search makes it).
+    assert {p.pipeline.degree for p in plans} == {2, 4}
+    assert len({(p.pipeline.degree, p.layers[1].tp) for p in plans}) == len(plans) > 2
     assert opt.step_s == min(optimus_schedule(pricer, task, p).step_s for p in plans)
+    assert base.step_s == min(extra_stage_baseline(pricer, task, p).step_s for p in plans)
     assert by_kind == {f"no pipeline ({flat.placement})": flat.step_s, "Optimus": opt.step_s,
                        "encoder as extra pipeline stages": base.step_s}
     assert choice.best.step_s == min(by_kind.values())

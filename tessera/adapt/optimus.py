@@ -46,7 +46,7 @@ from ..errors import TesseraError
 from ..plan import Plan
 from ..search.multimodal import LEAN_OPTIONS, PartCost, PartPricer, group_handoff_s, sub_cluster
 from ..search.planner import NoFeasiblePlanError, search
-from ..search.space import SearchOptions
+from ..search.space import SearchOptions, divisors
 from ..spec.tasks import TaskSpec
 from ..spec.workload import Workload
 from .bubbles import PipelineWindows, assign
@@ -108,20 +108,25 @@ def _idle_total(pieces, rank: int, horizon: float) -> float:
 
 
 def llm_pipeline_plans(pricer: PartPricer, task: TaskSpec, gpus: int, degrees=(4, 8)) -> list[Plan]:
-    """The LLM's best 1F1B plan at each pipeline degree (those that fit)."""
+    """The LLM's best 1F1B plan at each pipeline degree and each tensor-parallel degree of a node
+    (those that fit). The LLM's fastest plan alone is not enough: the encoder changes which LLM
+    plan is best (a wider TP leaves more micro-batches and memory, a narrower one larger bubbles),
+    for Optimus and for the extra-stage baseline alike, so both are searched over all of them."""
     vlm = pricer.vlm
     wl = Workload(global_batch=task.batch, seq_len=task.llm_seq_len(vlm), dtype=pricer.dtype)
+    cluster = sub_cluster(pricer.cluster, gpus)
     plans = []
     for pp in degrees:
         if gpus % pp or vlm.config.llm.num_layers < pp:
             continue
-        opts = SearchOptions(pp=pp, schedules=("1f1b",), allow_offload=False, allow_ulysses=False,
-                             zero_stages=(1,), runner_ups=0, max_splits=1)
-        try:
-            with shared_layer_costs():
-                plans.append(search(vlm.llm, sub_cluster(pricer.cluster, gpus), wl, opts))
-        except NoFeasiblePlanError:
-            continue
+        for tp in divisors(min(cluster.gpus_per_node, gpus // pp)):
+            opts = SearchOptions(pp=pp, tp=tp, schedules=("1f1b",), allow_offload=False, allow_ulysses=False,
+                                 zero_stages=(1,), runner_ups=0, max_splits=1)
+            try:
+                with shared_layer_costs():
+                    plans.append(search(vlm.llm, cluster, wl, opts))
+            except NoFeasiblePlanError:
+                continue
     return plans
 
 

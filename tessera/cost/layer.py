@@ -519,6 +519,8 @@ def transition_time(hidden: int, a: Layout, b: Layout, ctx: StepContext) -> floa
     forward, each rank sending its peers only what they need and do not hold, and the gradient
     back the same way; each priced by its busiest rank's bytes. Layouts with the same blocks
     cost nothing."""
+    if tuple(a) + (1,) * (5 - len(a)) == tuple(b) + (1,) * (5 - len(b)):
+        return 0.0  # the same layout (the common case between blocks): no matrix to build
     return float(transition_matrix(hidden, [a, b], ctx)[0, 1])
 
 
