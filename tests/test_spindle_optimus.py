@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from tessera.adapt.bubbles import PipelineWindows, assign, price
+from tessera.adapt.bubbles import PassTime, PipelineWindows, assign, price
 from tessera.adapt.optimus import optimus_schedule
 from tessera.adapt.spindle import Operator, pack_waves, plan_spindle, sequential_baseline
 from tessera.errors import TesseraError
@@ -209,6 +209,10 @@ def test_wave_simulator_sanity(tiny):
     assert base.busy_s == pytest.approx(sum(plan_vlm_task(pricer, t, 16).busy_s for t in tasks.tasks))
 
 
+def _as_pass(x) -> PassTime:
+    return x if isinstance(x, PassTime) else PassTime(x)
+
+
 def _check_passes(windows, placed, f, b, images):
     """Every encoder pass inside its rank's bubbles and after / before its micro-batch's LLM work."""
     counts = placed.counts
@@ -216,7 +220,7 @@ def _check_passes(windows, placed, f, b, images):
     by_rank: dict = {}
     for p in placed.passes:
         by_rank.setdefault((p.rank, p.kind), []).append(p)
-        assert p.end - p.start == pytest.approx(p.images * (f if p.kind == "EF" else b))
+        assert p.end - p.start == pytest.approx(_as_pass(f if p.kind == "EF" else b)(p.images))
         if p.kind == "EF":
             assert p.start >= -placed.shift_s - 1e-9
             assert p.end <= min(windows.deadlines[p.micro_batch], windows.warm[p.rank]) + 1e-9
@@ -235,7 +239,7 @@ def test_bubble_assignment_is_near_brute_force(pp, m, per_mb):
     from tessera.cost.schedule import simulate
     sim = simulate("1f1b", [1.0] * pp, [2.0] * pp, m, pp, 1, 0.1)
     windows = PipelineWindows.from_events(sim.events, pp, m, sim.step_time, 0.1)
-    for f, b in ((0.3, 0.6), (1.0, 2.5), (0.1, 0.2)):
+    for f, b in ((0.3, 0.6), (1.0, 2.5), (0.1, 0.2), (PassTime(0.1, 0.2), PassTime(0.2, 0.3))):
         placed = assign(windows, [per_mb] * m, f, b)
         _check_passes(windows, placed, f, b, [per_mb] * m)
         splits = [c for c in itertools.product(range(per_mb + 1), repeat=pp) if sum(c) == per_mb]
@@ -244,7 +248,8 @@ def test_bubble_assignment_is_near_brute_force(pp, m, per_mb):
             counts = [[choice[j][r] for j in range(m)] for r in range(pp)]
             got = price(windows, counts, f, b)
             best = min(best, got.shift_s + got.extension_s)
-        assert best - 1e-9 <= placed.shift_s + placed.extension_s <= best + f + b
+        one = _as_pass(f)(1) + _as_pass(b)(1)  # one image's passes (a pass's fixed part included)
+        assert best - 1e-9 <= placed.shift_s + placed.extension_s <= best + one
         # A rank's memory holds `limit` images: the placement keeps within it, at some cost.
         limit = m + -(-per_mb * m // pp)
         capped = assign(windows, [per_mb] * m, f, b, limit=limit)
@@ -252,6 +257,41 @@ def test_bubble_assignment_is_near_brute_force(pp, m, per_mb):
         assert max(capped.images_per_rank) <= limit
         assert capped.shift_s + capped.extension_s >= best - 1e-9
     assert assign(windows, [per_mb] * m, 1.0, 2.0, limit=m) is None  # no room for any image
+
+
+def _pass_work(res, task) -> float:
+    """The encoder seconds of an Optimus result's passes, each priced at its own size."""
+    from tessera.adapt.optimus import encoder_pass_times
+    per_mb = max(sum(row[j] for row in res.counts) for j in range(res.num_micro_batches))
+    f, b = encoder_pass_times(res.encoder.plan, per_mb)
+    return sum(f(a) + b(a) for row in res.counts for a in row if a)
+
+
+def test_pass_times_charge_each_pass_its_zero3_gathers():
+    """A ZeRO-3 encoder gathers its parameters again in every pass: a one-image pass costs more
+    than its share of a large one (a fixed part), and a pass of k images per device is the cost
+    model's one micro-batch of k; without ZeRO-3 the pass time is (nearly) linear in images."""
+    from tessera.adapt.bubbles import PassTime
+    from tessera.adapt.optimus import encoder_pass_times
+    from tessera.cost.evaluate import chunk_times
+    from tessera.search.multimodal import LEAN_OPTIONS
+    vlm = resolve_vlm("vit6b-llama3-70b")
+    pricer = PartPricer(vlm, make_cluster(num_gpus=512))
+    lean = pricer.cost("vision_encoder", 128, 768, vlm.encoder_seq_len, LEAN_OPTIONS)
+    d = lean.plan.dp_of_batch
+    f, b = encoder_pass_times(lean.plan, 3 * d)
+    assert len(f.table) == 3 and f.width == d
+    assert f.fixed > 0 and b.fixed > 0  # ZeRO-3: each pass re-gathers every layer
+    assert f(1) == f(d) == f.table[0] and f(d + 1) == f.table[1]  # the slowest device's images decide
+    assert f(5 * d) == pytest.approx(f.table[-1] + 2 * d * f.per_image)
+    one = chunk_times(lean.plan.model_copy(update={
+        "workload": lean.plan.workload.model_copy(update={"global_batch": 2 * d}), "micro_batch_size": 2,
+        "num_micro_batches": 1}))
+    assert f(2 * d) == pytest.approx(one[0][0]) and b(2 * d) == pytest.approx(one[1][0])
+    # Per image, small passes cost more than large ones, with ZeRO-3.
+    assert f(d) / d > f(3 * d) / (3 * d)
+    linear = PassTime(0.5)
+    assert linear(3) == 1.5 and linear(0) == 0.0
 
 
 def test_optimus_schedule_on_a_tiny_pipeline():
@@ -266,8 +306,7 @@ def test_optimus_schedule_on_a_tiny_pipeline():
     res = optimus_schedule(pricer, task, plan)
     enc = [p for p in res.pieces if p.kind in ("EF", "EB")]
     work = sum(p.end - p.start for p in enc)
-    per_image = (res.encoder.fwd_s + res.encoder.bwd_s) / res.encoder.samples
-    assert work == pytest.approx(task.images() * per_image, rel=1e-6)
+    assert work == pytest.approx(_pass_work(res, task), rel=1e-6)
     assert sum(map(sum, res.counts)) == task.images()
     stage0 = {(p.kind, p.micro_batch): p for p in res.pieces if p.rank == 0 and p.kind in ("F", "B")}
     for p in enc:  # forward pieces before their micro-batch's LLM forward, backward after its backward
@@ -424,7 +463,7 @@ def test_optimus_prices_whole_images_per_rank_and_the_baseline_checks_memory():
     res = optimus_schedule(pricer, task, plan)
     assert res.encoder.samples == m * math.ceil(6 / (m * 4))
     work = sum(p.end - p.start for p in res.pieces if p.kind in ("EF", "EB"))
-    assert work == pytest.approx(6 * (res.encoder.fwd_s + res.encoder.bwd_s) / res.encoder.samples, rel=1e-6)
+    assert work == pytest.approx(_pass_work(res, task), rel=1e-6)
     # Whole images: every micro-batch's images are all placed, on ranks that hold whole images.
     assert [sum(row[j] for row in res.counts) for j in range(m)] == [6 // m + (j < 6 % m) for j in range(m)]
     base = extra_stage_baseline(pricer, task, plan)

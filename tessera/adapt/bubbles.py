@@ -11,17 +11,19 @@ Rank r encodes a_{r,j} whole images of micro-batch j:
     cool-down bubble), pass j starting no earlier than R_j (stage 0's backward of j ended and
     sent the image tokens' gradient back); the step ends at T + E.
 
-With f, b the seconds of one image's encoder forward / backward on a rank group (the encoder's
-priced plan, linear in images) and w_r, c_r the start of rank r's first LLM forward and the end
+With f(a), b(a) the seconds of an encoder forward / backward pass of a images on a rank group
+(`PassTime`: the encoder's plan priced for a pass of that many images per device, so a pass
+that re-gathers ZeRO-3 parameters pays for it however few images it holds) and w_r, c_r the start of rank r's first LLM forward and the end
 of its last LLM backward in the LLM's simulated 1F1B timeline (makespan T):
-    S = max(0, max_{r, j: a_rj > 0} (f * sum_{i <= j} a_ri - min(D_j, w_r)))
+    S = max(0, max_{r, j: a_rj > 0} (sum_{i <= j} f(a_ri) - min(D_j, w_r)))
     E = max(0, max_r y_r - T),  y_r = the end of r's last backward pass, where pass j starts at
-        max(end of the previous pass, c_r, R_j) and takes a_rj * b.
+        max(end of the previous pass, c_r, R_j) and takes b(a_rj).
 The LLM's own timeline is untouched: encoder work runs only where its rank would idle, inside
 the step stretched by S at the start and E at the end.
 
 Choosing a_{r,j}: for a trial (S, E), micro-batches in order are water-filled (images treated as
-divisible) onto the ranks whose backward pass would start earliest, each rank taking no more
+divisible, a pass as its fixed part plus a linear part per image: `PassTime.fixed`, `.per_image`)
+onto the ranks whose backward pass would start earliest, each rank taking no more
 than both of its windows still hold and no more images in all than its memory holds; the smallest E for each S is found by bisection, S + E is
 minimised by golden-section search over S, and the best split is rounded to whole images per
 micro-batch (largest remainders) and priced exactly by the formulas above. No torch import.
@@ -32,6 +34,62 @@ import math
 from dataclasses import dataclass
 
 EPS = 1e-12
+
+
+@dataclass(frozen=True)
+class PassTime:
+    """Seconds of one encoder pass of `a` images on a rank group of `width` devices sharing them.
+
+    Without a table: fixed + a * per_image (a > 0). With `table` (the seconds of a pass with
+    k = 1, 2, ... images on each device, from the encoder's plan priced at that micro-batch):
+    table[ceil(a / width) - 1], beyond its end per_image more for each further image (the
+    slowest device of the pass holds ceil(a / width) images). `fixed` and `per_image` are also
+    what the placement search (`_split`) uses as the pass's linear model."""
+
+    per_image: float
+    fixed: float = 0.0
+    table: tuple[float, ...] = ()
+    width: int = 1
+
+    def __call__(self, a: float) -> float:
+        if a <= 0:
+            return 0.0
+        if not self.table:
+            return self.fixed + a * self.per_image
+        k = math.ceil(a / self.width - 1e-9)
+        if k <= len(self.table):
+            return self.table[k - 1]
+        return self.table[-1] + (k - len(self.table)) * self.width * self.per_image
+
+    def least_per_image(self) -> float:
+        """No pass costs less than this per image it holds."""
+        rates = [t / (k * self.width) for k, t in enumerate(self.table, 1)]
+        return min(rates + [self.per_image]) if self.table else self.per_image
+
+    @classmethod
+    def from_table(cls, table, width: int) -> "PassTime":
+        """The table's pass times, modelled for the search as the marginal seconds per image
+        between its first and last entry plus what a one-image-per-device pass costs beyond that."""
+        table = tuple(float(t) for t in table)
+        per = (table[-1] - table[0]) / ((len(table) - 1) * width) if len(table) > 1 else table[0] / width
+        per = max(per, 0.0)
+        return cls(per, max(0.0, table[0] - width * per), table, width)
+
+
+def least_extra(windows: "PipelineWindows", images: list[int], f, b) -> float:
+    """A lower bound on S + E for micro-batches of `images` images: rank r's passes fit in
+    [-S, w_r] and [c_r, T + E], so pp (S + E) + sum_r (w_r + T - c_r) >= the encoder work. That
+    work is no less than every image at the lowest seconds per image of any pass, nor than one
+    pass of one image (the cheapest pass) per micro-batch that has images, forward and backward."""
+    w = windows
+    total, passes = sum(images), sum(1 for a in images if a > 0)
+    work = sum(max(total * p.least_per_image(), passes * p(1)) for p in (_as_pass(f), _as_pass(b)))
+    room = sum(max(0.0, a) + max(0.0, w.horizon - c) for a, c in zip(w.warm, w.cool))
+    return max(0.0, (work - room) / len(w.warm))
+
+
+def _as_pass(x) -> PassTime:
+    return x if isinstance(x, PassTime) else PassTime(float(x))
 
 
 @dataclass(frozen=True)
@@ -76,49 +134,55 @@ class PipelineWindows:
                    tuple(first["B", j].end + hop for j in range(m)), horizon)
 
 
-def price(windows: PipelineWindows, counts, f: float, b: float) -> BubbleAssignment:
-    """S, E and the encoder passes of a whole-image assignment (the module docstring's formulas)."""
+def price(windows: PipelineWindows, counts, f, b) -> BubbleAssignment:
+    """S, E and the encoder passes of a whole-image assignment (the module docstring's formulas);
+    f, b: `PassTime`s, or seconds per image."""
     w = windows
+    f, b = _as_pass(f), _as_pass(b)
     shift = 0.0
     for r, row in enumerate(counts):
         done = 0.0
         for j, a in enumerate(row):
             if a:
-                done += a * f
+                done += f(a)
                 shift = max(shift, done - min(w.deadlines[j], w.warm[r]))
     passes, end = [], w.horizon
     for r, row in enumerate(counts):
         t, y = -shift, w.cool[r]
         for j, a in enumerate(row):
             if a:
-                passes.append(EncoderPass(r, "EF", j, a, t, t + a * f))
-                t += a * f
+                passes.append(EncoderPass(r, "EF", j, a, t, t + f(a)))
+                t += f(a)
                 start = max(y, w.releases[j])
-                y = start + a * b
+                y = start + b(a)
                 passes.append(EncoderPass(r, "EB", j, a, start, y))
         end = max(end, y)
     return BubbleAssignment(tuple(tuple(row) for row in counts), shift, end - w.horizon, tuple(passes))
 
 
-def assign(windows: PipelineWindows, images: list[int], f: float, b: float,
+def assign(windows: PipelineWindows, images: list[int], f, b,
            limit: int | None = None) -> BubbleAssignment | None:
     """Whole images of each micro-batch to pipeline ranks, S + E as small as the search finds
-    (module docstring); `limit`: the most images one rank may encode in a step (its memory holds
-    their activations from forward to backward). None when the limit leaves too few places."""
+    (module docstring); f, b: `PassTime`s or seconds per image; `limit`: the most images one
+    rank may encode in a step (its memory holds their activations from forward to backward).
+    None when the limit leaves too few places."""
     w = windows
+    pf, pb = _as_pass(f), _as_pass(b)
     pp, m = len(w.warm), len(images)
     total = sum(images)
     if total == 0:
-        return price(w, [[0] * m for _ in range(pp)], f, b)
+        return price(w, [[0] * m for _ in range(pp)], pf, pb)
     # Rounding to whole images adds at most one image per micro-batch to a rank's divisible share.
     cap = total if limit is None else min(total, limit - m)
     if cap * pp < total:
         return None
     # Every rank encoding up to `cap` images before the first deadline and after the last
     # release is feasible: these bounds hold the search.
-    s_hi = f * cap + max(0.0, -min(w.deadlines)) + EPS
-    e_hi = b * cap + max(0.0, max(w.releases) - w.horizon) + EPS
-    tol = 1e-5 * max(w.horizon, f * total / pp + b * total / pp, EPS)
+    f, b = pf.per_image, pb.per_image
+    s_hi = f * cap + m * pf.fixed + max(0.0, -min(w.deadlines)) + EPS
+    e_hi = b * cap + m * pb.fixed + max(0.0, max(w.releases) - w.horizon) + EPS
+    tol = 1e-4 * max(w.horizon, f * total / pp + b * total / pp, EPS)  # 0.3 ms on a 3 s step
+    split_of = lambda s, e: _split(w, images, pf, pb, s, e, cap)  # noqa: E731
 
     def smallest(lo: float, hi: float, ok) -> float:
         if ok(lo):
@@ -128,11 +192,13 @@ def assign(windows: PipelineWindows, images: list[int], f: float, b: float,
             lo, hi = (lo, mid) if ok(mid) else (mid, hi)
         return hi
 
-    def e_star(s: float) -> float:
-        return smallest(0.0, e_hi, lambda e: _split(w, images, f, b, s, e, cap) is not None)
+    def e_star(s: float, hi: float | None = None) -> float:
+        return smallest(0.0, hi if hi is not None else e_star_hi, lambda e: split_of(s, e) is not None)
 
-    s_min = smallest(0.0, s_hi, lambda s: _split(w, images, f, b, s, e_hi, cap) is not None)
-    best = (s_min + e_star(s_min), s_min)
+    s_min = smallest(0.0, s_hi, lambda s: split_of(s, e_hi) is not None)
+    e_min = e_star(s_min, e_hi)
+    e_star_hi = e_min + tol  # a larger S only leaves more room: E*(S) <= E*(S_min) for S >= S_min
+    best = (s_min + e_min, s_min)
     lo, hi = s_min, s_min + best[0] - s_min  # a larger S than S_min + E*(S_min) cannot win
     ratio = (math.sqrt(5) - 1) / 2
     a, c = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
@@ -150,16 +216,19 @@ def assign(windows: PipelineWindows, images: list[int], f: float, b: float,
         if value < best[0]:
             best = (value, s)
     s = best[1]
-    split = _split(w, images, f, b, s, e_star(s), cap)
+    split = split_of(s, e_star(s))
     counts = _whole_images(split, images)
-    return price(w, counts, f, b)
+    return price(w, counts, pf, pb)
 
 
-def _split(w: PipelineWindows, images, f: float, b: float, s: float, e: float, limit: float = math.inf):
+def _split(w: PipelineWindows, images, pf: PassTime, pb: PassTime, s: float, e: float,
+           limit: float = math.inf):
     """Divisible images per (rank, micro-batch) that keep every pass inside its windows for a
     start shift s and an end extension e, and every rank within `limit` images, or None.
     Micro-batches in order; each one water-filled onto the ranks whose backward pass would start
-    earliest (level L: rank r takes min(cap_r, max(0, (L - z_r) / b)) images)."""
+    earliest (level L: rank r takes min(cap_r, max(0, (L - z_r - g_b) / b)) images, a pass
+    costing its fixed part g plus the linear part)."""
+    f, b, gf, gb = pf.per_image, pb.per_image, pf.fixed, pb.fixed
     pp = len(w.warm)
     held = [0.0] * pp
     x = [-s] * pp  # forward cursor
@@ -170,21 +239,23 @@ def _split(w: PipelineWindows, images, f: float, b: float, s: float, e: float, l
     for j, need in enumerate(images):
         if need <= 0:
             continue
-        z = [max(y[r], w.releases[j]) for r in range(pp)]
+        z = [max(y[r], w.releases[j]) + gb for r in range(pp)]  # where r's pass of j would start its images
         cap = []
         for r in range(pp):
-            fwd = (min(w.deadlines[j], w.warm[r]) - x[r]) / f if f > 0 else math.inf
-            bwd = (end - z[r]) / b if b > 0 else math.inf
+            room_f = min(w.deadlines[j], w.warm[r]) - x[r] - gf
+            room_b = end - z[r]
+            fwd = room_f / f if f > 0 else (math.inf if room_f >= 0 else 0.0)
+            bwd = room_b / b if b > 0 else (math.inf if room_b >= 0 else 0.0)
             cap.append(max(0.0, min(fwd, bwd, need, limit - held[r])))
         if sum(cap) < need * (1 - 1e-9):
             return None
-        level_of = z if b > 0 else x
+        level_of = z if b > 0 else [v + gf for v in x]
         take = _water_fill(level_of, cap, need, unit)
         for r, a in enumerate(take):
             if a > 0:
                 out[r][j] = a
                 held[r] += a
-                x[r] += a * f
+                x[r] += gf + a * f
                 y[r] = z[r] + a * b
     return out
 

@@ -13,8 +13,10 @@ which micro-batch, S (the step starts S earlier) and E (it ends E later) come fr
 `adapt.bubbles.assign` (its docstring has the formulas), with
     D_j = start of stage 0's forward of j - hop,  R_j = end of stage 0's backward of j + hop,
 hop = the point-to-point hand-off of a micro-batch's image tokens (or their gradient) into stage
-0's group, and f, b the encoder's forward / backward seconds per image on a rank group: its plan
-priced for the even share of m ceil(I / (m pp)) images, divided by that count (linear in images).
+0's group, and f(a), b(a) the encoder's forward / backward seconds for a pass of a images on a
+rank group (`encoder_pass_times`: its plan, chosen for the even share of m ceil(I / (m pp))
+images, priced as one micro-batch of ceil(a / d) images on each of its d data-parallel devices:
+a pass re-gathers ZeRO-3 parameters however few images it holds).
     step = S + T + E + LLM tail + encoder tail + all-reduce of the encoder's gradient shards
            over the pp replicas (2 P_E / n bytes).
 Memory: each rank adds its encoder replica's peak, holding the activations of every image it
@@ -23,7 +25,8 @@ memory holds; the encoder's fastest plan and its leanest (full recompute, ZeRO-3
 placed and the faster step is taken (neither fitting is refused in one line).
 
 Baseline (`extra_stage_baseline`): the encoder as extra pipeline work, Megatron-style: the
-encoder's layers (priced on n devices for a whole LLM micro-batch's images) go in front of the
+encoder's layers (priced on n devices for one micro-batch of an LLM micro-batch's images, the
+slowest device's ceil(images / d) of them, as a pass is) go in front of the
 LLM's layers and the chain is re-split into pp stages minimising the slowest stage, simulated with
 the same 1F1B simulator; the best over the same pipeline plans. Its memory is checked as the
 search checks a pipeline rank's: rank r holds its layers' states, min(pp - r, m) micro-batches of
@@ -49,7 +52,7 @@ from ..search.planner import NoFeasiblePlanError, search
 from ..search.space import SearchOptions, divisors
 from ..spec.tasks import TaskSpec
 from ..spec.workload import Workload
-from .bubbles import PipelineWindows, assign
+from .bubbles import PassTime, PipelineWindows, assign, least_extra
 
 GiB = 2**30
 LEAN_ENCODER = LEAN_OPTIONS
@@ -137,9 +140,11 @@ def _llm_events(plan: Plan):
     return sim, tails
 
 
-def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan, lean: bool = True) -> OptimusResult:
+def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan, lean: bool = True,
+                     beat: float = math.inf) -> OptimusResult | None:
     """Encoder work in the bubbles of `plan` (an LLM pipeline plan); see the module docstring.
-    `lean=False`: only the encoder's plan from the pricer's options (not the leanest)."""
+    `lean=False`: only the encoder's plan from the pricer's options (not the leanest). None when
+    no placement can make a step shorter than `beat` (`bubbles.least_extra` shows it unplaced)."""
     vlm, cluster = pricer.vlm, pricer.cluster
     pp, m, n = plan.pipeline.degree, plan.num_micro_batches, plan.stage_size
     images = task.images()
@@ -151,14 +156,17 @@ def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan, lean: bool 
     # The encoder's fastest plan and its leanest (full recompute, ZeRO-3): a rank keeps its
     # images' activations from its forward passes to its backward passes, so the fastest may
     # hold too few images per rank for a good placement, or none.
-    best, why = None, ""
+    best, why, beaten = None, "", False
     for options in (pricer.encoder_options, LEAN_ENCODER)[:2 if lean else 1]:
         enc = pricer.cost("vision_encoder", n, per_group, vlm.encoder_seq_len, options)
         if not enc.feasible:
             why = f"encoder placement on every pipeline rank ({n} GPUs each) does not fit: {enc.why}"
             continue
-        placed = assign(windows, per_mb, enc.fwd_s / per_group, enc.bwd_s / per_group,
-                        _max_images(plan, enc, per_group))
+        pass_f, pass_b = encoder_pass_times(enc.plan, max(per_mb))
+        if sim.step_time + least_extra(windows, per_mb, pass_f, pass_b) + max(tails) >= beat:
+            beaten = True
+            continue
+        placed = assign(windows, per_mb, pass_f, pass_b, _max_images(plan, enc, per_group))
         if placed is None:
             why = _memory_refusal(plan, enc, math.ceil(images / pp) / per_group)
             continue
@@ -170,6 +178,8 @@ def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan, lean: bool 
         if best is None or placed.shift_s + placed.extension_s + enc.tail_s < best[0]:
             best = (placed.shift_s + placed.extension_s + enc.tail_s, enc, placed)
     if best is None:
+        if beaten:
+            return None
         raise TesseraError(why)
     _, enc, placed = best
     pieces = [Piece(p.rank, p.kind, p.micro_batch, p.start, p.end) for p in placed.passes]
@@ -178,6 +188,28 @@ def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan, lean: bool 
                                      pp, n)) if pp > 1 else 0.0
     return OptimusResult(pp, m, plan, enc, sim.step_time, placed.shift_s, placed.extension_s,
                          max(tails) + enc.tail_s + combine, tuple(pieces), placed.counts)
+
+
+def encoder_pass_times(enc_plan: Plan, most_images: int) -> tuple[PassTime, PassTime]:
+    """Forward and backward `PassTime`s of the encoder's plan (pp = 1) on its rank group: its
+    strategies priced by the cost model for one micro-batch of k = 1 .. ceil(most_images / d)
+    images per device (d: the devices holding different images), so that a pass pays what its
+    size costs: a ZeRO-3 encoder gathers every layer's parameters again in each pass's forward
+    and backward and reduce-scatters its gradients after each, hidden behind a large pass's
+    compute but not behind a one-image pass's."""
+    d = enc_plan.dp_of_batch
+    fwd, bwd = [], []
+    for k in range(1, max(1, math.ceil(most_images / d)) + 1):
+        f, b, _, _, _ = chunk_times(_one_micro_batch(enc_plan, k))
+        fwd.append(f[0])
+        bwd.append(b[0])
+    return PassTime.from_table(fwd, d), PassTime.from_table(bwd, d)
+
+
+def _one_micro_batch(plan: Plan, k: int) -> Plan:
+    """`plan`'s strategies for one micro-batch of k sequences on each data-parallel device."""
+    wl = plan.workload.model_copy(update={"global_batch": k * plan.dp_of_batch})
+    return plan.model_copy(update={"workload": wl, "micro_batch_size": k, "num_micro_batches": 1, "batch_shares": ()})
 
 
 def _encoder_bytes(plan: Plan, enc: PartCost, share: float) -> tuple[float, float]:
@@ -277,7 +309,10 @@ def extra_stage_baseline(pricer: PartPricer, task: TaskSpec, plan: Plan) -> Extr
 def _extra_stage(enc: PartCost, plan: Plan) -> ExtraStageResult:
     pp, m = plan.pipeline.degree, plan.num_micro_batches
     scale = enc.plan.num_micro_batches / m  # encoder micro-batches per LLM micro-batch
-    enc_layers = [(f * scale, b * scale) for f, b, _ in layer_times(enc.plan)]
+    # The encoder layers run each LLM micro-batch's images as one micro-batch of their own (the
+    # slowest device holding ceil(images / d)): priced at that size, as `encoder_pass_times` does.
+    per_mb = math.ceil(enc.samples / m)
+    enc_layers = [(f, b) for f, b, _ in layer_times(_one_micro_batch(enc.plan, math.ceil(per_mb / enc.plan.dp_of_batch)))]
     llm_layers = [(f, b) for f, b, _ in layer_times(plan)]
     chain = enc_layers + llm_layers
     memory = ([(st, act * scale, buf) for st, act, buf in layer_memory(enc.plan)] + layer_memory(plan))
@@ -339,8 +374,8 @@ def _compare(pricer: PartPricer, task: TaskSpec, gpus: int, degrees):
     for plan in sorted(plans, key=lambda p: p.prediction.step_time_s):
         try:
             if best_o is None or plan.prediction.step_time_s < best_o.step_s:
-                o = optimus_schedule(pricer, task, plan)
-                if best_o is None or o.step_s < best_o.step_s:
+                o = optimus_schedule(pricer, task, plan, beat=best_o.step_s if best_o else math.inf)
+                if o is not None and (best_o is None or o.step_s < best_o.step_s):
                     best_o = o
         except TesseraError as e:
             why = str(e)
