@@ -292,6 +292,13 @@ def test_pass_times_charge_each_pass_its_zero3_gathers():
     assert f(d) / d > f(3 * d) / (3 * d)
     linear = PassTime(0.5)
     assert linear(3) == 1.5 and linear(0) == 0.0
+    # ZeRO-2 keeps the parameters gathered over the step: a pass only reduce-scatters gradients,
+    # so a small pass costs far less than ZeRO-3's re-gathering one.
+    from tessera.adapt.optimus import GATHERED_ENCODER
+    kept = pricer.cost("vision_encoder", 128, 768, vlm.encoder_seq_len, GATHERED_ENCODER)
+    assert {s.zero for s in kept.plan.layers[1:-1]} == {2}
+    kf, kb = encoder_pass_times(kept.plan, 3 * kept.plan.dp_of_batch)
+    assert kf(1) < f(1) and kb(1) < b(1) and kf.fixed < f.fixed
 
 
 def test_optimus_schedule_on_a_tiny_pipeline():

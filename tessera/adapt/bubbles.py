@@ -192,12 +192,23 @@ def assign(windows: PipelineWindows, images: list[int], f, b,
             lo, hi = (lo, mid) if ok(mid) else (mid, hi)
         return hi
 
-    def e_star(s: float, hi: float | None = None) -> float:
-        return smallest(0.0, hi if hi is not None else e_star_hi, lambda e: split_of(s, e) is not None)
+    known: list[tuple[float, float]] = []  # (S, E*(S)) found so far
+
+    def e_star(s: float) -> float:
+        """The smallest E for S = s. A larger S only leaves more room, so E*(S) does not grow
+        with S: the values found at neighbouring S bracket it (checked, as the placement is a
+        heuristic; the bracket falls back to the bound that always holds)."""
+        ok = lambda e: split_of(s, e) is not None  # noqa: E731
+        lo = max((e for t, e in known if t >= s), default=0.0)
+        hi = min((e for t, e in known if t <= s), default=e_hi)
+        if hi < e_hi and not ok(hi):
+            lo, hi = hi, e_hi
+        e = smallest(min(lo, hi), hi, ok)
+        known.append((s, e))
+        return e
 
     s_min = smallest(0.0, s_hi, lambda s: split_of(s, e_hi) is not None)
-    e_min = e_star(s_min, e_hi)
-    e_star_hi = e_min + tol  # a larger S only leaves more room: E*(S) <= E*(S_min) for S >= S_min
+    e_min = e_star(s_min)
     best = (s_min + e_min, s_min)
     lo, hi = s_min, s_min + best[0] - s_min  # a larger S than S_min + E*(S_min) cannot win
     ratio = (math.sqrt(5) - 1) / 2

@@ -21,8 +21,9 @@ a pass re-gathers ZeRO-3 parameters however few images it holds).
            over the pp replicas (2 P_E / n bytes).
 Memory: each rank adds its encoder replica's peak, holding the activations of every image it
 encodes from forward to backward, so the placement caps each rank's images at what its usable
-memory holds; the encoder's fastest plan and its leanest (full recompute, ZeRO-3) are both
-placed and the faster step is taken (neither fitting is refused in one line).
+memory holds; the encoder's fastest plan, its leanest (full recompute, ZeRO-3) and the leanest
+that keeps its parameters gathered over the step (full recompute, ZeRO-2: `GATHERED_ENCODER`) are
+all placed and the fastest step is taken (none fitting is refused in one line).
 
 Baseline (`extra_stage_baseline`): the encoder as extra pipeline work, Megatron-style: the
 encoder's layers (priced on n devices for one micro-batch of an LLM micro-batch's images, the
@@ -37,7 +38,7 @@ baseline). No torch import.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -56,6 +57,11 @@ from .bubbles import PassTime, PipelineWindows, assign, least_extra
 
 GiB = 2**30
 LEAN_ENCODER = LEAN_OPTIONS
+# Full recompute with ZeRO-2: the parameters stay gathered over the step's passes (one gather, a
+# full bf16 copy per device), gradients reduce-scattered after each pass. Whole-step pricing ranks
+# it with ZeRO-3 (one gather either way), but a step of small passes re-gathers under ZeRO-3 only:
+# priced separately, pass by pass, beside the lean (ZeRO-3) plan.
+GATHERED_ENCODER = replace(LEAN_OPTIONS, zero_stages=(2,))
 
 
 @dataclass(frozen=True)
@@ -153,18 +159,20 @@ def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan, lean: bool 
     sim, tails = _llm_events(plan)
     hop = group_handoff_s(cluster, vlm, images / m, n)
     windows = PipelineWindows.from_events(sim.events, pp, m, sim.step_time, hop)
-    # The encoder's fastest plan and its leanest (full recompute, ZeRO-3): a rank keeps its
-    # images' activations from its forward passes to its backward passes, so the fastest may
-    # hold too few images per rank for a good placement, or none.
+    # The encoder's fastest plan, its leanest (full recompute, ZeRO-3) and the lean one that keeps
+    # its parameters gathered (ZeRO-2): a rank keeps its images' activations from its forward
+    # passes to its backward passes, so the fastest may hold too few images per rank for a good
+    # placement, or none; ZeRO-3 re-gathers in every pass, ZeRO-2 holds a full copy.
     best, why, beaten = None, "", False
-    for options in (pricer.encoder_options, LEAN_ENCODER)[:2 if lean else 1]:
+    for options in (pricer.encoder_options, LEAN_ENCODER, GATHERED_ENCODER)[:3 if lean else 1]:
         enc = pricer.cost("vision_encoder", n, per_group, vlm.encoder_seq_len, options)
         if not enc.feasible:
             why = f"encoder placement on every pipeline rank ({n} GPUs each) does not fit: {enc.why}"
             continue
         pass_f, pass_b = encoder_pass_times(enc.plan, max(per_mb))
-        if sim.step_time + least_extra(windows, per_mb, pass_f, pass_b) + max(tails) >= beat:
-            beaten = True
+        to_beat = min(beat, sim.step_time + best[0] + max(tails)) if best else beat
+        if sim.step_time + least_extra(windows, per_mb, pass_f, pass_b) + max(tails) >= to_beat:
+            beaten = best is None
             continue
         placed = assign(windows, per_mb, pass_f, pass_b, _max_images(plan, enc, per_group))
         if placed is None:
@@ -286,16 +294,17 @@ def extra_stage_baseline(pricer: PartPricer, task: TaskSpec, plan: Plan) -> Extr
     vlm = pricer.vlm
     n = plan.stage_size
     best, why = None, ""
-    # The encoder's fastest plan, and its leanest (full recompute, ZeRO-3): the stages that hold
-    # encoder layers keep up to pp micro-batches of their activations, so the lean one may be the
-    # only one that fits, or fit a better split.
-    for options in (pricer.encoder_options, LEAN_ENCODER):
-        enc = pricer.cost("vision_encoder", n, task.images(), vlm.encoder_seq_len, options)
+    # The same encoder plans as Optimus places: the stages that hold encoder layers keep up to pp
+    # micro-batches of their activations, so a lean one may be the only one that fits, or fit a
+    # better split.
+    images = task.images()
+    for options in (pricer.encoder_options, LEAN_ENCODER, GATHERED_ENCODER):
+        enc = pricer.cost("vision_encoder", n, images, vlm.encoder_seq_len, options)
         if not enc.feasible:
             why = f"encoder as a pipeline stage on {n} GPUs does not fit: {enc.why}"
             continue
         try:
-            result = _extra_stage(enc, plan)
+            result = _extra_stage(enc, plan, images)
         except TesseraError as e:
             why = str(e)
             continue
@@ -306,16 +315,17 @@ def extra_stage_baseline(pricer: PartPricer, task: TaskSpec, plan: Plan) -> Extr
     return best
 
 
-def _extra_stage(enc: PartCost, plan: Plan) -> ExtraStageResult:
+def _extra_stage(enc: PartCost, plan: Plan, images: int) -> ExtraStageResult:
     pp, m = plan.pipeline.degree, plan.num_micro_batches
-    scale = enc.plan.num_micro_batches / m  # encoder micro-batches per LLM micro-batch
     # The encoder layers run each LLM micro-batch's images as one micro-batch of their own (the
-    # slowest device holding ceil(images / d)): priced at that size, as `encoder_pass_times` does.
-    per_mb = math.ceil(enc.samples / m)
-    enc_layers = [(f, b) for f, b, _ in layer_times(_one_micro_batch(enc.plan, math.ceil(per_mb / enc.plan.dp_of_batch)))]
+    # slowest device holding ceil(images / d)): timed and sized at that micro-batch, as
+    # `encoder_pass_times` prices a pass.
+    per_mb = math.ceil(images / m)
+    variant = _one_micro_batch(enc.plan, math.ceil(per_mb / enc.plan.dp_of_batch))
+    enc_layers = [(f, b) for f, b, _ in layer_times(variant)]
     llm_layers = [(f, b) for f, b, _ in layer_times(plan)]
     chain = enc_layers + llm_layers
-    memory = ([(st, act * scale, buf) for st, act, buf in layer_memory(enc.plan)] + layer_memory(plan))
+    memory = layer_memory(variant) + layer_memory(plan)
     fits = _stage_memory_check(memory, pp, m, memory_budget(plan.cluster))
     split = _min_max_split([f + b for f, b in chain], pp, fits)
     if split is None:
