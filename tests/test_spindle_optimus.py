@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from tessera.adapt.bubbles import PassTime, PipelineWindows, assign, price
+from tessera.adapt.bubbles import PassTime, PipelineWindows, assign, least_extra, price
 from tessera.adapt.optimus import optimus_schedule
 from tessera.adapt.spindle import Operator, pack_waves, plan_spindle, sequential_baseline
 from tessera.errors import TesseraError
@@ -239,7 +239,8 @@ def test_bubble_assignment_is_near_brute_force(pp, m, per_mb):
     from tessera.cost.schedule import simulate
     sim = simulate("1f1b", [1.0] * pp, [2.0] * pp, m, pp, 1, 0.1)
     windows = PipelineWindows.from_events(sim.events, pp, m, sim.step_time, 0.1)
-    for f, b in ((0.3, 0.6), (1.0, 2.5), (0.1, 0.2), (PassTime(0.1, 0.2), PassTime(0.2, 0.3))):
+    for f, b in ((0.3, 0.6), (1.0, 2.5), (0.1, 0.2), (PassTime(0.1, 0.2), PassTime(0.2, 0.3)),
+                 (PassTime.from_table((0.4, 0.5), 1), PassTime.from_table((0.8, 1.1), 1))):
         placed = assign(windows, [per_mb] * m, f, b)
         _check_passes(windows, placed, f, b, [per_mb] * m)
         splits = [c for c in itertools.product(range(per_mb + 1), repeat=pp) if sum(c) == per_mb]
@@ -250,6 +251,7 @@ def test_bubble_assignment_is_near_brute_force(pp, m, per_mb):
             best = min(best, got.shift_s + got.extension_s)
         one = _as_pass(f)(1) + _as_pass(b)(1)  # one image's passes (a pass's fixed part included)
         assert best - 1e-9 <= placed.shift_s + placed.extension_s <= best + one
+        assert least_extra(windows, [per_mb] * m, f, b) <= best + 1e-9  # the pruning bound holds
         # A rank's memory holds `limit` images: the placement keeps within it, at some cost.
         limit = m + -(-per_mb * m // pp)
         capped = assign(windows, [per_mb] * m, f, b, limit=limit)
