@@ -261,15 +261,16 @@ def test_train_runs_the_planned_optimus_plan(monkeypatch):
     got = plan_vlm(config, llm, 4, workload, cluster)
     assert got.plan is runnable.llm_plan and got.plan.pipeline.degree == runnable.pp
     strategy = encoder_strategy(got.encoder)
-    assert strategy.bubbles == runnable.counts and strategy.zero == 0 and strategy.dp == 4
+    assert strategy.bubbles == runnable.counts and strategy.dp == 4
+    assert strategy.zero == max(s.zero for s in runnable.encoder.plan.layers)  # ZeRO-sharded encoders run too
     assert got.lines[-1].startswith("chosen: Optimus")
-    # An Optimus plan whose encoder is ZeRO-sharded: the fastest plan the runtime runs instead.
+    # An Optimus plan whose encoder is tensor parallel: the fastest plan the runtime runs instead.
     from dataclasses import replace
-    zero2 = replace(runnable, encoder=replace(runnable.encoder, plan=runnable.encoder.plan.model_copy(update={
-        "layers": tuple(s.model_copy(update={"zero": 2}) for s in runnable.encoder.plan.layers)})))
-    monkeypatch.setattr(vlm_choice, "choose", optimus_first(zero2))
+    tp2 = replace(runnable, encoder=replace(runnable.encoder, plan=runnable.encoder.plan.model_copy(update={
+        "layers": tuple(s.model_copy(update={"tp": 2}) for s in runnable.encoder.plan.layers)})))
+    monkeypatch.setattr(vlm_choice, "choose", optimus_first(tp2))
     got = plan_vlm(config, llm, 4, workload, cluster)
-    assert "is not run by this runtime yet (the Optimus encoder plan uses tensor/sequence parallelism or ZeRO" \
+    assert "is not run by this runtime yet (the Optimus encoder plan uses tensor/sequence parallelism or offload" \
         in got.lines[-1] and "running the fastest plan it runs" in got.lines[-1]
 
 
@@ -296,5 +297,6 @@ def test_the_optimus_runtime_refuses_what_it_cannot_run_in_one_line():
     _check_pipeline(pipeline(), EncoderStrategy())
     with pytest.raises(TesseraError, match=r"one chunk per rank, not interleaved_1f1b with 2$"):
         _check_pipeline(pipeline(schedule="interleaved_1f1b", virtual_stages=2), EncoderStrategy())
-    with pytest.raises(TesseraError, match=r"encoder is replicated on every rank .* not dp=2 from rank 0 with zero 1$"):
+    _check_pipeline(pipeline(), EncoderStrategy(zero=3))  # sharded over each stage, replicated across stages
+    with pytest.raises(TesseraError, match=r"encoder runs on every rank \(encoder dp = all\), not dp=2 from rank 0$"):
         _check_pipeline(pipeline(), EncoderStrategy(dp=2, zero=1))

@@ -5,11 +5,11 @@ no pipeline with the encoder colocated or on ranks of its own, Optimus, the enco
 pipeline stages) and picks the fastest. The runtime (`runtime.multimodal.MultimodalTrainer`) runs
 a colocated plan (the LLM under any non-pipeline plan, the encoder data parallel on every rank with
 its ZeRO stage and recompute) and Optimus (`runtime/vlm_pipeline.py`: the LLM's 1F1B pipeline,
-the encoder replicated on every rank, its passes placed in the bubbles as the planner placed
-them) when the Optimus encoder plan is data parallel without ZeRO. When the planner's choice is
-another kind, the run takes the faster of the best colocated plan and the best Optimus plan the
-runtime runs (the encoder searched without tensor, sequence or pipeline parallelism, and without
-ZeRO for Optimus; the colocated LLM without a pipeline) and says so in one line.
+the encoder on every rank, its passes placed in the bubbles as the planner placed them) when the
+Optimus encoder plan is data parallel (replicated, or ZeRO-sharded over each stage and replicated
+across stages). When the planner's choice is another kind, the run takes the faster of the best colocated plan and the best Optimus plan the
+runtime runs (the encoder searched without tensor, sequence or pipeline parallelism; the
+colocated LLM without a pipeline) and says so in one line.
 """
 from __future__ import annotations
 
@@ -67,8 +67,10 @@ def plan_vlm(vlm, llm_model, world: int, workload, cluster) -> VLMPlan:
 
         llm_plan, strategy = from_optimus(chosen, world)
         encoder = {**asdict(strategy), "bubbles": [list(row) for row in strategy.bubbles]}
-        kind = "Optimus with an encoder it replicates"
-        lines = [f"encoder plan (replicated on every rank, its passes in the LLM pipeline's bubbles): "
+        kind = "Optimus"
+        placed = (f"ZeRO-{strategy.zero} over each stage, replicated across stages" if strategy.zero
+                  else "replicated on every rank")
+        lines = [f"encoder plan ({placed}, its passes in the LLM pipeline's bubbles): "
                  f"{chosen.encoder.describe()}; images encoded per pipeline rank "
                  f"{[sum(row) for row in chosen.counts]}",
                  f"LLM plan: pipeline pp={chosen.pp} with {chosen.num_micro_batches} micro-batches, "
@@ -89,15 +91,15 @@ def plan_vlm(vlm, llm_model, world: int, workload, cluster) -> VLMPlan:
 
 
 def _runnable_optimus(spec, cluster, options, dtype, task, world: int):
-    """The fastest Optimus plan whose encoder plan the runtime runs (data parallel, no ZeRO), or
-    None; `options`: the run's search options, which the encoder's are narrowed from."""
+    """The fastest Optimus plan whose encoder plan the runtime runs (data parallel, with or
+    without ZeRO), or None; `options`: the run's search options, which the encoder's are narrowed from."""
     from ..adapt.optimus import llm_pipeline_plans, optimus_schedule
     from ..adapt.vlm_choice import PIPELINE_DEGREES
     from ..errors import TesseraError
     from ..search.multimodal import PartPricer
 
     encoder_options = replace(options, max_pp=1, max_tp=1, max_sp=1, allow_cp=False, allow_hsdp=False,
-                              allow_offload=False, zero_stages=(0,))
+                              allow_offload=False)
     pricer = PartPricer(spec, cluster, dtype=dtype, encoder_options=encoder_options)
     degrees = tuple(d for d in PIPELINE_DEGREES if world % d == 0 and d <= len(spec.llm.layers) and d < world)
     best = None

@@ -109,12 +109,13 @@ class EncoderAttention(nn.Module):
         q, k = self.wq(x), self.wk(x)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.view(b, s, -1, self.head_dim), k.view(b, s, -1, self.head_dim)
-        v = self.wv(x).view(b, s, -1, self.head_dim)
+        heads = q.shape[-1] // self.head_dim  # this rank's (a tensor-parallel shard holds fewer)
+        q, k = q.view(b, s, heads, self.head_dim), k.view(b, s, heads, self.head_dim)
+        v = self.wv(x).view(b, s, heads, self.head_dim)  # named: an empty batch (a pass with no image) has no -1
         if freqs is not None:
             q, k = apply_rope(q, freqs), apply_rope(k, freqs)
         out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=False)
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+        return self.wo(out.transpose(1, 2).reshape(b, s, heads * self.head_dim))
 
 
 class EncoderMLP(nn.Module):

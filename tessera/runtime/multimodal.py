@@ -107,19 +107,24 @@ def from_task_plan(task_plan, world_size: int) -> tuple[Plan, EncoderStrategy]:
 
 def from_optimus(result, world_size: int) -> tuple[Plan, EncoderStrategy]:
     """The LLM pipeline plan and the encoder strategy this runtime executes for a planned Optimus
-    result (`adapt.optimus.optimus_schedule`): the encoder replicated on every rank (its plan must
-    be data parallel without ZeRO), its passes where the planner placed them (`counts`)."""
+    result (`adapt.optimus.optimus_schedule`): the encoder on every rank, replicated or (ZeRO-1/2/3)
+    sharded over each pipeline rank's stage and replicated across stages, as the plan prices it
+    (data parallel only: no tensor or sequence parallelism), its passes where the planner placed
+    them (`counts`)."""
     from ..plan import Recompute
 
     enc = result.encoder.plan
-    if enc.pipeline.degree > 1 or any(s.tp > 1 or s.sp_degree > 1 or s.zero or s.offload_optimizer
-                                      for s in enc.layers):
-        raise TesseraError("the Optimus encoder plan uses tensor/sequence parallelism or ZeRO, which this runtime "
-                           "does not run in the bubbles yet (it replicates the encoder on every rank)")
+    if enc.pipeline.degree > 1 or any(s.tp > 1 or s.sp_degree > 1 or s.offload_optimizer for s in enc.layers):
+        raise TesseraError("the Optimus encoder plan uses tensor/sequence parallelism or offload, which this "
+                           "runtime does not run in the bubbles yet (data parallel, with or without ZeRO)")
+    zeros = {s.zero for s in enc.layers}
+    if len(zeros) > 1:
+        raise TesseraError(f"the Optimus encoder plan mixes ZeRO stages {sorted(zeros)}, which this runtime does "
+                           "not run in the bubbles (one stage for the whole encoder)")
     if result.llm_plan.world_size != world_size:
         raise TesseraError(f"the Optimus plan was made for {result.llm_plan.world_size} ranks, not {world_size}")
-    return result.llm_plan, EncoderStrategy(dp=world_size, recompute=any(s.recompute != Recompute.NONE
-                                                                          for s in enc.layers),
+    return result.llm_plan, EncoderStrategy(dp=world_size, zero=zeros.pop(),
+                                            recompute=any(s.recompute != Recompute.NONE for s in enc.layers),
                                             bubbles=tuple(tuple(row) for row in result.counts))
 
 
@@ -285,6 +290,13 @@ class MultimodalTrainer(Trainer):
         self.handoff_group = dist.new_group(list(range(self.world_size)))
         self.encoder_group = self.handoff_group if self.world_size > 1 else None
         self.encoder_mesh = None
+        if self.encoder_strategy.zero:
+            # As the planner prices it: sharded over the n ranks of a pipeline rank's stage,
+            # replicated across the pp stages (HSDP; the replicas' all-reduce once per step).
+            from torch.distributed.device_mesh import DeviceMesh
+
+            grid = torch.arange(self.world_size).reshape(pp, plan.stage_size)
+            self.encoder_mesh = DeviceMesh(self.device.type, grid, mesh_dim_names=("dp_replicate", "dp_shard"))
         self.handoff = HandoffPlan(plan.workload.global_batch, self.data_size, m, tuple(self.encoder_ranks))
         if self.handoff.rows_per_block * self.data_size * m != plan.workload.global_batch:
             raise TesseraError(f"global batch {plan.workload.global_batch} does not split into "
@@ -434,7 +446,7 @@ class MultimodalTrainer(Trainer):
         if self.encoder is None:
             return
         pieces, e = self.loss_fn.pieces, len(self.encoder_ranks)
-        if self.pipeline is not None:  # a rank that encoded nothing this step adds zeros
+        if self.pipeline is not None and not self.encoder_strategy.zero:  # a rank that encoded nothing adds zeros
             for p in self.encoder.parameters():
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
@@ -498,9 +510,9 @@ def _check_pipeline(plan: Plan, encoder: EncoderStrategy) -> None:
     if plan.pipeline.schedule not in (Schedule.ONE_F_ONE_B, Schedule.GPIPE) or plan.pipeline.virtual_stages > 1:
         raise TesseraError(f"a vision-language plan with an LLM pipeline runs the 1f1b or gpipe schedule with one "
                            f"chunk per rank, not {plan.pipeline.schedule.value} with {plan.pipeline.virtual_stages}")
-    if encoder.zero or encoder.first_rank or encoder.dp not in (0, plan.world_size):
-        raise TesseraError("with an LLM pipeline the encoder is replicated on every rank (encoder dp = all, "
-                           f"zero 0), not dp={encoder.dp} from rank {encoder.first_rank} with zero {encoder.zero}")
+    if encoder.first_rank or encoder.dp not in (0, plan.world_size):
+        raise TesseraError("with an LLM pipeline the encoder runs on every rank (encoder dp = all), not "
+                           f"dp={encoder.dp} from rank {encoder.first_rank}")
 
 
 def _image_tokens(vlm) -> int:

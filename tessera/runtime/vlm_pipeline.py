@@ -2,11 +2,17 @@
 
 The LLM runs its plan's 1F1B (or GPipe) pipeline on torch.distributed.pipelining exactly as a
 text model does (`Trainer.build_pipeline`). Every rank also holds the image encoder, replicated
-(data parallel over all ranks, one all-reduce of its gradients per step). Which rank encodes
-which images is `adapt.bubbles` (the placement the simulator prices): pipeline rank p encodes
+(data parallel over all ranks, one all-reduce of its gradients per step) or sharded (below).
+Which rank encodes which images is `adapt.bubbles` (the placement the simulator prices): pipeline rank p encodes
 a_{p,j} images of micro-batch j, split over the ranks of its stage in contiguous near-equal
 shares; the images of micro-batch j are its rows in data-block order (`HandoffPlan.micro_rows`),
 pipeline rank 0 taking the first a_{0,j}, rank 1 the next a_{1,j}, and so on.
+
+The encoder may also be sharded (ZeRO-1/2/3 with FSDP2, as the planner's encoder plan says):
+over the ranks of each pipeline rank's stage, replicated across the stages (HSDP), so every rank
+of a stage runs each of the stage's passes, those with no image of its own on an empty batch
+(a ZeRO-3 pass gathers the parameters over the stage; ZeRO-1/2 keep them gathered over the
+step), and the replicas' all-reduce runs once, after each rank's last pass.
 
 One step, per rank:
  1. warm-up bubble (before the schedule starts): one encoder forward pass per micro-batch it
@@ -58,12 +64,15 @@ class BubbleRoutes:
         off, a = sum(self.counts[q][j] for q in range(p)), self.counts[p][j]
         return off + s * a // n, off + (s + 1) * a // n
 
-    def passes(self, rank: int) -> list[tuple[int, int]]:
-        """(micro-batch, images) of every encoder pass of `rank`, in order."""
+    def passes(self, rank: int, whole_stage: bool = False) -> list[tuple[int, int]]:
+        """(micro-batch, images) of every encoder pass of `rank`, in order. `whole_stage`: every
+        pass its pipeline rank runs, also those whose images all fall to the stage's other ranks
+        (0 images here): a sharded encoder gathers and reduces over the whole stage."""
         out = []
+        p = rank // self.stage_size
         for j in range(self.handoff.micro_batches):
             lo, hi = self.share(rank, j)
-            if hi > lo:
+            if hi > lo or (whole_stage and self.counts[p][j] > 0):
                 out.append((j, hi - lo))
         return out
 
@@ -135,7 +144,8 @@ class BubbleStep:
         self.rank, self.m = trainer.rank, routes.handoff.micro_batches
         self.p_tokens, self.hidden = p_tokens, hidden
         self.group = dist.new_group(list(range(routes.world)))
-        self.my_passes = routes.passes(self.rank)
+        self.sharded = bool(trainer.encoder_strategy.zero)
+        self.my_passes = routes.passes(self.rank, whole_stage=self.sharded)
         self.is_first = trainer.pipeline.has_first_stage
         self.wire_dtype = trainer.wire_dtype  # the image tokens' dtype on the wire
         self.splice = None
@@ -172,7 +182,7 @@ class BubbleStep:
         # 1. warm-up bubble: encoder passes, each micro-batch's image tokens sent as it is done.
         start = 0
         for j in range(self.m):
-            if passes.get(j):
+            if j in passes:
                 with t._encoder_autocast():
                     self.outputs[j] = t.encoder(images[start:start + passes[j]])
                 start += passes[j]
@@ -183,12 +193,15 @@ class BubbleStep:
         # 2. the pipeline schedule.
         loss = t.forward_backward_pp(tokens, labels, None, None)
         # 3. cool-down bubble: the encoder passes' backward, in micro-batch order.
-        for j, count in self.my_passes:
+        for k, (j, count) in enumerate(self.my_passes):
             self._wait(self.grad_works.get(j, []))
             out = self.outputs.pop(j)
             grad = torch.zeros(count, self.p_tokens, self.hidden, dtype=out.dtype, device=out.device)
             for offset, part in self.grad_parts[j]:
                 grad[offset:offset + part.shape[0]] += part.to(out.dtype)
+            # A sharded encoder reduce-scatters as its ZeRO stage says, the replicas' all-reduce
+            # on this rank's last pass (every rank of a stage runs the same passes).
+            t.encoder_sync.before_backward(k == len(self.my_passes) - 1)
             out.backward(grad / self.m)
         self._wait(list(self.pending))
         self.keep = []

@@ -142,6 +142,12 @@ CASES = [
     ("vlm_optimus_pp2_tp2_gpipe_mb2_stage0_encodes_nothing",
      make_plan(LLAMA, WORLD, S(tp=2), num_micro_batches=2, global_batch=BATCH, seq_len=SEQ, stages=PP2,
                schedule="gpipe"), CLIP_LIKE, EncoderStrategy(bubbles=((0, 0), (4, 4)))),
+    # A sharded encoder (FSDP2 over each stage's 2 ranks, replicated across the 2 stages): a pass
+    # of one image leaves a stage rank an empty batch, which still gathers and reduces.
+    ("vlm_optimus_pp2_dp2_mb4_encoder_zero3_hsdp_empty_shares", plan(S(dp=2), micro=4, stages=PP2), CLIP_LIKE,
+     EncoderStrategy(zero=3, bubbles=((1, 2, 0, 1), (1, 0, 2, 1)))),
+    ("vlm_optimus_pp2_dp2_mb4_encoder_zero2_recompute", plan(S(dp=2), micro=4, stages=PP2), CLIP_LIKE,
+     EncoderStrategy(zero=2, recompute=True, bubbles=((2, 1, 1, 0), (0, 1, 1, 2)))),
 ]
 
 def planned_case():
@@ -161,7 +167,7 @@ def planned_case():
 
 def planned_optimus_case():
     """The planner's Optimus plan for the same task (an LLM pipeline, the encoder's passes where it
-    placed them, its encoder plan data parallel without ZeRO: what `tessera train` runs)."""
+    placed them, its encoder plan data parallel, with or without ZeRO: what `tessera train` runs)."""
     from tessera.cli.train_vlm import _runnable_optimus
     from tessera.runtime.multimodal import from_optimus
     from tessera.search.space import SearchOptions
@@ -184,6 +190,8 @@ check_training("vlm_train_3_steps_llm_dp2_tp2_zero3_encoder_ranks01", plan(S(dp=
                EncoderStrategy(dp=2))
 check_training("vlm_optimus_train_3_steps_pp2_dp2_zero1", plan(S(dp=2, zero=1), micro=4, stages=PP2), CLIP_LIKE,
                EncoderStrategy())
+check_training("vlm_optimus_train_3_steps_pp2_dp2_encoder_zero1_hsdp", plan(S(dp=2), micro=4, stages=PP2), CLIP_LIKE,
+               EncoderStrategy(zero=1))
 
 
 # --- Spindle: several tasks in waves on groups of ranks, the shared model's gradients combined ----
