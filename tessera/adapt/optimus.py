@@ -22,7 +22,7 @@ a pass re-gathers ZeRO-3 parameters however few images it holds).
 Memory: each rank adds its encoder replica's peak, holding the activations of every image it
 encodes from forward to backward, so the placement caps each rank's images at what its usable
 memory holds; the encoder's fastest plan, its leanest (full recompute, ZeRO-3) and the leanest
-that keeps its parameters gathered over the step (full recompute, ZeRO-2: `GATHERED_ENCODER`) are
+that keeps its parameters gathered over the step (full recompute, ZeRO-2: `_encoder_plans`) are
 all placed and the fastest step is taken (none fitting is refused in one line).
 
 Baseline (`extra_stage_baseline`): the encoder as extra pipeline work, Megatron-style: the
@@ -38,17 +38,17 @@ baseline). No torch import.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..cost.comm import collective_times
-from ..cost.evaluate import chunk_times, layer_memory, layer_times, shared_layer_costs, usable_memory
+from ..cost.evaluate import chunk_times, evaluate, layer_memory, layer_times, shared_layer_costs, usable_memory
 from ..cost.memory import memory_budget, required_memory
 from ..cost.schedule import in_flight, simulate
 from ..errors import TesseraError
 from ..plan import Plan
-from ..search.multimodal import LEAN_OPTIONS, PartCost, PartPricer, group_handoff_s, sub_cluster
+from ..search.multimodal import LEAN_OPTIONS, PartCost, PartPricer, group_handoff_s, part_cost, sub_cluster
 from ..search.planner import NoFeasiblePlanError, search
 from ..search.space import SearchOptions, divisors
 from ..spec.tasks import TaskSpec
@@ -57,11 +57,6 @@ from .bubbles import PassTime, PipelineWindows, assign, least_extra
 
 GiB = 2**30
 LEAN_ENCODER = LEAN_OPTIONS
-# Full recompute with ZeRO-2: the parameters stay gathered over the step's passes (one gather, a
-# full bf16 copy per device), gradients reduce-scattered after each pass. Whole-step pricing ranks
-# it with ZeRO-3 (one gather either way), but a step of small passes re-gathers under ZeRO-3 only:
-# priced separately, pass by pass, beside the lean (ZeRO-3) plan.
-GATHERED_ENCODER = replace(LEAN_OPTIONS, zero_stages=(2,))
 
 
 @dataclass(frozen=True)
@@ -117,10 +112,13 @@ def _idle_total(pieces, rank: int, horizon: float) -> float:
 
 
 def llm_pipeline_plans(pricer: PartPricer, task: TaskSpec, gpus: int, degrees=(4, 8)) -> list[Plan]:
-    """The LLM's best 1F1B plan at each pipeline degree and each tensor-parallel degree of a node
-    (those that fit). The LLM's fastest plan alone is not enough: the encoder changes which LLM
-    plan is best (a wider TP leaves more micro-batches and memory, a narrower one larger bubbles),
-    for Optimus and for the extra-stage baseline alike, so both are searched over all of them."""
+    """At each pipeline degree, the LLM's fastest 1F1B plan and its fastest with the widest
+    tensor parallelism of a node (those that fit). The fastest plan alone is not enough: the
+    encoder changes which LLM plan is best, and the widest TP leaves the most memory (and
+    micro-batches) beside the LLM's stage, for Optimus's encoder replicas and for the extra-stage
+    baseline's encoder layers alike: at 12 tiles of benchmarks/multimodal.py the baseline's best
+    is pp8 with tp8 where the LLM alone prefers tp4. (Narrower TP than the fastest plan's only
+    leaves less memory; tp2 of a 70B LLM fits neither.)"""
     vlm = pricer.vlm
     wl = Workload(global_batch=task.batch, seq_len=task.llm_seq_len(vlm), dtype=pricer.dtype)
     cluster = sub_cluster(pricer.cluster, gpus)
@@ -128,14 +126,17 @@ def llm_pipeline_plans(pricer: PartPricer, task: TaskSpec, gpus: int, degrees=(4
     for pp in degrees:
         if gpus % pp or vlm.config.llm.num_layers < pp:
             continue
-        for tp in divisors(min(cluster.gpus_per_node, gpus // pp)):
+        widest = max(divisors(min(cluster.gpus_per_node, gpus // pp)))
+        for tp in (None, widest):
             opts = SearchOptions(pp=pp, tp=tp, schedules=("1f1b",), allow_offload=False, allow_ulysses=False,
                                  zero_stages=(1,), runner_ups=0, max_splits=1)
             try:
                 with shared_layer_costs():
-                    plans.append(search(vlm.llm, cluster, wl, opts))
+                    plan = search(vlm.llm, cluster, wl, opts)
             except NoFeasiblePlanError:
                 continue
+            if all(p.layers != plan.layers or p.num_micro_batches != plan.num_micro_batches for p in plans):
+                plans.append(plan)
     return plans
 
 
@@ -164,12 +165,11 @@ def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan, lean: bool 
     # passes to its backward passes, so the fastest may hold too few images per rank for a good
     # placement, or none; ZeRO-3 re-gathers in every pass, ZeRO-2 holds a full copy.
     best, why, beaten = None, "", False
-    for options in (pricer.encoder_options, LEAN_ENCODER, GATHERED_ENCODER)[:3 if lean else 1]:
-        enc = pricer.cost("vision_encoder", n, per_group, vlm.encoder_seq_len, options)
+    for enc in _encoder_plans(pricer, n, per_group, lean):
         if not enc.feasible:
             why = f"encoder placement on every pipeline rank ({n} GPUs each) does not fit: {enc.why}"
             continue
-        pass_f, pass_b = encoder_pass_times(enc.plan, max(per_mb))
+        pass_f, pass_b = _memo(pricer, ("passes", max(per_mb)), enc, lambda: encoder_pass_times(enc.plan, max(per_mb)))
         to_beat = min(beat, sim.step_time + best[0] + max(tails)) if best else beat
         if sim.step_time + least_extra(windows, per_mb, pass_f, pass_b) + max(tails) >= to_beat:
             beaten = best is None
@@ -212,6 +212,44 @@ def encoder_pass_times(enc_plan: Plan, most_images: int) -> tuple[PassTime, Pass
         fwd.append(f[0])
         bwd.append(b[0])
     return PassTime.from_table(fwd, d), PassTime.from_table(bwd, d)
+
+
+def _encoder_plans(pricer: PartPricer, n: int, images: int, lean: bool = True) -> list[PartCost]:
+    """The encoder plans placed on a rank group of n devices (for `images` images a step): its
+    fastest (the pricer's options), its leanest (full recompute, ZeRO-3) and the lean one with its
+    parameters kept gathered over the step (ZeRO-2: one gather, a full copy per device, gradients
+    reduce-scattered after each pass). Whole-step pricing cannot tell the last two apart (one
+    gather either way), but a step of small passes re-gathers under ZeRO-3 only."""
+    seq = pricer.vlm.encoder_seq_len
+    plans = [pricer.cost("vision_encoder", n, images, seq, pricer.encoder_options)]
+    if lean:
+        lean_plan = pricer.cost("vision_encoder", n, images, seq, LEAN_ENCODER)
+        plans.append(lean_plan)
+        if lean_plan.feasible:
+            kept = _memo(pricer, ("gathered",), lean_plan, lambda: _kept_gathered(lean_plan))
+            if kept is not None:
+                plans.append(kept)
+    return plans
+
+
+def _kept_gathered(enc: PartCost) -> PartCost | None:
+    """`enc`'s plan with its ZeRO-3 layers at ZeRO-2 (None: none is ZeRO-3, or it does not fit)."""
+    layers = tuple(s.model_copy(update={"zero": 2}) if s.zero == 3 else s for s in enc.plan.layers)
+    if layers == tuple(enc.plan.layers):
+        return None
+    plan = enc.plan.model_copy(update={"layers": layers})
+    plan = plan.model_copy(update={"prediction": evaluate(plan), "name": f"{enc.plan.name} zero2"})
+    return part_cost(enc.part, plan) if plan.prediction.fits else None
+
+
+def _memo(pricer: PartPricer, key: tuple, enc: PartCost, compute):
+    """`compute()` once per (encoder plan, key) for the pricer's lifetime: the same encoder plan
+    serves every LLM plan of a pipeline degree, and its per-micro-batch pricing does not change."""
+    memo = pricer.__dict__.setdefault("_optimus_memo", {})
+    full = (id(enc),) + key
+    if full not in memo:
+        memo[full] = (enc, compute())  # the PartCost kept alive: its id stays its own
+    return memo[full][1]
 
 
 def _one_micro_batch(plan: Plan, k: int) -> Plan:
@@ -275,7 +313,7 @@ def _min_max_split(weights: list[float], parts: int, fits=None) -> list[tuple[in
     lo, hi = max(weights), sum(weights)
     if not feasible(cuts(hi)):
         return None
-    while hi - lo > 1e-12 * hi:
+    while hi - lo > 1e-7 * hi:  # a split's bound to 1e-7: ties below that are not worth telling apart
         mid = (lo + hi) / 2
         if feasible(cuts(mid)):
             hi = mid
@@ -298,13 +336,12 @@ def extra_stage_baseline(pricer: PartPricer, task: TaskSpec, plan: Plan) -> Extr
     # micro-batches of their activations, so a lean one may be the only one that fits, or fit a
     # better split.
     images = task.images()
-    for options in (pricer.encoder_options, LEAN_ENCODER, GATHERED_ENCODER):
-        enc = pricer.cost("vision_encoder", n, images, vlm.encoder_seq_len, options)
+    for enc in _encoder_plans(pricer, n, images):
         if not enc.feasible:
             why = f"encoder as a pipeline stage on {n} GPUs does not fit: {enc.why}"
             continue
         try:
-            result = _extra_stage(enc, plan, images)
+            result = _extra_stage(enc, plan, images, pricer)
         except TesseraError as e:
             why = str(e)
             continue
@@ -315,17 +352,20 @@ def extra_stage_baseline(pricer: PartPricer, task: TaskSpec, plan: Plan) -> Extr
     return best
 
 
-def _extra_stage(enc: PartCost, plan: Plan, images: int) -> ExtraStageResult:
+def _extra_stage(enc: PartCost, plan: Plan, images: int, pricer: PartPricer) -> ExtraStageResult:
     pp, m = plan.pipeline.degree, plan.num_micro_batches
     # The encoder layers run each LLM micro-batch's images as one micro-batch of their own (the
     # slowest device holding ceil(images / d)): timed and sized at that micro-batch, as
     # `encoder_pass_times` prices a pass.
-    per_mb = math.ceil(images / m)
-    variant = _one_micro_batch(enc.plan, math.ceil(per_mb / enc.plan.dp_of_batch))
-    enc_layers = [(f, b) for f, b, _ in layer_times(variant)]
+    k = math.ceil(math.ceil(images / m) / enc.plan.dp_of_batch)
+
+    def encoder_layers():
+        variant = _one_micro_batch(enc.plan, k)
+        return [(f, b) for f, b, _ in layer_times(variant)], layer_memory(variant)
+    enc_layers, enc_memory = _memo(pricer, ("layers", k), enc, encoder_layers)
     llm_layers = [(f, b) for f, b, _ in layer_times(plan)]
     chain = enc_layers + llm_layers
-    memory = layer_memory(variant) + layer_memory(plan)
+    memory = enc_memory + layer_memory(plan)
     fits = _stage_memory_check(memory, pp, m, memory_budget(plan.cluster))
     split = _min_max_split([f + b for f, b in chain], pp, fits)
     if split is None:

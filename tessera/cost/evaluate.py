@@ -135,7 +135,7 @@ def tied_exchange_seconds(plan: Plan, ctx: StepContext) -> float:
 
 
 def _scalar(costs: LayerCosts, field: str) -> float:
-    return float(np.asarray(getattr(costs, field))[0])
+    return costs.first(field)
 
 
 def simulate_plan(plan: Plan) -> tuple[ScheduleResult, list[float]]:

@@ -145,6 +145,19 @@ class StrategyTable:
                    dp_shard=a[:, 5], recompute=a[:, 6], offload=a[:, 7].astype(bool), ep=a[:, 8], cp=a[:, 9])
 
     def get(self, i: int) -> LayerStrategy:
+        """Strategy i (memoised: LayerStrategy is immutable, and a search assembles the same rows
+        into plan after plan)."""
+        memo = self.__dict__.get("_got")
+        if memo is None:
+            memo = {}
+            object.__setattr__(self, "_got", memo)
+        i = int(i)
+        got = memo.get(i)
+        if got is None:
+            got = memo[i] = self._build(i)
+        return got
+
+    def _build(self, i: int) -> LayerStrategy:
         u = int(self.sp[i])
         kind = SPKind.ULYSSES if u > 1 else (SPKind.MEGATRON if self.megatron[i] else SPKind.NONE)
         return LayerStrategy(dp=int(self.dp[i]), tp=int(self.tp[i]), sp=kind, sp_degree=u,
@@ -211,6 +224,18 @@ class LayerCosts:
     @property
     def states(self) -> np.ndarray:
         return self.params + self.grads + self.optimizer
+
+    def first(self, name: str) -> float:
+        """The first strategy's value of field `name`, as a float (memoised: a plan's evaluation
+        reads the same cached layer's fields once per layer and chunk, many thousand times a search)."""
+        memo = self.__dict__.get("_first")
+        if memo is None:
+            memo = {}
+            object.__setattr__(self, "_first", memo)
+        value = memo.get(name)
+        if value is None:
+            value = memo[name] = float(np.asarray(getattr(self, name)).reshape(-1)[0])
+        return value
 
 
 def cost_key(layer: LayerSpec) -> tuple:

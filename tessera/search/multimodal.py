@@ -128,17 +128,7 @@ class PartPricer:
                 plan = search(model, cluster, Workload(global_batch=samples, seq_len=seq_len, dtype=self.dtype), opts)
         except NoFeasiblePlanError as e:
             return PartCost(part, gpus, samples, seq_len, INF, INF, why=str(e))
-        fwd, bwd, _, tails, _ = chunk_times(plan)
-        step = plan.prediction.step_time_s
-        tail = max(tails)
-        busy = step - tail
-        m = plan.num_micro_batches
-        # Forward share of the busy time: the chunks' forward over forward + backward.
-        share = sum(fwd) / max(sum(fwd) + sum(bwd), 1e-30)
-        mem = plan.prediction.stage_memory[0]  # pp = 1: one rank, one micro-batch in flight
-        return PartCost(part, gpus, samples, seq_len, busy, tail, fwd_s=busy * share, plan=plan,
-                        states_bytes=mem.params + mem.grads + mem.optimizer, act_bytes=mem.activations * m,
-                        buf_bytes=mem.buffers - cluster.device.reserved_bytes)
+        return part_cost(part, plan)
 
     # --- the parts of one task -------------------------------------------------------------
     def encoder(self, task: TaskSpec, gpus: int, options: SearchOptions | None = None) -> PartCost:
@@ -147,6 +137,21 @@ class PartPricer:
 
     def llm(self, task: TaskSpec, gpus: int, options: SearchOptions | None = None) -> PartCost:
         return self.cost("llm", gpus, task.batch, task.llm_seq_len(self.vlm), options)
+
+
+def part_cost(part: str, plan: Plan) -> PartCost:
+    """A part's `PartCost` under a plan of it (pp = 1), as the cost model prices that plan."""
+    fwd, bwd, _, tails, _ = chunk_times(plan)
+    step = plan.prediction.step_time_s
+    tail = max(tails)
+    busy = step - tail
+    # Forward share of the busy time: the chunks' forward over forward + backward.
+    share = sum(fwd) / max(sum(fwd) + sum(bwd), 1e-30)
+    mem = plan.prediction.stage_memory[0]  # pp = 1: one rank, one micro-batch in flight
+    return PartCost(part, plan.world_size, plan.workload.global_batch, plan.workload.seq_len, busy, tail,
+                    fwd_s=busy * share, plan=plan, states_bytes=mem.params + mem.grads + mem.optimizer,
+                    act_bytes=mem.activations * plan.num_micro_batches,
+                    buf_bytes=mem.buffers - plan.cluster.device.reserved_bytes)
 
 
 def embedding_bytes(vlm: VLMSpec, images: int, dtype_bytes: int = 2) -> float:
