@@ -304,6 +304,21 @@ def test_pass_times_charge_each_pass_its_zero3_gathers():
     assert kf(1) < f(1) and kb(1) < b(1) and kf.fixed < f.fixed
 
 
+def test_whole_images_round_to_whole_passes_of_a_group():
+    """Rounded in quanta of a rank group's width, every share but one remainder per micro-batch is
+    a multiple of it, and each micro-batch's images are all placed."""
+    from tessera.adapt.bubbles import _whole_images
+    split = [[100.0, 30.5, 0.0], [200.0, 60.2, 64.0], [84.0, 37.3, 0.0]]
+    images = [384, 128, 64]
+    for quantum in (1, 64, 128):
+        counts = _whole_images(split, images, quantum)
+        assert [sum(row[j] for row in counts) for j in range(3)] == images
+        for j in range(3):
+            off = [row[j] % quantum for row in counts if row[j] % quantum]
+            assert len(off) <= 1 and sum(off) == images[j] % quantum
+    assert [row[0] for row in _whole_images(split, images, 128)] == [128, 128, 128]  # largest remainders
+
+
 def test_optimus_schedule_on_a_tiny_pipeline():
     from tessera.search.planner import search
     from tessera.search.space import SearchOptions

@@ -228,8 +228,13 @@ def assign(windows: PipelineWindows, images: list[int], f, b,
             best = (value, s)
     s = best[1]
     split = split_of(s, e_star(s))
-    counts = _whole_images(split, images)
-    return price(w, counts, pf, pb)
+    placed = price(w, _whole_images(split, images), pf, pb)
+    if pf.width > 1:  # also rounded to whole passes of the group's width, when that fits and is faster
+        quantised = price(w, _whole_images(split, images, pf.width), pf, pb)
+        if (max(quantised.images_per_rank) <= (limit if limit is not None else total)
+                and quantised.shift_s + quantised.extension_s < placed.shift_s + placed.extension_s):
+            placed = quantised
+    return placed
 
 
 def _split(w: PipelineWindows, images, pf: PassTime, pb: PassTime, s: float, e: float,
@@ -290,21 +295,27 @@ def _water_fill(level, cap, need: float, unit: float) -> list[float]:
     return [min(c, max(0.0, (mark - z) / unit)) if c > 0 else 0.0 for z, c in zip(level, cap)]
 
 
-def _whole_images(split, images) -> list[list[int]]:
-    """Round each micro-batch's divisible split to whole images summing to its count (largest remainders)."""
+def _whole_images(split, images, quantum: int = 1) -> list[list[int]]:
+    """Round each micro-batch's divisible split to whole images summing to its count (largest
+    remainders), in multiples of `quantum` images but for one rank's remainder of the count (a
+    pass of a rank group's width in images keeps every device busy; `PassTime.table`)."""
     pp = len(split)
     counts = [[0] * len(images) for _ in range(pp)]
     for j, need in enumerate(images):
         shares = [split[r][j] for r in range(pp)]
         scale = need / sum(shares) if sum(shares) > 0 else 0.0
-        shares = [a * scale for a in shares]
-        floors = [int(math.floor(a + 1e-9)) for a in shares]
-        left = need - sum(floors)
-        order = sorted(range(pp), key=lambda r: (-(shares[r] - floors[r]), r))
-        for r in order[:left]:
+        units = [a * scale / quantum for a in shares]
+        floors = [int(math.floor(u + 1e-9)) for u in units]
+        left = need // quantum - sum(floors)
+        order = sorted(range(pp), key=lambda r: (-(units[r] - floors[r]), r))
+        for r in order[:max(left, 0)]:
             floors[r] += 1
+        got = [f * quantum for f in floors]
+        rest = need - sum(got)  # < quantum: to the rank whose share it leaves shortest
+        if rest:
+            got[max(range(pp), key=lambda r: (units[r] * quantum - got[r], -r))] += rest
         for r in range(pp):
-            counts[r][j] = floors[r]
+            counts[r][j] = got[r]
     return counts
 
 
