@@ -104,7 +104,8 @@ def optimus_part(console: Console) -> tuple[float, float]:
         if tiles == 12:
             result, plan_s = speedup, (dt, dc)
             console.print(f"Optimus at 12 tiles: LLM pipeline {opt.pipeline_s:.3f} s + start shift {opt.shift_s * 1e3:.1f} ms "
-                          f"+ end extension {opt.extension_s * 1e3:.1f} ms + tails {opt.tail_s * 1e3:.1f} ms; encoder per "
+                          f"+ end extension {opt.extension_s * 1e3:.1f} ms (no placement in these bubbles below "
+                          f"{opt.least_extra_s * 1e3:.0f} ms for both) + tails {opt.tail_s * 1e3:.1f} ms; encoder per "
                           f"rank group {opt.encoder.fwd_s * 1e3:.0f} ms fwd + {opt.encoder.bwd_s * 1e3:.0f} ms bwd "
                           f"({opt.encoder.describe()})")
     console.print(table)

@@ -80,6 +80,7 @@ class OptimusResult:
     tail_s: float
     pieces: tuple[Piece, ...]
     counts: tuple[tuple[int, ...], ...] = ()  # [pipeline rank][micro-batch] images it encodes (adapt/bubbles.py)
+    least_extra_s: float = 0.0  # no placement in these bubbles has S + E below this (bubbles.least_extra)
 
     @property
     def step_s(self) -> float:
@@ -171,7 +172,8 @@ def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan, lean: bool 
             continue
         pass_f, pass_b = _memo(pricer, ("passes", max(per_mb)), enc, lambda: encoder_pass_times(enc.plan, max(per_mb)))
         to_beat = min(beat, sim.step_time + best[0] + max(tails)) if best else beat
-        if sim.step_time + least_extra(windows, per_mb, pass_f, pass_b) + max(tails) >= to_beat:
+        least = least_extra(windows, per_mb, pass_f, pass_b)
+        if sim.step_time + least + max(tails) >= to_beat:
             beaten = best is None
             continue
         placed = assign(windows, per_mb, pass_f, pass_b, _max_images(plan, enc, per_group))
@@ -184,18 +186,18 @@ def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan, lean: bool 
             why = str(e)
             continue
         if best is None or placed.shift_s + placed.extension_s + enc.tail_s < best[0]:
-            best = (placed.shift_s + placed.extension_s + enc.tail_s, enc, placed)
+            best = (placed.shift_s + placed.extension_s + enc.tail_s, enc, placed, least)
     if best is None:
         if beaten:
             return None
         raise TesseraError(why)
-    _, enc, placed = best
+    _, enc, placed, least = best
     pieces = [Piece(p.rank, p.kind, p.micro_batch, p.start, p.end) for p in placed.passes]
     pieces += [Piece(e.stage, e.kind, e.micro_batch, e.start, e.end) for e in sim.events]
     combine = float(collective_times(cluster, "all_reduce", 2.0 * pricer.model("vision_encoder").num_params / n,
                                      pp, n)) if pp > 1 else 0.0
     return OptimusResult(pp, m, plan, enc, sim.step_time, placed.shift_s, placed.extension_s,
-                         max(tails) + enc.tail_s + combine, tuple(pieces), placed.counts)
+                         max(tails) + enc.tail_s + combine, tuple(pieces), placed.counts, least_extra_s=least)
 
 
 def encoder_pass_times(enc_plan: Plan, most_images: int) -> tuple[PassTime, PassTime]:
