@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from tessera.adapt.bubbles import PassTime, PipelineWindows, assign, least_extra, price
+from tessera.adapt.bubbles import PassTime, PipelineWindows, assign, least_extra, price, refine
 from tessera.adapt.optimus import optimus_schedule
 from tessera.adapt.spindle import Operator, pack_waves, plan_spindle, sequential_baseline
 from tessera.errors import TesseraError
@@ -252,11 +252,15 @@ def test_bubble_assignment_is_near_brute_force(pp, m, per_mb):
         one = _as_pass(f)(1) + _as_pass(b)(1)  # one image's passes (a pass's fixed part included)
         assert best - 1e-9 <= placed.shift_s + placed.extension_s <= best + one
         assert least_extra(windows, [per_mb] * m, f, b) <= best + 1e-9  # the pruning bound holds
+        better = refine(windows, placed, f, b)  # moves of images between ranks: never worse
+        _check_passes(windows, better, f, b, [per_mb] * m)
+        assert best - 1e-9 <= better.shift_s + better.extension_s <= placed.shift_s + placed.extension_s
         # A rank's memory holds `limit` images: the placement keeps within it, at some cost.
         limit = m + -(-per_mb * m // pp)
         capped = assign(windows, [per_mb] * m, f, b, limit=limit)
         _check_passes(windows, capped, f, b, [per_mb] * m)
         assert max(capped.images_per_rank) <= limit
+        assert max(refine(windows, capped, f, b, limit).images_per_rank) <= limit
         assert capped.shift_s + capped.extension_s >= best - 1e-9
     assert assign(windows, [per_mb] * m, 1.0, 2.0, limit=m) is None  # no room for any image
 

@@ -26,7 +26,9 @@ divisible, a pass as its fixed part plus a linear part per image: `PassTime.fixe
 onto the ranks whose backward pass would start earliest, each rank taking no more
 than both of its windows still hold and no more images in all than its memory holds; the smallest E for each S is found by bisection, S + E is
 minimised by golden-section search over S, and the best split is rounded to whole images per
-micro-batch (largest remainders) and priced exactly by the formulas above. No torch import.
+micro-batch (largest remainders; also in whole passes of a rank group's width, kept when faster)
+and priced exactly by the formulas above. `refine` then moves images between ranks while the
+exact price drops (Optimus refines its chosen plan's placement this way). No torch import.
 """
 from __future__ import annotations
 
@@ -293,6 +295,41 @@ def _water_fill(level, cap, need: float, unit: float) -> list[float]:
             break
         got, prev, slope = nxt, at, slope + step
     return [min(c, max(0.0, (mark - z) / unit)) if c > 0 else 0.0 for z, c in zip(level, cap)]
+
+
+def refine(windows: PipelineWindows, placed: BubbleAssignment, f, b, limit: int | None = None,
+           max_prices: int = 3000) -> BubbleAssignment:
+    """Improve a placement by moving images between ranks, a pass's width at a time (`PassTime
+    .width`, one image for a plain per-image time): of micro-batch j, from rank a to rank c,
+    kept when the exact price's S + E drops and c stays within `limit` images; rounds over all
+    moves until none helps or `max_prices` placements were priced. Never worse than `placed`."""
+    pf, pb = _as_pass(f), _as_pass(b)
+    counts = [list(row) for row in placed.counts]
+    pp, m = len(counts), len(counts[0]) if counts else 0
+    unit = max(1, pf.width)
+    best, value, priced = placed, placed.shift_s + placed.extension_s, 0
+    improved = True
+    while improved and priced < max_prices:
+        improved = False
+        for j in range(m):
+            for a in range(pp):
+                for c in range(pp):
+                    if a == c or counts[a][j] == 0:
+                        continue
+                    # A whole pass's width, or the part of a's pass that fills none.
+                    for move in {min(unit, counts[a][j]), counts[a][j] % unit or unit}:
+                        if priced >= max_prices or (limit is not None and sum(counts[c]) + move > limit):
+                            continue
+                        counts[a][j] -= move
+                        counts[c][j] += move
+                        trial = price(windows, counts, pf, pb)
+                        priced += 1
+                        if trial.shift_s + trial.extension_s < value - 1e-12:
+                            best, value, improved = trial, trial.shift_s + trial.extension_s, True
+                            break
+                        counts[a][j] += move
+                        counts[c][j] -= move
+    return best
 
 
 def _whole_images(split, images, quantum: int = 1) -> list[list[int]]:

@@ -53,7 +53,7 @@ from ..search.planner import NoFeasiblePlanError, search
 from ..search.space import SearchOptions, divisors
 from ..spec.tasks import TaskSpec
 from ..spec.workload import Workload
-from .bubbles import PassTime, PipelineWindows, assign, least_extra
+from .bubbles import PassTime, PipelineWindows, assign, least_extra, refine
 
 GiB = 2**30
 LEAN_ENCODER = LEAN_OPTIONS
@@ -149,10 +149,12 @@ def _llm_events(plan: Plan):
 
 
 def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan, lean: bool = True,
-                     beat: float = math.inf) -> OptimusResult | None:
+                     beat: float = math.inf, refined: bool = False) -> OptimusResult | None:
     """Encoder work in the bubbles of `plan` (an LLM pipeline plan); see the module docstring.
     `lean=False`: only the encoder's plan from the pricer's options (not the leanest). None when
-    no placement can make a step shorter than `beat` (`bubbles.least_extra` shows it unplaced)."""
+    no placement can make a step shorter than `beat` (`bubbles.least_extra` shows it unplaced).
+    `refined`: each placement also improved by moving images between ranks (`bubbles.refine`:
+    slower; `compare` refines its best plan's)."""
     vlm, cluster = pricer.vlm, pricer.cluster
     pp, m, n = plan.pipeline.degree, plan.num_micro_batches, plan.stage_size
     images = task.images()
@@ -176,7 +178,10 @@ def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan, lean: bool 
         if sim.step_time + least + max(tails) >= to_beat:
             beaten = best is None
             continue
-        placed = assign(windows, per_mb, pass_f, pass_b, _max_images(plan, enc, per_group))
+        limit = _max_images(plan, enc, per_group)
+        placed = assign(windows, per_mb, pass_f, pass_b, limit)
+        if placed is not None and refined:
+            placed = refine(windows, placed, pass_f, pass_b, limit)
         if placed is None:
             why = _memory_refusal(plan, enc, math.ceil(images / pp) / per_group)
             continue
@@ -442,4 +447,7 @@ def _compare(pricer: PartPricer, task: TaskSpec, gpus: int, degrees):
         raise TesseraError(why)
     if best_b is None:
         raise TesseraError(why_b)
-    return best_o, best_b
+    # The chosen pipeline plan's placement refined (moves of images between ranks, exactly
+    # priced); the other plans' are not, so a plan that refining would have made the best can be
+    # missed: refining every placement would multiply the planning time.
+    return optimus_schedule(pricer, task, best_o.llm_plan, refined=True), best_b
