@@ -10,7 +10,8 @@ LLM backward); the idle time between a rank's LLM operations stays idle, because
 torch.distributed.pipelining's 1F1B fuses a forward's send with the next backward's receive, so
 work placed there would hold back the next stage. Which rank encodes how many whole images of
 which micro-batch, S (the step starts S earlier) and E (it ends E later) come from
-`adapt.bubbles.assign` (its docstring has the formulas), with
+`adapt.bubbles.assign` (its docstring has the formulas; `compare` refines its chosen plan's
+placement with `bubbles.refine`), with
     D_j = start of stage 0's forward of j - hop,  R_j = end of stage 0's backward of j + hop,
 hop = the point-to-point hand-off of a micro-batch's image tokens (or their gradient) into stage
 0's group, and f(a), b(a) the encoder's forward / backward seconds for a pass of a images on a
