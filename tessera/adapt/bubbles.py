@@ -13,8 +13,9 @@ Rank r encodes a_{r,j} whole images of micro-batch j:
 
 With f(a), b(a) the seconds of an encoder forward / backward pass of a images on a rank group
 (`PassTime`: the encoder's plan priced for a pass of that many images per device, so a pass
-that re-gathers ZeRO-3 parameters pays for it however few images it holds) and w_r, c_r the start of rank r's first LLM forward and the end
-of its last LLM backward in the LLM's simulated 1F1B timeline (makespan T):
+that re-gathers ZeRO-3 parameters pays for it however few images it holds) and w_r, c_r the
+start of rank r's first LLM forward and the end of its last LLM backward in the LLM's simulated
+1F1B timeline (makespan T):
     S = max(0, max_{r, j: a_rj > 0} (sum_{i <= j} f(a_ri) - min(D_j, w_r)))
     E = max(0, max_r y_r - T),  y_r = the end of r's last backward pass, where pass j starts at
         max(end of the previous pass, c_r, R_j) and takes b(a_rj).

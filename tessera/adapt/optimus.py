@@ -173,7 +173,7 @@ def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan, lean: bool 
         if not enc.feasible:
             why = f"encoder placement on every pipeline rank ({n} GPUs each) does not fit: {enc.why}"
             continue
-        pass_f, pass_b = _memo(pricer, ("passes", max(per_mb)), enc, lambda: encoder_pass_times(enc.plan, max(per_mb)))
+        pass_f, pass_b = pricer.derived(enc, ("passes", max(per_mb)), lambda: encoder_pass_times(enc.plan, max(per_mb)))
         to_beat = min(beat, sim.step_time + best[0] + max(tails)) if best else beat
         least = least_extra(windows, per_mb, pass_f, pass_b)
         if sim.step_time + least + max(tails) >= to_beat:
@@ -234,7 +234,7 @@ def _encoder_plans(pricer: PartPricer, n: int, images: int, lean: bool = True) -
         lean_plan = pricer.cost("vision_encoder", n, images, seq, LEAN_ENCODER)
         plans.append(lean_plan)
         if lean_plan.feasible:
-            kept = _memo(pricer, ("gathered",), lean_plan, lambda: _kept_gathered(lean_plan))
+            kept = pricer.derived(lean_plan, ("gathered",), lambda: _kept_gathered(lean_plan))
             if kept is not None:
                 plans.append(kept)
     return plans
@@ -248,16 +248,6 @@ def _kept_gathered(enc: PartCost) -> PartCost | None:
     plan = enc.plan.model_copy(update={"layers": layers})
     plan = plan.model_copy(update={"prediction": evaluate(plan), "name": f"{enc.plan.name} zero2"})
     return part_cost(enc.part, plan) if plan.prediction.fits else None
-
-
-def _memo(pricer: PartPricer, key: tuple, enc: PartCost, compute):
-    """`compute()` once per (encoder plan, key) for the pricer's lifetime: the same encoder plan
-    serves every LLM plan of a pipeline degree, and its per-micro-batch pricing does not change."""
-    memo = pricer.__dict__.setdefault("_optimus_memo", {})
-    full = (id(enc),) + key
-    if full not in memo:
-        memo[full] = (enc, compute())  # the PartCost kept alive: its id stays its own
-    return memo[full][1]
 
 
 def _one_micro_batch(plan: Plan, k: int) -> Plan:
@@ -370,7 +360,7 @@ def _extra_stage(enc: PartCost, plan: Plan, images: int, pricer: PartPricer) -> 
     def encoder_layers():
         variant = _one_micro_batch(enc.plan, k)
         return [(f, b) for f, b, _ in layer_times(variant)], layer_memory(variant)
-    enc_layers, enc_memory = _memo(pricer, ("layers", k), enc, encoder_layers)
+    enc_layers, enc_memory = pricer.derived(enc, ("layers", k), encoder_layers)
     llm_layers = [(f, b) for f, b, _ in layer_times(plan)]
     chain = enc_layers + llm_layers
     memory = enc_memory + layer_memory(plan)

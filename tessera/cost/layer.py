@@ -84,6 +84,7 @@ Memory: see memory.py. No torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 import numpy as np
@@ -147,15 +148,15 @@ class StrategyTable:
     def get(self, i: int) -> LayerStrategy:
         """Strategy i (memoised: LayerStrategy is immutable, and a search assembles the same rows
         into plan after plan)."""
-        memo = self.__dict__.get("_got")
-        if memo is None:
-            memo = {}
-            object.__setattr__(self, "_got", memo)
         i = int(i)
-        got = memo.get(i)
+        got = self._built.get(i)
         if got is None:
-            got = memo[i] = self._build(i)
+            got = self._built[i] = self._build(i)
         return got
+
+    @cached_property
+    def _built(self) -> dict[int, LayerStrategy]:
+        return {}
 
     def _build(self, i: int) -> LayerStrategy:
         u = int(self.sp[i])
@@ -228,14 +229,14 @@ class LayerCosts:
     def first(self, name: str) -> float:
         """The first strategy's value of field `name`, as a float (memoised: a plan's evaluation
         reads the same cached layer's fields once per layer and chunk, many thousand times a search)."""
-        memo = self.__dict__.get("_first")
-        if memo is None:
-            memo = {}
-            object.__setattr__(self, "_first", memo)
-        value = memo.get(name)
+        value = self._firsts.get(name)
         if value is None:
-            value = memo[name] = float(np.asarray(getattr(self, name)).reshape(-1)[0])
+            value = self._firsts[name] = float(np.asarray(getattr(self, name)).reshape(-1)[0])
         return value
+
+    @cached_property
+    def _firsts(self) -> dict[str, float]:
+        return {}
 
 
 def cost_key(layer: LayerSpec) -> tuple:

@@ -101,6 +101,7 @@ class PartPricer:
         self.vlm, self.cluster, self.options, self.dtype = vlm, cluster, options, dtype
         self.encoder_options = encoder_options
         self._cache: dict[tuple, PartCost] = {}
+        self._derived: dict[tuple, tuple[PartCost, object]] = {}
         self._models = {"vision_encoder": vlm.encoder_and_projector(), "llm": vlm.llm}
         self.searches = 0
 
@@ -129,6 +130,14 @@ class PartPricer:
         except NoFeasiblePlanError as e:
             return PartCost(part, gpus, samples, seq_len, INF, INF, why=str(e))
         return part_cost(part, plan)
+
+    def derived(self, enc: PartCost, key: tuple, compute):
+        """`compute()` once per (priced part, key) for the pricer's lifetime: what planners derive
+        from a cached `PartCost` (Optimus's per-pass tables serve every LLM plan of a pipeline degree)."""
+        full = (id(enc),) + key
+        if full not in self._derived:
+            self._derived[full] = (enc, compute())  # the PartCost kept alive: its id stays its own
+        return self._derived[full][1]
 
     # --- the parts of one task -------------------------------------------------------------
     def encoder(self, task: TaskSpec, gpus: int, options: SearchOptions | None = None) -> PartCost:
