@@ -272,6 +272,16 @@ def test_train_runs_the_planned_optimus_plan(monkeypatch):
     got = plan_vlm(config, llm, 4, workload, cluster)
     assert "is not run by this runtime yet (the Optimus encoder plan uses tensor/sequence parallelism or offload" \
         in got.lines[-1] and "running the fastest plan it runs" in got.lines[-1]
+    # One ZeRO stage for the whole encoder, or a one-line refusal.
+    from tessera.errors import TesseraError
+    from tessera.runtime.multimodal import from_optimus
+    layers = runnable.encoder.plan.layers
+    mixed = replace(runnable, encoder=replace(runnable.encoder, plan=runnable.encoder.plan.model_copy(update={
+        "layers": (layers[0].model_copy(update={"zero": 1}),) + tuple(
+            s.model_copy(update={"zero": 3}) for s in layers[1:])})))
+    with pytest.raises(TesseraError, match=r"^the Optimus encoder plan mixes ZeRO stages \[1, 3\], which this "
+                                           r"runtime does not run in the bubbles \(one stage for the whole encoder\)$"):
+        from_optimus(mixed, 4)
 
 
 def test_the_optimus_runtime_refuses_what_it_cannot_run_in_one_line():
