@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from tessera.adapt.bubbles import PassTime, PipelineWindows, assign, least_extra, price, refine
+from tessera.adapt.bubbles import PassTime, PipelineWindows, assign, exact, least_extra, price, refine
 from tessera.adapt.optimus import optimus_schedule
 from tessera.adapt.spindle import Operator, pack_waves, plan_spindle, sequential_baseline
 from tessera.errors import TesseraError
@@ -262,7 +262,37 @@ def test_bubble_assignment_is_near_brute_force(pp, m, per_mb):
         assert max(capped.images_per_rank) <= limit
         assert max(refine(windows, capped, f, b, limit).images_per_rank) <= limit
         assert capped.shift_s + capped.extension_s >= best - 1e-9
+        # The MILP finds the brute-force optimum (these are small enough to prove it), and its bound holds.
+        solved = exact(windows, [per_mb] * m, f, b)
+        _check_passes(windows, solved.placed, f, b, [per_mb] * m)
+        assert solved.optimal and solved.placed.shift_s + solved.placed.extension_s == pytest.approx(best, abs=1e-7)
+        assert solved.bound_s <= best + 1e-7
+        capped_best = min((price(windows, [[choice[j][r] for j in range(m)] for r in range(pp)], f, b)
+                           for choice in itertools.product(splits, repeat=m)
+                           if all(sum(choice[j][r] for j in range(m)) <= limit for r in range(pp))),
+                          key=lambda a: a.shift_s + a.extension_s)
+        solved = exact(windows, [per_mb] * m, f, b, limit)
+        assert max(solved.placed.images_per_rank) <= limit
+        assert solved.placed.shift_s + solved.placed.extension_s == pytest.approx(
+            capped_best.shift_s + capped_best.extension_s, abs=1e-7)
     assert assign(windows, [per_mb] * m, 1.0, 2.0, limit=m) is None  # no room for any image
+
+
+def test_exact_placement_prices_passes_of_a_group_by_their_slowest_device():
+    """With pass times stepped by a rank group's width (`PassTime.table`), the MILP's placement is
+    the brute-force optimum over every whole-image assignment, and a one-rank limit it cannot meet
+    gives no placement."""
+    from tessera.cost.schedule import simulate
+    pp, m, per_mb, width = 2, 3, 6, 4
+    sim = simulate("1f1b", [1.0] * pp, [2.0] * pp, m, pp, 1, 0.1)
+    windows = PipelineWindows.from_events(sim.events, pp, m, sim.step_time, 0.1)
+    f, b = PassTime.from_table((0.5, 0.6), width), PassTime.from_table((0.9, 1.2), width)
+    best = min((price(windows, [list(row), [per_mb - a for a in row]], f, b)
+                for row in itertools.product(range(per_mb + 1), repeat=m)), key=lambda a: a.shift_s + a.extension_s)
+    solved = exact(windows, [per_mb] * m, f, b)
+    assert solved.placed.shift_s + solved.placed.extension_s == pytest.approx(best.shift_s + best.extension_s, abs=1e-7)
+    assert f(5) == f(8) == 0.6  # a pass of 5 images costs its slowest device's 2
+    assert exact(windows, [per_mb] * m, f, b, limit=5) is None  # 18 images on 2 ranks of 5
 
 
 def _pass_work(res, task) -> float:

@@ -29,12 +29,16 @@ than both of its windows still hold and no more images in all than its memory ho
 minimised by golden-section search over S, and the best split is rounded to whole images per
 micro-batch (largest remainders; also in whole passes of a rank group's width, kept when faster)
 and priced exactly by the formulas above. `refine` then moves images between ranks while the
-exact price drops (Optimus refines its chosen plan's placement this way). No torch import.
+exact price drops (Optimus refines its chosen plan's placement this way), and `exact` solves the
+placement as a mixed-integer programme (HiGHS, a deterministic node limit: every rank that plans
+gets the same placement), proving it optimal or bounding how far it may be. No torch import.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+import numpy as np
 
 EPS = 1e-12
 
@@ -367,3 +371,119 @@ def default_assignment(pp: int, m: int, images_per_micro_batch: int) -> BubbleAs
     windows = PipelineWindows.from_events(sim.events, pp, m, sim.step_time)
     per = max(images_per_micro_batch, 1)
     return assign(windows, [images_per_micro_batch] * m, 1.0 / per, 2.0 / per)
+
+
+EXACT_NODE_LIMIT = 200  # branch-and-bound nodes: deterministic (a time limit would differ between ranks)
+
+
+@dataclass(frozen=True)
+class PlacementProblem:
+    """What a placement is chosen from (`assign`, `refine` and `exact` take these)."""
+
+    windows: PipelineWindows
+    images: tuple[int, ...]  # per micro-batch
+    f: PassTime
+    b: PassTime
+    limit: int | None = None  # the most images one rank may encode in a step
+
+    def solve(self, node_limit: int | None = EXACT_NODE_LIMIT) -> "ExactPlacement | None":
+        return exact(self.windows, list(self.images), self.f, self.b, self.limit, node_limit)
+
+
+@dataclass(frozen=True)
+class ExactPlacement:
+    placed: BubbleAssignment
+    bound_s: float  # no placement has S + E below this (the MILP's dual bound)
+    optimal: bool  # the MILP proved `placed` optimal
+
+
+def exact(windows: PipelineWindows, images: list[int], f, b, limit: int | None = None,
+          node_limit: int | None = EXACT_NODE_LIMIT) -> ExactPlacement | None:
+    """The placement minimising S + E as a mixed-integer programme (HiGHS through scipy), exact
+    for the module docstring's formulas; None when none is found within `node_limit` nodes (None:
+    no limit, solved to proven optimality however long it takes).
+
+    Variables: a_rj whole images of micro-batch j on rank r; the pass's size as one binary per
+    level x_rjk (a pass of at most k width images costs f(k width), b(k width): `PassTime.table`
+    is a step function of ceil(a / width)), or, for a pass linear in its images, one binary z_rj
+    (the fixed part) and f = fixed z + per_image a; S, E and the end y_rj of rank r's backward
+    pass of j. Constraints, for every rank r and micro-batch j:
+        sum_r a_rj = images_j,  sum_j a_rj <= limit,  a_rj <= width k on the chosen level
+        S >= sum_{i <= j} f_ri - min(D_j, w_r)           (forward passes back to back from -S)
+        y_rj >= y_r(j-1) + b_rj,  y_rj >= c_r z_rj + b_rj,  y_rj >= R_j z_rj + b_rj
+        E >= y_r(m-1) - T
+    (the forward constraint of a micro-batch a rank skips is implied by its last pass's, as
+    min(D_j, w_r) grows with j). Minimising S + E makes the max in the backward formula tight
+    wherever it matters; the result is re-priced by `price`."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    w = windows
+    pf, pb = _as_pass(f), _as_pass(b)
+    pp, m = len(w.warm), len(images)
+    width = max(1, pf.width)
+    stepped = bool(pf.table)
+    levels = max(1, max(math.ceil(a / width) for a in images)) if stepped else 1
+    fl = [pf(k * width) for k in range(1, levels + 1)] if stepped else [pf.fixed]
+    bl = [pb(k * width) for k in range(1, levels + 1)] if stepped else [pb.fixed]
+    na, nx = pp * m, pp * m * levels
+    ia = lambda r, j: r * m + j  # noqa: E731
+    ix = lambda r, j, k: na + (r * m + j) * levels + k  # noqa: E731
+    i_s, i_e = na + nx, na + nx + 1
+    iy = lambda r, j: na + nx + 2 + r * m + j  # noqa: E731
+    n = na + nx + 2 + pp * m
+    rows, cols, vals, lo, hi = [], [], [], [], []
+
+    def add(terms, low, high):
+        for c, v in terms:
+            rows.append(len(lo))
+            cols.append(c)
+            vals.append(v)
+        lo.append(low)
+        hi.append(high)
+
+    def f_terms(r, j, sign):  # sign x (the forward seconds of rank r's pass of j)
+        t = [(ix(r, j, k), sign * fl[k]) for k in range(levels)]
+        return t if stepped else t + [(ia(r, j), sign * pf.per_image)]
+
+    def b_terms(r, j, sign):
+        t = [(ix(r, j, k), sign * bl[k]) for k in range(levels)]
+        return t if stepped else t + [(ia(r, j), sign * pb.per_image)]
+
+    for j, need in enumerate(images):
+        add([(ia(r, j), 1.0) for r in range(pp)], need, need)
+    for r in range(pp):
+        if limit is not None:
+            add([(ia(r, j), 1.0) for j in range(m)], -np.inf, limit)
+        for j, need in enumerate(images):
+            on = [(ix(r, j, k), 1.0) for k in range(levels)]
+            add(on, -np.inf, 1.0)
+            room = [(ix(r, j, k), -float(width * (k + 1) if stepped else need)) for k in range(levels)]
+            add([(ia(r, j), 1.0)] + room, -np.inf, 0.0)
+            add([(i_s, 1.0)] + [t for i in range(j + 1) for t in f_terms(r, i, -1.0)],
+                -min(w.deadlines[j], w.warm[r]), np.inf)
+            back = b_terms(r, j, -1.0)
+            if j:
+                add([(iy(r, j), 1.0), (iy(r, j - 1), -1.0)] + back, 0.0, np.inf)
+            for ready in (w.cool[r], w.releases[j]):
+                add([(iy(r, j), 1.0)] + back + [(c, -ready * v) for c, v in on], 0.0, np.inf)
+        add([(i_e, 1.0), (iy(r, m - 1), -1.0)], -w.horizon, np.inf)
+    cost = np.zeros(n)
+    cost[[i_s, i_e]] = 1.0
+    integral = np.zeros(n)
+    integral[:na + nx] = 1
+    low = np.zeros(n)
+    low[iy(0, 0):] = -np.inf
+    high = np.full(n, np.inf)
+    high[na:na + nx] = 1.0
+    res = milp(cost, constraints=LinearConstraint(coo_matrix((vals, (rows, cols)), shape=(len(lo), n)).tocsr(), lo, hi),
+               integrality=integral, bounds=Bounds(low, high),
+               options={} if node_limit is None else {"node_limit": node_limit})
+    if res.x is None:
+        return None
+    counts = np.rint(res.x[:na]).astype(int).reshape(pp, m)
+    if (counts < 0).any() or list(counts.sum(axis=0)) != list(images):
+        return None
+    placed = price(w, counts.tolist(), pf, pb)
+    bound = res.mip_dual_bound if res.mip_dual_bound is not None else 0.0
+    return ExactPlacement(placed, max(0.0, float(bound)), bool(res.status == 0))

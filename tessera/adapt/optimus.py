@@ -11,7 +11,8 @@ torch.distributed.pipelining's 1F1B fuses a forward's send with the next backwar
 work placed there would hold back the next stage. Which rank encodes how many whole images of
 which micro-batch, S (the step starts S earlier) and E (it ends E later) come from
 `adapt.bubbles.assign` (its docstring has the formulas; `compare` refines its chosen plan's
-placement with `bubbles.refine`), with
+placement with `bubbles.refine`, then solves it exactly with `bubbles.exact`, a MILP, and keeps
+the faster), with
     D_j = start of stage 0's forward of j - hop,  R_j = end of stage 0's backward of j + hop,
 hop = the point-to-point hand-off of a micro-batch's image tokens (or their gradient) into stage
 0's group, and f(a), b(a) the encoder's forward / backward seconds for a pass of a images on a
@@ -54,7 +55,7 @@ from ..search.planner import NoFeasiblePlanError, search
 from ..search.space import SearchOptions, divisors
 from ..spec.tasks import TaskSpec
 from ..spec.workload import Workload
-from .bubbles import PassTime, PipelineWindows, assign, least_extra, refine
+from .bubbles import PassTime, PipelineWindows, PlacementProblem, assign, least_extra, refine
 
 GiB = 2**30
 LEAN_ENCODER = LEAN_OPTIONS
@@ -81,7 +82,9 @@ class OptimusResult:
     tail_s: float
     pieces: tuple[Piece, ...]
     counts: tuple[tuple[int, ...], ...] = ()  # [pipeline rank][micro-batch] images it encodes (adapt/bubbles.py)
-    least_extra_s: float = 0.0  # no placement in these bubbles has S + E below this (bubbles.least_extra)
+    least_extra_s: float = 0.0  # no placement in these bubbles has S + E below this (bubbles.least_extra, .exact)
+    placement_optimal: bool = False  # `bubbles.exact` proved the placement optimal
+    problem: PlacementProblem | None = None  # what the placement was chosen from
 
     @property
     def step_s(self) -> float:
@@ -154,8 +157,9 @@ def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan, lean: bool 
     """Encoder work in the bubbles of `plan` (an LLM pipeline plan); see the module docstring.
     `lean=False`: only the encoder's plan from the pricer's options (not the leanest). None when
     no placement can make a step shorter than `beat` (`bubbles.least_extra` shows it unplaced).
-    `refined`: each placement also improved by moving images between ranks (`bubbles.refine`:
-    slower; `compare` refines its best plan's)."""
+    `refined`: each placement also improved by moving images between ranks (`bubbles.refine`),
+    and the fastest one's solved exactly (`bubbles.exact`): slower, so `compare` refines only its
+    best plan's."""
     vlm, cluster = pricer.vlm, pricer.cluster
     pp, m, n = plan.pipeline.degree, plan.num_micro_batches, plan.stage_size
     images = task.images()
@@ -192,18 +196,29 @@ def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan, lean: bool 
             why = str(e)
             continue
         if best is None or placed.shift_s + placed.extension_s + enc.tail_s < best[0]:
-            best = (placed.shift_s + placed.extension_s + enc.tail_s, enc, placed, least)
+            best = (placed.shift_s + placed.extension_s + enc.tail_s, enc, placed, least, limit)
     if best is None:
         if beaten:
             return None
         raise TesseraError(why)
-    _, enc, placed, least = best
+    _, enc, placed, least, limit = best
+    optimal = False
+    pass_f, pass_b = pricer.derived(enc, ("passes", max(per_mb)), lambda: encoder_pass_times(enc.plan, max(per_mb)))
+    problem = PlacementProblem(windows, tuple(per_mb), pass_f, pass_b, limit)
+    if refined:  # the fastest encoder plan's placement solved exactly (a MILP: too slow for every plan)
+        solved = problem.solve()
+        if solved is not None:
+            least = max(least, solved.bound_s)
+            if solved.placed.shift_s + solved.placed.extension_s < placed.shift_s + placed.extension_s:
+                _check_memory(plan, enc, max(solved.placed.images_per_rank) / per_group)  # within `limit`: holds
+                placed, optimal = solved.placed, solved.optimal
     pieces = [Piece(p.rank, p.kind, p.micro_batch, p.start, p.end) for p in placed.passes]
     pieces += [Piece(e.stage, e.kind, e.micro_batch, e.start, e.end) for e in sim.events]
     combine = float(collective_times(cluster, "all_reduce", 2.0 * pricer.model("vision_encoder").num_params / n,
                                      pp, n)) if pp > 1 else 0.0
     return OptimusResult(pp, m, plan, enc, sim.step_time, placed.shift_s, placed.extension_s,
-                         max(tails) + enc.tail_s + combine, tuple(pieces), placed.counts, least_extra_s=least)
+                         max(tails) + enc.tail_s + combine, tuple(pieces), placed.counts, least_extra_s=least,
+                         placement_optimal=optimal, problem=problem)
 
 
 def encoder_pass_times(enc_plan: Plan, most_images: int) -> tuple[PassTime, PassTime]:
