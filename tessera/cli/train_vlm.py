@@ -110,6 +110,10 @@ def _runnable_optimus(spec, cluster, options, dtype, task, world: int):
             continue
         if not _optimus_why_not(result, world) and (best is None or result.step_s < best.step_s):
             best = result
+    if best is not None:  # its placement refined and solved exactly, as `tessera plan` does for its choice
+        refined = optimus_schedule(pricer, task, best.llm_plan, lean=False, refined=True)
+        if refined is not None and not _optimus_why_not(refined, world) and refined.step_s <= best.step_s:
+            best = refined
     return best
 
 
