@@ -55,7 +55,7 @@ from ..search.planner import NoFeasiblePlanError, search
 from ..search.space import SearchOptions, divisors
 from ..spec.tasks import TaskSpec
 from ..spec.workload import Workload
-from .bubbles import PassTime, PipelineWindows, PlacementProblem, assign, least_extra, refine
+from .bubbles import EXACT_MAX_PAIRS, PassTime, PipelineWindows, PlacementProblem, assign, least_extra, refine
 
 GiB = 2**30
 LEAN_ENCODER = LEAN_OPTIONS
@@ -158,8 +158,8 @@ def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan, lean: bool 
     `lean=False`: only the encoder's plan from the pricer's options (not the leanest). None when
     no placement can make a step shorter than `beat` (`bubbles.least_extra` shows it unplaced).
     `refined`: each placement also improved by moving images between ranks (`bubbles.refine`),
-    and the fastest one's solved exactly (`bubbles.exact`): slower, so `compare` refines only its
-    best plan's."""
+    and the fastest one's solved exactly (`bubbles.exact`, up to `bubbles.EXACT_MAX_PAIRS` rank and
+    micro-batch pairs): slower, so `compare` refines only its best plan's."""
     vlm, cluster = pricer.vlm, pricer.cluster
     pp, m, n = plan.pipeline.degree, plan.num_micro_batches, plan.stage_size
     images = task.images()
@@ -205,7 +205,8 @@ def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan, lean: bool 
     optimal = False
     pass_f, pass_b = pricer.derived(enc, ("passes", max(per_mb)), lambda: encoder_pass_times(enc.plan, max(per_mb)))
     problem = PlacementProblem(windows, tuple(per_mb), pass_f, pass_b, limit)
-    if refined:  # the fastest encoder plan's placement solved exactly (a MILP: too slow for every plan)
+    if refined and pp * m <= EXACT_MAX_PAIRS:  # the fastest encoder plan's placement solved exactly (a MILP:
+        # too slow for every plan, and for the largest pipelines)
         solved = problem.solve()
         if solved is not None:
             least = max(least, solved.bound_s)
