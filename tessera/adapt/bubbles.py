@@ -446,13 +446,9 @@ def exact(windows: PipelineWindows, images: list[int], f, b, limit: int | None =
         lo.append(low)
         hi.append(high)
 
-    def f_terms(r, j, sign):  # sign x (the forward seconds of rank r's pass of j)
-        t = [(ix(r, j, k), sign * fl[k]) for k in range(levels)]
-        return t if stepped else t + [(ia(r, j), sign * pf.per_image)]
-
-    def b_terms(r, j, sign):
-        t = [(ix(r, j, k), sign * bl[k]) for k in range(levels)]
-        return t if stepped else t + [(ia(r, j), sign * pb.per_image)]
+    def seconds(p: PassTime, at_level, r, j, sign):  # sign x (the seconds of rank r's pass of j)
+        t = [(ix(r, j, k), sign * at_level[k]) for k in range(levels)]
+        return t if stepped else t + [(ia(r, j), sign * p.per_image)]
 
     for j, need in enumerate(images):
         add([(ia(r, j), 1.0) for r in range(pp)], need, need)
@@ -464,9 +460,9 @@ def exact(windows: PipelineWindows, images: list[int], f, b, limit: int | None =
             add(on, -np.inf, 1.0)
             room = [(ix(r, j, k), -float(width * (k + 1) if stepped else need)) for k in range(levels)]
             add([(ia(r, j), 1.0)] + room, -np.inf, 0.0)
-            add([(i_s, 1.0)] + [t for i in range(j + 1) for t in f_terms(r, i, -1.0)],
+            add([(i_s, 1.0)] + [t for i in range(j + 1) for t in seconds(pf, fl, r, i, -1.0)],
                 -min(w.deadlines[j], w.warm[r]), np.inf)
-            back = b_terms(r, j, -1.0)
+            back = seconds(pb, bl, r, j, -1.0)
             if j:
                 add([(iy(r, j), 1.0), (iy(r, j - 1), -1.0)] + back, 0.0, np.inf)
             for ready in (w.cool[r], w.releases[j]):

@@ -183,10 +183,10 @@ def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan, lean: bool 
         if sim.step_time + least + max(tails) >= to_beat:
             beaten = best is None
             continue
-        limit = _max_images(plan, enc, per_group)
-        placed = assign(windows, per_mb, pass_f, pass_b, limit)
+        problem = PlacementProblem(windows, tuple(per_mb), pass_f, pass_b, _max_images(plan, enc, per_group))
+        placed = assign(windows, per_mb, pass_f, pass_b, problem.limit)
         if placed is not None and refined:
-            placed = refine(windows, placed, pass_f, pass_b, limit)
+            placed = refine(windows, placed, pass_f, pass_b, problem.limit)
         if placed is None:
             why = _memory_refusal(plan, enc, math.ceil(images / pp) / per_group)
             continue
@@ -196,15 +196,13 @@ def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan, lean: bool 
             why = str(e)
             continue
         if best is None or placed.shift_s + placed.extension_s + enc.tail_s < best[0]:
-            best = (placed.shift_s + placed.extension_s + enc.tail_s, enc, placed, least, limit)
+            best = (placed.shift_s + placed.extension_s + enc.tail_s, enc, placed, least, problem)
     if best is None:
         if beaten:
             return None
         raise TesseraError(why)
-    _, enc, placed, least, limit = best
+    _, enc, placed, least, problem = best
     optimal = False
-    pass_f, pass_b = pricer.derived(enc, ("passes", max(per_mb)), lambda: encoder_pass_times(enc.plan, max(per_mb)))
-    problem = PlacementProblem(windows, tuple(per_mb), pass_f, pass_b, limit)
     if refined and pp * m <= EXACT_MAX_PAIRS:  # the fastest encoder plan's placement solved exactly (a MILP:
         # too slow for every plan, and for the largest pipelines)
         solved = problem.solve()
