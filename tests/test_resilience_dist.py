@@ -99,10 +99,14 @@ def test_two_nodes_recover_from_a_kill_a_corrupt_checkpoint_and_a_hang(two_nodes
     assert all(len(r["compute_s"]) == 2 and len(r["comm_s"]) == 2 and len(r["data_s"]) == 2 for r in records)
     assert all(r["bubble_s"] == [0.0, 0.0] and len(r["rank_mfu"]) == 2 for r in records)
 
+    # On a loaded 2-core machine step-time noise can trigger a probe before rank 1 is slowed; the
+    # probe is there to catch that: it does not confirm, and nothing is re-planned on it.
     probes = [e for e in events if e["event"] == "probe"]
-    assert probes and probes[0]["slowest_rank"] == 1 and probes[0]["confirmed"]
-    assert probes[0]["probe_speed"][1] < 0.8 and probes[0]["compute_speed"][1] < 0.8
+    confirmed = [p for p in probes if p["confirmed"]]
+    assert confirmed and confirmed[0]["slowest_rank"] == 1 and confirmed[0]["step"] >= 6, probes
+    assert confirmed[0]["probe_speed"][1] < 0.8 and confirmed[0]["compute_speed"][1] < 0.8
     switch = next(e for e in events if e["event"] == "switch")
+    assert switch["step"] >= confirmed[0]["step"]
     replan = next(e for e in events if e["event"] == "replan" and e["switched"])
     assert switch["how"] == "rebalanced" and switch["batch_shares"][1] < switch["batch_shares"][0]
     assert sum(switch["batch_shares"]) == 8 and replan["predicted_gain"] > 0.05
