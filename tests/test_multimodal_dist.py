@@ -19,7 +19,7 @@ EXPECTED = {
     "vlm_optimus_planned_pipeline_and_bubbles",
     "vlm_optimus_train_3_steps_pp2_dp2_zero1",
     "vlm_optimus_pp2_dp2_mb4_encoder_zero3_hsdp_empty_shares",
-    "vlm_optimus_pp2_dp2_mb4_encoder_zero2_recompute",
+    "vlm_optimus_pp2_dp2_mb4_encoder_zero2_recompute_per_rank",
     "vlm_optimus_train_3_steps_pp2_dp2_encoder_zero1_hsdp",
     "spindle_3_tasks_2_waves_cross_group_handoff",
 }

@@ -278,6 +278,42 @@ def test_bubble_assignment_is_near_brute_force(pp, m, per_mb):
     assert assign(windows, [per_mb] * m, 1.0, 2.0, limit=m) is None  # no room for any image
 
 
+def test_placement_with_each_ranks_own_pass_times_and_memory_matches_brute_force():
+    """Replicas that recompute different blocks pass at different speeds and hold different image
+    counts (`adapt/optimus._rank_plans`): with pass times and limits per rank, the MILP finds the
+    brute-force optimum, the search and its refinement keep every rank within its limit and are
+    no better than it, and the pruning bound holds."""
+    from tessera.cost.schedule import simulate
+    pp, m, per_mb = 3, 3, 2
+    sim = simulate("1f1b", [1.0] * pp, [2.0] * pp, m, pp, 1, 0.1)
+    windows = PipelineWindows.from_events(sim.events, pp, m, sim.step_time, 0.1)
+    # rank 0 recomputes everything (slow backward, holds many), rank 2 nothing (fast, holds few)
+    f = tuple(PassTime.from_table((0.3, 0.45), 1) for _ in range(pp))
+    b = (PassTime.from_table((1.0, 1.6), 1), PassTime.from_table((0.8, 1.3), 1), PassTime.from_table((0.6, 1.0), 1))
+    splits = [c for c in itertools.product(range(per_mb + 1), repeat=pp) if sum(c) == per_mb]
+    for limits in ((6, 6, 6), (9, 4, 2), (6, 5, 4), (2, 2, 3)):
+        placements = [[[choice[j][r] for j in range(m)] for r in range(pp)]
+                      for choice in itertools.product(splits, repeat=m)]
+        priced = [price(windows, c, f, b) for c in placements
+                  if all(sum(c[r]) <= limits[r] for r in range(pp))]
+        best = min(a.shift_s + a.extension_s for a in priced)
+        solved = exact(windows, [per_mb] * m, f, b, limits)
+        assert solved.optimal and solved.placed.shift_s + solved.placed.extension_s == pytest.approx(best, abs=1e-7)
+        assert all(k <= lim for k, lim in zip(solved.placed.images_per_rank, limits))
+        assert least_extra(windows, [per_mb] * m, f, b) <= best + 1e-9
+        placed = assign(windows, [per_mb] * m, f, b, limits)
+        if placed is None:  # the search's rounding room (one image per micro-batch) can leave none
+            assert sum(max(0, lim - m) for lim in limits) < per_mb * m
+            continue
+        better = refine(windows, placed, f, b, limits)
+        for got in (placed, better):
+            assert all(k <= lim for k, lim in zip(got.images_per_rank, limits))
+            assert got.shift_s + got.extension_s >= best - 1e-9
+        assert better.shift_s + better.extension_s <= placed.shift_s + placed.extension_s
+    with pytest.raises(ValueError, match="2 pass times for 3 pipeline ranks"):
+        price(windows, [[1] * m] * pp, f[:2], b)
+
+
 def test_exact_placement_prices_passes_of_a_group_by_their_slowest_device():
     """With pass times stepped by a rank group's width (`PassTime.table`), the MILP's placement is
     the brute-force optimum over every whole-image assignment, and a one-rank limit it cannot meet
@@ -296,11 +332,15 @@ def test_exact_placement_prices_passes_of_a_group_by_their_slowest_device():
 
 
 def _pass_work(res, task) -> float:
-    """The encoder seconds of an Optimus result's passes, each priced at its own size."""
+    """The encoder seconds of an Optimus result's passes, each priced at its own size by its
+    rank's encoder plan."""
     from tessera.adapt.optimus import encoder_pass_times
     per_mb = max(sum(row[j] for row in res.counts) for j in range(res.num_micro_batches))
-    f, b = encoder_pass_times(res.encoder.plan, per_mb)
-    return sum(f(a) + b(a) for row in res.counts for a in row if a)
+    total = 0.0
+    for r, row in enumerate(res.counts):
+        f, b = encoder_pass_times(res.rank_encoder(r).plan, per_mb)
+        total += sum(f(a) + b(a) for a in row if a)
+    return total
 
 
 def test_pass_times_charge_each_pass_its_zero3_gathers():
@@ -549,7 +589,12 @@ def test_one_task_picks_the_fastest_plan_kind():
     assert {p.pipeline.degree for p in plans} == {2, 4}
     assert len({(p.pipeline.degree, p.layers[1].tp, p.num_micro_batches) for p in plans}) == len(plans)
     assert all(sum(p.pipeline.degree == pp for p in plans) in (1, 2) for pp in (2, 4))
-    assert opt.step_s == min(optimus_schedule(pricer, task, p).step_s for p in plans)
+    # The best plan's placement is then refined (per-rank recompute, moves, the MILP): no slower.
+    unrefined = {id(p): optimus_schedule(pricer, task, p).step_s for p in plans}
+    best_plan = min(plans, key=lambda p: unrefined[id(p)])
+    assert opt.llm_plan.layers == best_plan.layers and opt.num_micro_batches == best_plan.num_micro_batches
+    assert opt.step_s <= unrefined[id(best_plan)]
+    assert opt.step_s == optimus_schedule(pricer, task, best_plan, refined=True).step_s
     assert base.step_s == min(extra_stage_baseline(pricer, task, p).step_s for p in plans)
     assert by_kind == {f"no pipeline ({flat.placement})": flat.step_s, "Optimus": opt.step_s,
                        "encoder as extra pipeline stages": base.step_s}
@@ -558,3 +603,31 @@ def test_one_task_picks_the_fastest_plan_kind():
     forced = choose(pricer, MultiTaskWorkload(tasks=(task,)), 16, encoder_gpus=16)
     assert [k.kind for k in forced.kinds] == ["no pipeline (colocated)"]
     assert forced.skipped == (("pipeline kinds", "--encoder-gpus 16 fixes the placement"),)
+
+
+def test_optimus_recomputes_fewer_encoder_blocks_where_a_pipeline_rank_has_room():
+    """ViT-6B + a 70B LLM at pp8 (12 tiles a sample, benchmarks/multimodal.py's case): 1F1B's later
+    stages hold fewer LLM micro-batches, so refined Optimus gives their encoder replicas fewer
+    blocks to recompute; every rank's LLM stage + encoder replica + its images' activations fit
+    its memory, the pass times are each rank's own plan's, and the runtime gets each rank's blocks."""
+    from tessera.adapt.optimus import _encoder_bytes, encoder_pass_times, llm_pipeline_plans
+    from tessera.cost.evaluate import usable_memory
+    from tessera.runtime.multimodal import from_optimus, recomputed_blocks
+    vlm = resolve_vlm("vit6b-llama3-70b")
+    pricer = PartPricer(vlm, make_cluster(num_gpus=512))
+    task = TaskSpec(name="hires12", modalities=("image", "text"), batch=256, images_per_sample=12,
+                    text_tokens=4096 - 12 * vlm.image_tokens)
+    plan = next(p for p in llm_pipeline_plans(pricer, task, 512, degrees=(8,)) if p.num_micro_batches == 16)
+    res = optimus_schedule(pricer, task, plan, refined=True)
+    blocks = [recomputed_blocks(res.rank_encoder(r).plan) for r in range(8)]
+    full = len(recomputed_blocks(res.encoder.plan))
+    assert full == vlm.config.encoder_layers_run and min(map(len, blocks)) < full
+    peaks = [plan.prediction.stage_memory[r].total for r in range(8)]
+    assert peaks[-1] < peaks[0]  # the last stage holds one LLM micro-batch, the first eight
+    for r, images in enumerate(res.counts):
+        assert _encoder_bytes(plan, res.rank_encoder(r), r, sum(images))[0] <= usable_memory(plan.cluster)
+        assert res.problem.f[r] == encoder_pass_times(res.rank_encoder(r).plan, max(res.problem.images))[0]
+    again = price(res.problem.windows, res.counts, res.problem.f, res.problem.b)
+    assert again.shift_s + again.extension_s == pytest.approx(res.shift_s + res.extension_s)
+    _, strategy = from_optimus(res, 512)
+    assert strategy.recompute_blocks == tuple(blocks) and strategy.recompute

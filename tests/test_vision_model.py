@@ -266,8 +266,8 @@ def test_train_runs_the_planned_optimus_plan(monkeypatch):
     assert got.lines[-1].startswith("chosen: Optimus")
     # An Optimus plan whose encoder is tensor parallel: the fastest plan the runtime runs instead.
     from dataclasses import replace
-    tp2 = replace(runnable, encoder=replace(runnable.encoder, plan=runnable.encoder.plan.model_copy(update={
-        "layers": tuple(s.model_copy(update={"tp": 2}) for s in runnable.encoder.plan.layers)})))
+    tp2 = replace(runnable, encoder_by_rank=(), encoder=replace(runnable.encoder, plan=runnable.encoder.plan.model_copy(
+        update={"layers": tuple(s.model_copy(update={"tp": 2}) for s in runnable.encoder.plan.layers)})))
     monkeypatch.setattr(vlm_choice, "choose", optimus_first(tp2))
     got = plan_vlm(config, llm, 4, workload, cluster)
     assert "is not run by this runtime yet (the Optimus encoder plan uses tensor/sequence parallelism or offload" \
@@ -276,8 +276,8 @@ def test_train_runs_the_planned_optimus_plan(monkeypatch):
     from tessera.errors import TesseraError
     from tessera.runtime.multimodal import from_optimus
     layers = runnable.encoder.plan.layers
-    mixed = replace(runnable, encoder=replace(runnable.encoder, plan=runnable.encoder.plan.model_copy(update={
-        "layers": (layers[0].model_copy(update={"zero": 1}),) + tuple(
+    mixed = replace(runnable, encoder_by_rank=(), encoder=replace(runnable.encoder, plan=runnable.encoder.plan.model_copy(
+        update={"layers": (layers[0].model_copy(update={"zero": 1}),) + tuple(
             s.model_copy(update={"zero": 3}) for s in layers[1:])})))
     with pytest.raises(TesseraError, match=r"^the Optimus encoder plan mixes ZeRO stages \[1, 3\], which this "
                                            r"runtime does not run in the bubbles \(one stage for the whole encoder\)$"):
@@ -310,3 +310,12 @@ def test_the_optimus_runtime_refuses_what_it_cannot_run_in_one_line():
     _check_pipeline(pipeline(), EncoderStrategy(zero=3))  # sharded over each stage, replicated across stages
     with pytest.raises(TesseraError, match=r"encoder runs on every rank \(encoder dp = all\), not dp=2 from rank 0$"):
         _check_pipeline(pipeline(), EncoderStrategy(dp=2, zero=1))
+    # Blocks recomputed per pipeline rank: one entry per rank, naming blocks the encoder runs.
+    EncoderStrategy(recompute_blocks=((1,), ())).check_recompute(pipeline_ranks=2, blocks=2)
+    assert EncoderStrategy(recompute_blocks=((1,), ())).recomputed(0, 2) == (1,)
+    assert EncoderStrategy(recompute=True).recomputed(1, 3) == (0, 1, 2)
+    with pytest.raises(TesseraError, match=r"^encoder recompute_blocks has 1 entries for 2 pipeline ranks$"):
+        EncoderStrategy(recompute_blocks=((1,),)).check_recompute(pipeline_ranks=2, blocks=2)
+    with pytest.raises(TesseraError, match=r"^encoder recompute_blocks names blocks \[2\]; the encoder runs blocks "
+                                           r"0\.\.1$"):
+        EncoderStrategy(recompute_blocks=((2,), ())).check_recompute(pipeline_ranks=2, blocks=2)

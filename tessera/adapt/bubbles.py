@@ -86,17 +86,41 @@ class PassTime:
 def least_extra(windows: "PipelineWindows", images: list[int], f, b) -> float:
     """A lower bound on S + E for micro-batches of `images` images: rank r's passes fit in
     [-S, w_r] and [c_r, T + E], so pp (S + E) + sum_r (w_r + T - c_r) >= the encoder work. That
-    work is no less than every image at the lowest seconds per image of any pass, nor than one
-    pass of one image (the cheapest pass) per micro-batch that has images, forward and backward."""
+    work is no less than every image at the lowest seconds per image of any pass (on any rank),
+    nor than one pass of one image (the cheapest pass) per micro-batch that has images, forward
+    and backward."""
     w = windows
+    pp = len(w.warm)
     total, passes = sum(images), sum(1 for a in images if a > 0)
-    work = sum(max(total * p.least_per_image(), passes * p(1)) for p in (_as_pass(f), _as_pass(b)))
+    work = sum(max(total * min(p.least_per_image() for p in ps), passes * min(p(1) for p in ps))
+               for ps in (rank_passes(f, pp), rank_passes(b, pp)))
     room = sum(max(0.0, a) + max(0.0, w.horizon - c) for a, c in zip(w.warm, w.cool))
     return max(0.0, (work - room) / len(w.warm))
 
 
 def _as_pass(x) -> PassTime:
     return x if isinstance(x, PassTime) else PassTime(float(x))
+
+
+def rank_passes(x, pp: int) -> list[PassTime]:
+    """Each pipeline rank's `PassTime`: one for all (a `PassTime` or seconds per image), or one per
+    rank (a sequence: ranks whose encoder replicas recompute differently pass at different speeds)."""
+    if isinstance(x, (list, tuple)):
+        if len(x) != pp:
+            raise ValueError(f"{len(x)} pass times for {pp} pipeline ranks")
+        return [_as_pass(v) for v in x]
+    return [_as_pass(x)] * pp
+
+
+def rank_limits(limit, pp: int) -> list[float]:
+    """Each pipeline rank's most images (None: no limit; an int for all; a sequence, one per rank)."""
+    if limit is None:
+        return [math.inf] * pp
+    if isinstance(limit, (list, tuple)):
+        if len(limit) != pp:
+            raise ValueError(f"{len(limit)} image limits for {pp} pipeline ranks")
+        return [math.inf if v is None else v for v in limit]
+    return [limit] * pp
 
 
 @dataclass(frozen=True)
@@ -143,53 +167,54 @@ class PipelineWindows:
 
 def price(windows: PipelineWindows, counts, f, b) -> BubbleAssignment:
     """S, E and the encoder passes of a whole-image assignment (the module docstring's formulas);
-    f, b: `PassTime`s, or seconds per image."""
+    f, b: `PassTime`s or seconds per image, one for every rank or one per rank (`rank_passes`)."""
     w = windows
-    f, b = _as_pass(f), _as_pass(b)
+    fs, bs = rank_passes(f, len(w.warm)), rank_passes(b, len(w.warm))
     shift = 0.0
     for r, row in enumerate(counts):
         done = 0.0
         for j, a in enumerate(row):
             if a:
-                done += f(a)
+                done += fs[r](a)
                 shift = max(shift, done - min(w.deadlines[j], w.warm[r]))
     passes, end = [], w.horizon
     for r, row in enumerate(counts):
         t, y = -shift, w.cool[r]
         for j, a in enumerate(row):
             if a:
-                passes.append(EncoderPass(r, "EF", j, a, t, t + f(a)))
-                t += f(a)
+                passes.append(EncoderPass(r, "EF", j, a, t, t + fs[r](a)))
+                t += fs[r](a)
                 start = max(y, w.releases[j])
-                y = start + b(a)
+                y = start + bs[r](a)
                 passes.append(EncoderPass(r, "EB", j, a, start, y))
         end = max(end, y)
     return BubbleAssignment(tuple(tuple(row) for row in counts), shift, end - w.horizon, tuple(passes))
 
 
-def assign(windows: PipelineWindows, images: list[int], f, b,
-           limit: int | None = None) -> BubbleAssignment | None:
+def assign(windows: PipelineWindows, images: list[int], f, b, limit=None) -> BubbleAssignment | None:
     """Whole images of each micro-batch to pipeline ranks, S + E as small as the search finds
-    (module docstring); f, b: `PassTime`s or seconds per image; `limit`: the most images one
-    rank may encode in a step (its memory holds their activations from forward to backward).
-    None when the limit leaves too few places."""
+    (module docstring); f, b: `PassTime`s or seconds per image, one for all ranks or one per rank
+    (`rank_passes`); `limit`: the most images a rank may encode in a step (its memory holds their
+    activations from forward to backward), one for all ranks or one per rank (`rank_limits`).
+    None when the limits leave too few places."""
     w = windows
-    pf, pb = _as_pass(f), _as_pass(b)
     pp, m = len(w.warm), len(images)
+    pfs, pbs = rank_passes(f, pp), rank_passes(b, pp)
     total = sum(images)
     if total == 0:
-        return price(w, [[0] * m for _ in range(pp)], pf, pb)
+        return price(w, [[0] * m for _ in range(pp)], pfs, pbs)
+    limits = rank_limits(limit, pp)
     # Rounding to whole images adds at most one image per micro-batch to a rank's divisible share.
-    cap = total if limit is None else min(total, limit - m)
-    if cap * pp < total:
+    caps = [max(0.0, min(total, lim - m)) for lim in limits]
+    if sum(caps) < total:
         return None
-    # Every rank encoding up to `cap` images before the first deadline and after the last
-    # release is feasible: these bounds hold the search.
-    f, b = pf.per_image, pb.per_image
-    s_hi = f * cap + m * pf.fixed + max(0.0, -min(w.deadlines)) + EPS
-    e_hi = b * cap + m * pb.fixed + max(0.0, max(w.releases) - w.horizon) + EPS
-    tol = 1e-4 * max(w.horizon, f * total / pp + b * total / pp, EPS)  # 0.3 ms on a 3 s step
-    split_of = lambda s, e: _split(w, images, pf, pb, s, e, cap)  # noqa: E731
+    # Every rank encoding up to its cap before the first deadline and after the last release is
+    # feasible: these bounds hold the search.
+    s_hi = max(p.per_image * c + m * p.fixed for p, c in zip(pfs, caps)) + max(0.0, -min(w.deadlines)) + EPS
+    e_hi = max(p.per_image * c + m * p.fixed for p, c in zip(pbs, caps)) + max(0.0, max(w.releases) - w.horizon) + EPS
+    work = max(p.per_image for p in pfs) * total / pp + max(p.per_image for p in pbs) * total / pp
+    tol = 1e-4 * max(w.horizon, work, EPS)  # 0.3 ms on a 3 s step
+    split_of = lambda s, e: _split(w, images, pfs, pbs, s, e, caps)  # noqa: E731
 
     def smallest(lo: float, hi: float, ok) -> float:
         if ok(lo):
@@ -235,83 +260,92 @@ def assign(windows: PipelineWindows, images: list[int], f, b,
             best = (value, s)
     s = best[1]
     split = split_of(s, e_star(s))
-    placed = price(w, _whole_images(split, images), pf, pb)
-    if pf.width > 1:  # also rounded to whole passes of the group's width, when that fits and is faster
-        quantised = price(w, _whole_images(split, images, pf.width), pf, pb)
-        if (max(quantised.images_per_rank) <= (limit if limit is not None else total)
+    placed = price(w, _whole_images(split, images), pfs, pbs)
+    width = max(p.width for p in pfs)
+    if width > 1:  # also rounded to whole passes of the group's width, when that fits and is faster
+        quantised = price(w, _whole_images(split, images, width), pfs, pbs)
+        if (all(k <= lim for k, lim in zip(quantised.images_per_rank, limits))
                 and quantised.shift_s + quantised.extension_s < placed.shift_s + placed.extension_s):
             placed = quantised
     return placed
 
 
-def _split(w: PipelineWindows, images, pf: PassTime, pb: PassTime, s: float, e: float,
-           limit: float = math.inf):
+def _split(w: PipelineWindows, images, pfs: list[PassTime], pbs: list[PassTime], s: float, e: float,
+           limits: list[float]):
     """Divisible images per (rank, micro-batch) that keep every pass inside its windows for a
-    start shift s and an end extension e, and every rank within `limit` images, or None.
+    start shift s and an end extension e, and every rank r within limits[r] images, or None.
     Micro-batches in order; each one water-filled onto the ranks whose backward pass would start
-    earliest (level L: rank r takes min(cap_r, max(0, (L - z_r - g_b) / b)) images, a pass
+    earliest (level L: rank r takes min(cap_r, max(0, (L - z_r - g_b) / b_r)) images, a pass
     costing its fixed part g plus the linear part)."""
-    f, b, gf, gb = pf.per_image, pb.per_image, pf.fixed, pb.fixed
     pp = len(w.warm)
+    f = [p.per_image for p in pfs]
+    b = [p.per_image for p in pbs]
+    gf = [p.fixed for p in pfs]
+    gb = [p.fixed for p in pbs]
     held = [0.0] * pp
     x = [-s] * pp  # forward cursor
     y = list(w.cool)  # backward cursor
     end = w.horizon + e
-    unit = b if b > 0 else (f if f > 0 else 1.0)
+    by_backward = all(v > 0 for v in b)
+    units = b if by_backward else [v if v > 0 else 1.0 for v in f]
     out = [[0.0] * len(images) for _ in range(pp)]
     for j, need in enumerate(images):
         if need <= 0:
             continue
-        z = [max(y[r], w.releases[j]) + gb for r in range(pp)]  # where r's pass of j would start its images
+        z = [max(y[r], w.releases[j]) + gb[r] for r in range(pp)]  # where r's pass of j would start its images
         cap = []
         for r in range(pp):
-            room_f = min(w.deadlines[j], w.warm[r]) - x[r] - gf
+            room_f = min(w.deadlines[j], w.warm[r]) - x[r] - gf[r]
             room_b = end - z[r]
-            fwd = room_f / f if f > 0 else (math.inf if room_f >= 0 else 0.0)
-            bwd = room_b / b if b > 0 else (math.inf if room_b >= 0 else 0.0)
-            cap.append(max(0.0, min(fwd, bwd, need, limit - held[r])))
+            fwd = room_f / f[r] if f[r] > 0 else (math.inf if room_f >= 0 else 0.0)
+            bwd = room_b / b[r] if b[r] > 0 else (math.inf if room_b >= 0 else 0.0)
+            cap.append(max(0.0, min(fwd, bwd, need, limits[r] - held[r])))
         if sum(cap) < need * (1 - 1e-9):
             return None
-        level_of = z if b > 0 else [v + gf for v in x]
-        take = _water_fill(level_of, cap, need, unit)
+        level_of = z if by_backward else [v + g for v, g in zip(x, gf)]
+        take = _water_fill(level_of, cap, need, units)
         for r, a in enumerate(take):
             if a > 0:
                 out[r][j] = a
                 held[r] += a
-                x[r] += gf + a * f
-                y[r] = z[r] + a * b
+                x[r] += gf[r] + a * f[r]
+                y[r] = z[r] + a * b[r]
     return out
 
 
-def _water_fill(level, cap, need: float, unit: float) -> list[float]:
-    """a_r = min(cap_r, max(0, (L - level_r) / unit)) with sum a_r = need (sum cap_r >= need)."""
+def _water_fill(level, cap, need: float, unit) -> list[float]:
+    """a_r = min(cap_r, max(0, (L - level_r) / unit_r)) with sum a_r = need (sum cap_r >= need);
+    `unit`: one for all ranks or one per rank."""
+    units = list(unit) if isinstance(unit, (list, tuple)) else [unit] * len(level)
     events = []
-    for r, (z, c) in enumerate(zip(level, cap)):
+    for z, c, u in zip(level, cap, units):
         if c > 0:
-            events.append((z, 1))
-            events.append((z + c * unit, -1))
+            events.append((z, 1.0 / u))
+            events.append((z + c * u, -1.0 / u))
     events.sort()
-    got, slope, prev = 0.0, 0, events[0][0]
+    got, slope, prev = 0.0, 0.0, events[0][0]
     mark = events[-1][0]
     for at, step in events:
-        nxt = got + slope * (at - prev) / unit
+        nxt = got + slope * (at - prev)
         if nxt >= need:
-            mark = prev + (need - got) * unit / slope
+            mark = prev + (need - got) / slope
             break
         got, prev, slope = nxt, at, slope + step
-    return [min(c, max(0.0, (mark - z) / unit)) if c > 0 else 0.0 for z, c in zip(level, cap)]
+    return [min(c, max(0.0, (mark - z) / u)) if c > 0 else 0.0 for z, c, u in zip(level, cap, units)]
 
 
-def refine(windows: PipelineWindows, placed: BubbleAssignment, f, b, limit: int | None = None,
+def refine(windows: PipelineWindows, placed: BubbleAssignment, f, b, limit=None,
            max_prices: int = 3000) -> BubbleAssignment:
     """Improve a placement by moving images between ranks, a pass's width at a time (`PassTime
     .width`, one image for a plain per-image time): of micro-batch j, from rank a to rank c,
-    kept when the exact price's S + E drops and c stays within `limit` images; rounds over all
-    moves until none helps or `max_prices` placements were priced. Never worse than `placed`."""
-    pf, pb = _as_pass(f), _as_pass(b)
+    kept when the exact price's S + E drops and c stays within its limit (`assign`'s f, b and
+    `limit`); rounds over all moves until none helps or `max_prices` placements were priced.
+    Never worse than `placed`."""
     counts = [list(row) for row in placed.counts]
     pp, m = len(counts), len(counts[0]) if counts else 0
-    unit = max(1, pf.width)
+    pf, pb = rank_passes(f, pp), rank_passes(b, pp)
+    limits = rank_limits(limit, pp)
+    unit = max(1, max(p.width for p in pf))
     best, value, priced = placed, placed.shift_s + placed.extension_s, 0
     improved = True
     while improved and priced < max_prices:
@@ -323,7 +357,7 @@ def refine(windows: PipelineWindows, placed: BubbleAssignment, f, b, limit: int 
                         continue
                     # A whole pass's width, or the part of a's pass that fills none.
                     for move in {min(unit, counts[a][j]), counts[a][j] % unit or unit}:
-                        if priced >= max_prices or (limit is not None and sum(counts[c]) + move > limit):
+                        if priced >= max_prices or sum(counts[c]) + move > limits[c]:
                             continue
                         counts[a][j] -= move
                         counts[c][j] += move
@@ -386,9 +420,9 @@ class PlacementProblem:
 
     windows: PipelineWindows
     images: tuple[int, ...]  # per micro-batch
-    f: PassTime
-    b: PassTime
-    limit: int | None = None  # the most images one rank may encode in a step
+    f: PassTime | tuple[PassTime, ...]  # one for all ranks or one per rank (`rank_passes`)
+    b: PassTime | tuple[PassTime, ...]
+    limit: int | tuple[int, ...] | None = None  # the most images a rank may encode in a step (`rank_limits`)
 
     def solve(self, node_limit: int | None = EXACT_NODE_LIMIT) -> "ExactPlacement | None":
         return exact(self.windows, list(self.images), self.f, self.b, self.limit, node_limit)
@@ -401,18 +435,19 @@ class ExactPlacement:
     optimal: bool  # the MILP proved `placed` optimal
 
 
-def exact(windows: PipelineWindows, images: list[int], f, b, limit: int | None = None,
+def exact(windows: PipelineWindows, images: list[int], f, b, limit=None,
           node_limit: int | None = EXACT_NODE_LIMIT) -> ExactPlacement | None:
     """The placement minimising S + E as a mixed-integer programme (HiGHS through scipy), exact
     for the module docstring's formulas; None when none is found within `node_limit` nodes (None:
-    no limit, solved to proven optimality however long it takes).
+    no limit, solved to proven optimality however long it takes). f, b and `limit` as `assign`
+    takes them (per rank or for all).
 
     Variables: a_rj whole images of micro-batch j on rank r; the pass's size as one binary per
     level x_rjk (a pass of at most k width images costs f(k width), b(k width): `PassTime.table`
     is a step function of ceil(a / width)), or, for a pass linear in its images, one binary z_rj
     (the fixed part) and f = fixed z + per_image a; S, E and the end y_rj of rank r's backward
     pass of j. Constraints, for every rank r and micro-batch j:
-        sum_r a_rj = images_j,  sum_j a_rj <= limit,  a_rj <= width k on the chosen level
+        sum_r a_rj = images_j,  sum_j a_rj <= limit_r,  a_rj <= width k on the chosen level
         S >= sum_{i <= j} f_ri - min(D_j, w_r)           (forward passes back to back from -S)
         y_rj >= y_r(j-1) + b_rj,  y_rj >= c_r z_rj + b_rj,  y_rj >= R_j z_rj + b_rj
         E >= y_r(m-1) - T
@@ -423,13 +458,16 @@ def exact(windows: PipelineWindows, images: list[int], f, b, limit: int | None =
     from scipy.sparse import coo_matrix
 
     w = windows
-    pf, pb = _as_pass(f), _as_pass(b)
     pp, m = len(w.warm), len(images)
-    width = max(1, pf.width)
-    stepped = bool(pf.table)
+    pfs, pbs = rank_passes(f, pp), rank_passes(b, pp)
+    limits = rank_limits(limit, pp)
+    width = max(1, pfs[0].width)
+    stepped = bool(pfs[0].table)
+    if any(bool(p.table) != stepped or max(1, p.width) != width for p in pfs + pbs):
+        raise ValueError("the ranks' pass times must all be tables of one width, or all linear")
     levels = max(1, max(math.ceil(a / width) for a in images)) if stepped else 1
-    fl = [pf(k * width) for k in range(1, levels + 1)] if stepped else [pf.fixed]
-    bl = [pb(k * width) for k in range(1, levels + 1)] if stepped else [pb.fixed]
+    fl = [[p(k * width) for k in range(1, levels + 1)] if stepped else [p.fixed] for p in pfs]
+    bl = [[p(k * width) for k in range(1, levels + 1)] if stepped else [p.fixed] for p in pbs]
     na, nx = pp * m, pp * m * levels
     ia = lambda r, j: r * m + j  # noqa: E731
     ix = lambda r, j, k: na + (r * m + j) * levels + k  # noqa: E731
@@ -446,23 +484,23 @@ def exact(windows: PipelineWindows, images: list[int], f, b, limit: int | None =
         lo.append(low)
         hi.append(high)
 
-    def seconds(p: PassTime, at_level, r, j, sign):  # sign x (the seconds of rank r's pass of j)
-        t = [(ix(r, j, k), sign * at_level[k]) for k in range(levels)]
-        return t if stepped else t + [(ia(r, j), sign * p.per_image)]
+    def seconds(p: list[PassTime], at_level, r, j, sign):  # sign x (the seconds of rank r's pass of j)
+        t = [(ix(r, j, k), sign * at_level[r][k]) for k in range(levels)]
+        return t if stepped else t + [(ia(r, j), sign * p[r].per_image)]
 
     for j, need in enumerate(images):
         add([(ia(r, j), 1.0) for r in range(pp)], need, need)
     for r in range(pp):
-        if limit is not None:
-            add([(ia(r, j), 1.0) for j in range(m)], -np.inf, limit)
+        if math.isfinite(limits[r]):
+            add([(ia(r, j), 1.0) for j in range(m)], -np.inf, limits[r])
         for j, need in enumerate(images):
             on = [(ix(r, j, k), 1.0) for k in range(levels)]
             add(on, -np.inf, 1.0)
             room = [(ix(r, j, k), -float(width * (k + 1) if stepped else need)) for k in range(levels)]
             add([(ia(r, j), 1.0)] + room, -np.inf, 0.0)
-            add([(i_s, 1.0)] + [t for i in range(j + 1) for t in seconds(pf, fl, r, i, -1.0)],
+            add([(i_s, 1.0)] + [t for i in range(j + 1) for t in seconds(pfs, fl, r, i, -1.0)],
                 -min(w.deadlines[j], w.warm[r]), np.inf)
-            back = seconds(pb, bl, r, j, -1.0)
+            back = seconds(pbs, bl, r, j, -1.0)
             if j:
                 add([(iy(r, j), 1.0), (iy(r, j - 1), -1.0)] + back, 0.0, np.inf)
             for ready in (w.cool[r], w.releases[j]):
@@ -484,6 +522,6 @@ def exact(windows: PipelineWindows, images: list[int], f, b, limit: int | None =
     counts = np.rint(res.x[:na]).astype(int).reshape(pp, m)
     if (counts < 0).any() or list(counts.sum(axis=0)) != list(images):
         return None
-    placed = price(w, counts.tolist(), pf, pb)
+    placed = price(w, counts.tolist(), pfs, pbs)
     bound = res.mip_dual_bound if res.mip_dual_bound is not None else 0.0
     return ExactPlacement(placed, max(0.0, float(bound)), bool(res.status == 0))

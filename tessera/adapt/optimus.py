@@ -21,11 +21,14 @@ images, priced as one micro-batch of ceil(a / d) images on each of its d data-pa
 a pass re-gathers ZeRO-3 parameters however few images it holds).
     step = S + T + E + LLM tail + encoder tail + all-reduce of the encoder's gradient shards
            over the pp replicas (2 P_E / n bytes).
-Memory: each rank adds its encoder replica's peak, holding the activations of every image it
-encodes from forward to backward, so the placement caps each rank's images at what its usable
+Memory: pipeline rank r adds its encoder replica's states and buffers and the activations of
+every image it encodes, held from forward to backward, to its own LLM stage's peak (1F1B's later
+stages hold fewer micro-batches), so the placement caps each rank's images at what its usable
 memory holds; the encoder's fastest plan, its leanest (full recompute, ZeRO-3) and the leanest
 that keeps its parameters gathered over the step (full recompute, ZeRO-2: `_encoder_plans`) are
-all placed and the fastest step is taken (none fitting is refused in one line).
+all placed and the fastest step is taken (none fitting is refused in one line). Refined, each
+rank's replica may also recompute fewer blocks where its memory holds more (`_rank_plans`: its
+passes are then faster, and the runtime wraps only those blocks).
 
 Baseline (`extra_stage_baseline`): the encoder as extra pipeline work, Megatron-style: the
 encoder's layers (priced on n devices for one micro-batch of an LLM micro-batch's images, the
@@ -49,7 +52,8 @@ from ..cost.evaluate import chunk_times, evaluate, layer_memory, layer_times, sh
 from ..cost.memory import memory_budget, required_memory
 from ..cost.schedule import in_flight, simulate
 from ..errors import TesseraError
-from ..plan import Plan
+from ..plan import Plan, Recompute
+from ..spec.model import LayerKind
 from ..search.multimodal import LEAN_OPTIONS, PartCost, PartPricer, group_handoff_s, part_cost, sub_cluster
 from ..search.planner import NoFeasiblePlanError, search
 from ..search.space import SearchOptions, divisors
@@ -85,6 +89,12 @@ class OptimusResult:
     least_extra_s: float = 0.0  # no placement in these bubbles has S + E below this (bubbles.least_extra, .exact)
     placement_optimal: bool = False  # `bubbles.exact` proved the placement optimal
     problem: PlacementProblem | None = None  # what the placement was chosen from
+    # Each pipeline rank's encoder replica: `encoder`, or its twin without recompute on ranks whose
+    # memory holds their images' activations (`_rank_plans`); () = `encoder` on every rank.
+    encoder_by_rank: tuple[PartCost, ...] = ()
+
+    def rank_encoder(self, rank: int) -> PartCost:
+        return self.encoder_by_rank[rank] if self.encoder_by_rank else self.encoder
 
     @property
     def step_s(self) -> float:
@@ -158,7 +168,8 @@ def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan, lean: bool 
     `lean=False`: only the encoder's plan from the pricer's options (not the leanest). None when
     no placement can make a step shorter than `beat` (`bubbles.least_extra` shows it unplaced).
     `refined`: each placement also improved by moving images between ranks (`bubbles.refine`),
-    and the fastest one's solved exactly (`bubbles.exact`, up to `bubbles.EXACT_MAX_PAIRS` rank and
+    the encoder's recompute also chosen per pipeline rank (`_rank_plans`), and the fastest
+    placement solved exactly (`bubbles.exact`, up to `bubbles.EXACT_MAX_PAIRS` rank and
     micro-batch pairs): slower, so `compare` refines only its best plan's."""
     vlm, cluster = pricer.vlm, pricer.cluster
     pp, m, n = plan.pipeline.degree, plan.num_micro_batches, plan.stage_size
@@ -173,35 +184,59 @@ def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan, lean: bool 
     # passes to its backward passes, so the fastest may hold too few images per rank for a good
     # placement, or none; ZeRO-3 re-gathers in every pass, ZeRO-2 holds a full copy.
     best, why, beaten = None, "", False
+
+    def place(by_rank):
+        """Rank r's replica under by_rank[r]'s plan: (S + E + the encoder's tail, placement, lower
+        bound, problem), None when it cannot beat `beat` or the best so far, or why it does not fit."""
+        passes = [pricer.derived(e, ("passes", max(per_mb)), lambda e=e: encoder_pass_times(e.plan, max(per_mb)))
+                  for e in by_rank]
+        pass_f, pass_b = tuple(x[0] for x in passes), tuple(x[1] for x in passes)
+        tail = max(e.tail_s for e in by_rank)
+        to_beat = min(beat, sim.step_time + best[0] + max(tails)) if best else beat
+        least = least_extra(windows, per_mb, pass_f, pass_b)
+        if sim.step_time + least + max(tails) >= to_beat:
+            return None
+        limits = tuple(_max_images(plan, e, per_group, r) for r, e in enumerate(by_rank))
+        if min(limits) < 0:  # every rank holds a replica
+            return _memory_refusal(plan, by_rank, [0] * pp)
+        problem = PlacementProblem(windows, tuple(per_mb), pass_f, pass_b, limits)
+        placed = assign(windows, per_mb, pass_f, pass_b, limits)
+        if placed is not None and refined:
+            placed = refine(windows, placed, pass_f, pass_b, limits)
+        if placed is None:
+            return _memory_refusal(plan, by_rank, [math.ceil(images / pp)] * pp)
+        try:
+            _check_memory(plan, by_rank, placed.images_per_rank)
+        except TesseraError as e:
+            return str(e)
+        return placed.shift_s + placed.extension_s + tail, placed, least, problem
+
+    def consider(enc, by_rank):
+        nonlocal best, why, beaten
+        got = place(by_rank)
+        if got is None:
+            beaten = beaten or best is None
+        elif isinstance(got, str):
+            why = got
+        elif best is None or got[0] < best[0]:
+            best = (got[0], enc, by_rank, *got[1:])
+
     for enc in _encoder_plans(pricer, n, per_group, lean):
         if not enc.feasible:
             why = f"encoder placement on every pipeline rank ({n} GPUs each) does not fit: {enc.why}"
             continue
-        pass_f, pass_b = pricer.derived(enc, ("passes", max(per_mb)), lambda: encoder_pass_times(enc.plan, max(per_mb)))
-        to_beat = min(beat, sim.step_time + best[0] + max(tails)) if best else beat
-        least = least_extra(windows, per_mb, pass_f, pass_b)
-        if sim.step_time + least + max(tails) >= to_beat:
-            beaten = best is None
-            continue
-        problem = PlacementProblem(windows, tuple(per_mb), pass_f, pass_b, _max_images(plan, enc, per_group))
-        placed = assign(windows, per_mb, pass_f, pass_b, problem.limit)
-        if placed is not None and refined:
-            placed = refine(windows, placed, pass_f, pass_b, problem.limit)
-        if placed is None:
-            why = _memory_refusal(plan, enc, math.ceil(images / pp) / per_group)
-            continue
-        try:
-            _check_memory(plan, enc, max(placed.images_per_rank) / per_group)
-        except TesseraError as e:
-            why = str(e)
-            continue
-        if best is None or placed.shift_s + placed.extension_s + enc.tail_s < best[0]:
-            best = (placed.shift_s + placed.extension_s + enc.tail_s, enc, placed, least, problem)
+        consider(enc, (enc,) * pp)
+    if refined and best is not None:
+        # The best encoder plan's replicas may also recompute fewer blocks on the ranks whose memory
+        # holds more (`_rank_plans`: priced per rank, slower, like `refine`).
+        enc = best[1]
+        for by_rank in _rank_plans(pricer, plan, enc, per_group, per_mb, windows):
+            consider(enc, by_rank)
     if best is None:
         if beaten:
             return None
         raise TesseraError(why)
-    _, enc, placed, least, problem = best
+    _, enc, by_rank, placed, least, problem = best
     optimal = False
     if refined and pp * m <= EXACT_MAX_PAIRS:  # the fastest encoder plan's placement solved exactly (a MILP:
         # too slow for every plan, and for the largest pipelines)
@@ -209,15 +244,16 @@ def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan, lean: bool 
         if solved is not None:
             least = max(least, solved.bound_s)
             if solved.placed.shift_s + solved.placed.extension_s < placed.shift_s + placed.extension_s:
-                _check_memory(plan, enc, max(solved.placed.images_per_rank) / per_group)  # within `limit`: holds
+                _check_memory(plan, by_rank, solved.placed.images_per_rank)  # within the limits: holds
                 placed, optimal = solved.placed, solved.optimal
     pieces = [Piece(p.rank, p.kind, p.micro_batch, p.start, p.end) for p in placed.passes]
     pieces += [Piece(e.stage, e.kind, e.micro_batch, e.start, e.end) for e in sim.events]
     combine = float(collective_times(cluster, "all_reduce", 2.0 * pricer.model("vision_encoder").num_params / n,
                                      pp, n)) if pp > 1 else 0.0
     return OptimusResult(pp, m, plan, enc, sim.step_time, placed.shift_s, placed.extension_s,
-                         max(tails) + enc.tail_s + combine, tuple(pieces), placed.counts, least_extra_s=least,
-                         placement_optimal=optimal, problem=problem)
+                         max(tails) + max(e.tail_s for e in by_rank) + combine, tuple(pieces), placed.counts,
+                         least_extra_s=least, placement_optimal=optimal, problem=problem,
+                         encoder_by_rank=tuple(by_rank))
 
 
 def encoder_pass_times(enc_plan: Plan, most_images: int) -> tuple[PassTime, PassTime]:
@@ -254,14 +290,87 @@ def _encoder_plans(pricer: PartPricer, n: int, images: int, lean: bool = True) -
     return plans
 
 
-def _kept_gathered(enc: PartCost) -> PartCost | None:
-    """`enc`'s plan with its ZeRO-3 layers at ZeRO-2 (None: none is ZeRO-3, or it does not fit)."""
-    layers = tuple(s.model_copy(update={"zero": 2}) if s.zero == 3 else s for s in enc.plan.layers)
+def _rank_plans(pricer: PartPricer, plan: Plan, enc: PartCost, per_group: int, per_mb: list[int],
+                windows: PipelineWindows) -> list[tuple[PartCost, ...]]:
+    """Choices of each pipeline rank's encoder plan beside `enc` on every rank: when `enc`
+    recomputes its blocks, one whose rank r recomputes only as many of them as its memory needs
+    (`_recompute_shares`: 1F1B's later stages hold fewer LLM micro-batches and have the longest
+    bubbles, so they have the room and take the most images); [] when there is none."""
+    blocks = [i for i, (layer, s) in enumerate(zip(enc.plan.model.layers, enc.plan.layers))
+              if layer.kind == LayerKind.ENCODER and s.recompute != Recompute.NONE]
+    if not blocks:
+        return []
+    bare = pricer.derived(enc, ("recompute", 0), lambda: _variant(enc, {"recompute": Recompute.NONE}, "no recompute",
+                                                                  only=set(blocks)))
+    counts = _recompute_shares(plan, enc, bare, per_group, sum(per_mb), windows, len(blocks))
+    if counts is None or all(k == len(blocks) for k in counts):
+        return []
+
+    def partial(k: int) -> PartCost:
+        if k == len(blocks):
+            return enc
+        return pricer.derived(enc, ("recompute", k), lambda: _variant(
+            enc, {"recompute": Recompute.NONE}, f"recompute {k} of {len(blocks)} blocks", only=set(blocks[k:])))
+    return [tuple(partial(k) for k in counts)]
+
+
+def _recompute_shares(plan: Plan, enc: PartCost, bare: PartCost, per_group: int, images: int,
+                      windows: PipelineWindows, blocks: int) -> tuple[int, ...] | None:
+    """How many of the encoder's `blocks` blocks each pipeline rank's replica recomputes: a linear
+    programme (HiGHS) places n_r images on rank r, q_r of them as if without recompute, minimising
+    S + E with the forward work in rank r's warm-up bubble plus S, the backward work in its
+    cool-down bubble plus E and the activations in the memory its LLM stage leaves (per image:
+    the seconds of a pass of the even share, images divisible, deadlines and releases left out);
+    rank r then recomputes ceil((1 - q_r / n_r) blocks) blocks, so that its n_r images fit. None
+    when the programme has no solution."""
+    from scipy.optimize import linprog
+
+    pp, w = plan.pipeline.degree, windows
+    usable = usable_memory(plan.cluster)
+    fe, be, bb = enc.fwd_s / per_group, enc.bwd_s / per_group, bare.bwd_s / per_group
+    ae, ab = _activations_per_image(enc, per_group), _activations_per_image(bare, per_group)
+    room = [usable - max(_encoder_bytes(plan, e, r, 0)[0] for e in (enc, bare)) for r in range(pp)]
+    nv = 2 * pp + 2  # n_0..n_{pp-1}, q_0..q_{pp-1}, S, E
+    rows, rhs = [], []
+    for r in range(pp):
+        for terms, bound in (({r: fe, 2 * pp: -1.0}, w.warm[r]),
+                             ({r: be, pp + r: -(be - bb), 2 * pp + 1: -1.0}, w.horizon - w.cool[r]),
+                             ({r: ae, pp + r: ab - ae}, max(room[r], 0.0)),
+                             ({pp + r: 1.0, r: -1.0}, 0.0)):
+            row = np.zeros(nv)
+            for i, v in terms.items():
+                row[i] = v
+            rows.append(row)
+            rhs.append(bound)
+    cost = np.zeros(nv)
+    cost[2 * pp:] = 1.0
+    equal = np.zeros((1, nv))
+    equal[0, :pp] = 1.0
+    res = linprog(cost, A_ub=np.array(rows), b_ub=rhs, A_eq=equal, b_eq=[images], bounds=[(0, None)] * nv,
+                  method="highs")
+    if res.x is None:
+        return None
+    n, q = res.x[:pp], res.x[pp:2 * pp]
+    return tuple(0 if n[r] <= 1e-9 else min(blocks, math.ceil((1.0 - q[r] / n[r]) * blocks - 1e-6))
+                 for r in range(pp))
+
+
+def _variant(enc: PartCost, update: dict, suffix: str, only=None) -> PartCost | None:
+    """`enc`'s plan with `update` on its layers (those whose indices are in `only`, when given),
+    re-priced (None: nothing changes)."""
+    layers = tuple(s.model_copy(update=update) if only is None or i in only else s
+                   for i, s in enumerate(enc.plan.layers))
     if layers == tuple(enc.plan.layers):
         return None
     plan = enc.plan.model_copy(update={"layers": layers})
-    plan = plan.model_copy(update={"prediction": evaluate(plan), "name": f"{enc.plan.name} zero2"})
-    return part_cost(enc.part, plan) if plan.prediction.fits else None
+    plan = plan.model_copy(update={"prediction": evaluate(plan), "name": f"{enc.plan.name} {suffix}"})
+    return part_cost(enc.part, plan)
+
+
+def _kept_gathered(enc: PartCost) -> PartCost | None:
+    """`enc`'s plan with its ZeRO-3 layers at ZeRO-2 (None: none is ZeRO-3, or it does not fit)."""
+    kept = _variant(enc, {"zero": 2}, "zero2", only={i for i, s in enumerate(enc.plan.layers) if s.zero == 3})
+    return kept if kept is not None and kept.plan.prediction.fits else None
 
 
 def _one_micro_batch(plan: Plan, k: int) -> Plan:
@@ -270,37 +379,52 @@ def _one_micro_batch(plan: Plan, k: int) -> Plan:
     return plan.model_copy(update={"workload": wl, "micro_batch_size": k, "num_micro_batches": 1, "batch_shares": ()})
 
 
-def _encoder_bytes(plan: Plan, enc: PartCost, share: float) -> tuple[float, float]:
-    """(a rank's peak bytes, the encoder's part of it) with `share` x the even share's images."""
-    mem = enc.plan.prediction.stage_memory[0]
-    extra = (mem.total - plan.cluster.device.reserved_bytes
-             + mem.activations * (enc.plan.num_micro_batches * max(share, 1.0) - 1))
-    return plan.prediction.peak_memory + extra, extra
+def _activations_per_image(enc: PartCost, images: int) -> float:
+    """Bytes of activations (fragmentation included) a device of the encoder's plan holds per image of
+    the `images` its rank group was priced for, from the image's forward to its backward."""
+    p = enc.plan
+    mem = p.prediction.stage_memory[0]
+    held = in_flight(p.pipeline.schedule.value, 1, 0, p.num_micro_batches)  # micro-batches `mem` holds
+    return mem.activations / held * p.num_micro_batches / images * (1.0 + p.cluster.fragmentation)
 
 
-def _max_images(plan: Plan, enc: PartCost, per_group: int) -> int:
-    """The most images a rank may encode in a step: each holds the activations of its images
-    from forward to backward (one image's: the priced plan's activations over its images)."""
-    mem = enc.plan.prediction.stage_memory[0]
-    per_image = mem.activations * enc.plan.num_micro_batches / per_group
-    peak, _ = _encoder_bytes(plan, enc, 1.0)
+def _encoder_bytes(plan: Plan, enc: PartCost, rank: int, images: int) -> tuple[float, float]:
+    """(pipeline rank `rank`'s peak bytes, the encoder's part of it) when it encodes `images` images
+    in a step: its LLM stage's peak (`plan`'s prediction for that stage: 1F1B holds fewer
+    micro-batches on later stages) + the encoder replica's states and buffers + the activations
+    of those images, held from their forward to their backward."""
+    p = enc.plan
+    mem = p.prediction.stage_memory[0]
+    fixed = mem.total - p.cluster.device.reserved_bytes - mem.activations * (1.0 + p.cluster.fragmentation)
+    extra = fixed + _activations_per_image(enc, p.workload.global_batch) * images
+    return plan.prediction.stage_memory[rank].total + extra, extra
+
+
+def _max_images(plan: Plan, enc: PartCost, per_group: int, rank: int) -> int:
+    """The most images pipeline rank `rank` may encode in a step (`_encoder_bytes` within the usable
+    memory); at most -1 when not even the encoder's states fit."""
+    per_image = _activations_per_image(enc, per_group)
+    peak, _ = _encoder_bytes(plan, enc, rank, 0)
     room = usable_memory(plan.cluster) - peak
-    return per_group + int(math.floor(room / per_image)) if per_image > 0 else 1 << 40
+    if room < 0:
+        return -1
+    return int(math.floor(room / per_image)) if per_image > 0 else 1 << 40
 
 
-def _memory_refusal(plan: Plan, enc: PartCost, share: float) -> str:
-    peak, extra = _encoder_bytes(plan, enc, share)
-    return (f"encoder placement in the pipeline bubbles does not fit: a rank needs {peak / GiB:.1f} GiB (LLM stage "
-            f"{plan.prediction.peak_memory / GiB:.1f} + encoder {extra / GiB:.1f}) of "
-            f"{usable_memory(plan.cluster) / GiB:.1f} GiB usable")
+def _memory_refusal(plan: Plan, by_rank, images) -> str:
+    rank = max(range(len(by_rank)), key=lambda r: _encoder_bytes(plan, by_rank[r], r, images[r])[0])
+    peak, extra = _encoder_bytes(plan, by_rank[rank], rank, images[rank])
+    return (f"encoder placement in the pipeline bubbles does not fit: pipeline rank {rank} needs {peak / GiB:.1f} GiB "
+            f"(LLM stage {plan.prediction.stage_memory[rank].total / GiB:.1f} + encoder {extra / GiB:.1f} for "
+            f"{images[rank]} images) of {usable_memory(plan.cluster) / GiB:.1f} GiB usable")
 
 
-def _check_memory(plan: Plan, enc: PartCost, share: float = 1.0) -> None:
-    """Each rank holds its LLM stage and an encoder replica with the activations of every image it
-    encodes; `share`: the fullest rank's images over the even share the encoder was priced for."""
-    peak, _ = _encoder_bytes(plan, enc, share)
-    if peak > usable_memory(plan.cluster):
-        raise TesseraError(_memory_refusal(plan, enc, share))
+def _check_memory(plan: Plan, by_rank, images) -> None:
+    """Each pipeline rank holds its LLM stage and its encoder replica (`by_rank[r]`) with the
+    activations of the images[r] images it encodes."""
+    if any(_encoder_bytes(plan, e, r, k)[0] > usable_memory(plan.cluster) for r, (e, k) in
+           enumerate(zip(by_rank, images))):
+        raise TesseraError(_memory_refusal(plan, by_rank, images))
 
 
 def _min_max_split(weights: list[float], parts: int, fits=None) -> list[tuple[int, int]] | None:

@@ -36,7 +36,6 @@ def plan_vlm(vlm, llm_model, world: int, workload, cluster) -> VLMPlan:
     """The planned encoder and LLM plans for `world` ranks of `cluster` (see the module docstring);
     `llm_model` is the LLM's ModelSpec (a measured profile applied, if any)."""
     from ..adapt.vlm_choice import choose
-    from ..plan import Recompute
     from ..search.multimodal import PartPricer, plan_vlm_task
     from ..spec.multimodal import VLMSpec
     from ..spec.tasks import MultiTaskWorkload, TaskSpec
@@ -60,26 +59,24 @@ def plan_vlm(vlm, llm_model, world: int, workload, cluster) -> VLMPlan:
         optimus = _runnable_optimus(spec, cluster, options, workload.dtype, task, world)
         if optimus is not None and optimus.step_s < chosen.step_s:
             chosen = optimus
+    from ..runtime.multimodal import from_optimus, from_task_plan
+
     if isinstance(chosen, OptimusResult):
-        from dataclasses import asdict
-
-        from ..runtime.multimodal import from_optimus
-
         llm_plan, strategy = from_optimus(chosen, world)
-        encoder = {**asdict(strategy), "bubbles": [list(row) for row in strategy.bubbles]}
+        encoder = _as_json(strategy)
         kind = "Optimus"
         placed = (f"ZeRO-{strategy.zero} over each stage, replicated across stages" if strategy.zero
                   else "replicated on every rank")
         lines = [f"encoder plan ({placed}, its passes in the LLM pipeline's bubbles): "
                  f"{chosen.encoder.describe()}; images encoded per pipeline rank "
-                 f"{[sum(row) for row in chosen.counts]}",
+                 f"{[sum(row) for row in chosen.counts]}"
+                 + (f", blocks recomputed per pipeline rank {[len(b) for b in strategy.recompute_blocks]}"
+                    if strategy.recompute else ""),
                  f"LLM plan: pipeline pp={chosen.pp} with {chosen.num_micro_batches} micro-batches, "
                  f"{chosen.bubble_filled():.0%} of its bubbles filled"]
     else:
-        enc = chosen.encoder.plan
-        encoder = dict(dp=world, first_rank=0, zero=max(s.zero for s in enc.layers),
-                       recompute=any(s.recompute != Recompute.NONE for s in enc.layers))
-        llm_plan, kind = chosen.llm.plan, "the colocated plan"
+        llm_plan, strategy = from_task_plan(chosen, world)
+        encoder, kind = _as_json(strategy), "the colocated plan"
         lines = [f"encoder plan (data parallel on every rank): {chosen.encoder.describe()}",
                  f"LLM plan: {chosen.llm.describe()}"]
     if why_not:
@@ -88,6 +85,16 @@ def plan_vlm(vlm, llm_model, world: int, workload, cluster) -> VLMPlan:
     else:
         lines.append(f"chosen: {best.kind}, {best.step_s * 1e3:.1f} ms per step ({choice.why()})")
     return VLMPlan(llm_plan, encoder, lines)
+
+
+def _as_json(strategy) -> dict:
+    """An `EncoderStrategy` as the JSON the launcher hands its ranks (`encoder_strategy` reads it)."""
+    from dataclasses import asdict
+
+    out = asdict(strategy)
+    for key in ("bubbles", "recompute_blocks"):
+        out[key] = [list(row) for row in getattr(strategy, key)]
+    return out
 
 
 def _runnable_optimus(spec, cluster, options, dtype, task, world: int):
@@ -169,8 +176,8 @@ def encoder_strategy(encoder: dict | None):
 
     if not encoder:
         return None
-    bubbles = tuple(tuple(row) for row in encoder.get("bubbles", ()))
-    return EncoderStrategy(**{**encoder, "bubbles": bubbles})
+    rows = {k: tuple(tuple(row) for row in encoder.get(k, ())) for k in ("bubbles", "recompute_blocks")}
+    return EncoderStrategy(**{**encoder, **rows})
 
 
 __all__ = ["plan_vlm", "VLMPlan", "write_encoder", "launched_encoder", "encoder_strategy", "LAUNCHED_ENCODER"]

@@ -60,15 +60,24 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class EncoderStrategy:
     """Where and how the image encoder runs: data parallel over ranks
-    [first_rank, first_rank + dp), ZeRO stage `zero` (0: replicated), full recompute or none."""
+    [first_rank, first_rank + dp), ZeRO stage `zero` (0: replicated), which blocks recompute."""
 
     dp: int = 0  # 0: every rank
     first_rank: int = 0
     zero: int = 0
-    recompute: bool = False
+    recompute: bool = False  # every block, when `recompute_blocks` is ()
     # With an LLM pipeline (Optimus, runtime/vlm_pipeline.py): images of each micro-batch each
     # pipeline rank encodes, [pipeline rank][micro-batch] (adapt.bubbles); () = its default.
     bubbles: tuple = ()
+    # The encoder blocks each pipeline rank's replica recomputes (one entry without an LLM
+    # pipeline): Optimus recomputes fewer where a rank's memory holds more (adapt/optimus.py).
+    recompute_blocks: tuple = ()
+
+    def recomputed(self, pipeline_rank: int, blocks: int) -> tuple[int, ...]:
+        """The blocks (of `blocks`) that pipeline rank `pipeline_rank`'s replica recomputes."""
+        if not self.recompute_blocks:
+            return tuple(range(blocks)) if self.recompute else ()
+        return tuple(self.recompute_blocks[pipeline_rank])
 
     def ranks(self, world_size: int) -> list[int]:
         dp = self.dp or world_size
@@ -82,14 +91,31 @@ class EncoderStrategy:
         if self.zero not in (0, 1, 2, 3):
             raise TesseraError(f"encoder zero={self.zero} must be 0, 1, 2 or 3")
 
+    def check_recompute(self, pipeline_ranks: int, blocks: int) -> None:
+        if not self.recompute_blocks:
+            return
+        if len(self.recompute_blocks) != pipeline_ranks:
+            raise TesseraError(f"encoder recompute_blocks has {len(self.recompute_blocks)} entries for "
+                               f"{pipeline_ranks} pipeline ranks")
+        bad = sorted({i for row in self.recompute_blocks for i in row if not 0 <= i < blocks})
+        if bad:
+            raise TesseraError(f"encoder recompute_blocks names blocks {bad}; the encoder runs blocks 0..{blocks - 1}")
+
+
+def recomputed_blocks(enc_plan: Plan) -> tuple[int, ...]:
+    """The encoder blocks (its ENCODER layers, in order) that `enc_plan` recomputes."""
+    from ..plan import Recompute
+    from ..spec.model import LayerKind
+
+    blocks = [s for layer, s in zip(enc_plan.model.layers, enc_plan.layers) if layer.kind == LayerKind.ENCODER]
+    return tuple(i for i, s in enumerate(blocks) if s.recompute != Recompute.NONE)
+
 
 def from_task_plan(task_plan, world_size: int) -> tuple[Plan, EncoderStrategy]:
     """The LLM plan and the encoder strategy this runtime executes for a planned VLM task
     (`tessera.search.multimodal.plan_vlm_task`). Colocated placements run as planned: the
-    encoder data parallel on every rank with its plan's ZeRO stage and recompute (the largest
-    over its layers), the LLM under its own plan. One sentence for what it cannot run yet."""
-    from ..plan import Recompute
-
+    encoder data parallel on every rank with its plan's ZeRO stage (the largest over its layers)
+    and its recomputed blocks, the LLM under its own plan. One sentence for what it cannot run yet."""
     if task_plan.placement == "llm_only":
         raise TesseraError(f"task '{task_plan.task}' has no images: train its LLM plan with the text trainer")
     if task_plan.placement != "colocated":
@@ -101,8 +127,9 @@ def from_task_plan(task_plan, world_size: int) -> tuple[Plan, EncoderStrategy]:
                            "which this runtime does not run for the encoder yet (data parallel and ZeRO only)")
     if enc.world_size != world_size or task_plan.llm.plan.world_size != world_size:
         raise TesseraError(f"task '{task_plan.task}' was planned for {enc.world_size} ranks, not {world_size}")
+    blocks = recomputed_blocks(enc)
     return task_plan.llm.plan, EncoderStrategy(dp=world_size, zero=max(s.zero for s in enc.layers),
-                                               recompute=any(s.recompute != Recompute.NONE for s in enc.layers))
+                                               recompute=bool(blocks), recompute_blocks=(blocks,))
 
 
 def from_optimus(result, world_size: int) -> tuple[Plan, EncoderStrategy]:
@@ -110,22 +137,22 @@ def from_optimus(result, world_size: int) -> tuple[Plan, EncoderStrategy]:
     result (`adapt.optimus.optimus_schedule`): the encoder on every rank, replicated or (ZeRO-1/2/3)
     sharded over each pipeline rank's stage and replicated across stages, as the plan prices it
     (data parallel only: no tensor or sequence parallelism), its passes where the planner placed
-    them (`counts`)."""
-    from ..plan import Recompute
-
-    enc = result.encoder.plan
-    if enc.pipeline.degree > 1 or any(s.tp > 1 or s.sp_degree > 1 or s.offload_optimizer for s in enc.layers):
+    them (`counts`), each pipeline rank's replica recomputing the blocks its plan says."""
+    plans = [result.rank_encoder(r).plan for r in range(result.pp)]
+    if any(enc.pipeline.degree > 1 or any(s.tp > 1 or s.sp_degree > 1 or s.offload_optimizer for s in enc.layers)
+           for enc in plans):
         raise TesseraError("the Optimus encoder plan uses tensor/sequence parallelism or offload, which this "
                            "runtime does not run in the bubbles yet (data parallel, with or without ZeRO)")
-    zeros = {s.zero for s in enc.layers}
+    zeros = {s.zero for enc in plans for s in enc.layers}
     if len(zeros) > 1:
         raise TesseraError(f"the Optimus encoder plan mixes ZeRO stages {sorted(zeros)}, which this runtime does "
                            "not run in the bubbles (one stage for the whole encoder)")
     if result.llm_plan.world_size != world_size:
         raise TesseraError(f"the Optimus plan was made for {result.llm_plan.world_size} ranks, not {world_size}")
-    return result.llm_plan, EncoderStrategy(dp=world_size, zero=zeros.pop(),
-                                            recompute=any(s.recompute != Recompute.NONE for s in enc.layers),
-                                            bubbles=tuple(tuple(row) for row in result.counts))
+    blocks = tuple(recomputed_blocks(enc) for enc in plans)
+    return result.llm_plan, EncoderStrategy(dp=world_size, zero=zeros.pop(), recompute=any(blocks),
+                                            bubbles=tuple(tuple(row) for row in result.counts),
+                                            recompute_blocks=blocks)
 
 
 # --- which rows go where ---------------------------------------------------------------------------
@@ -321,12 +348,16 @@ class MultimodalTrainer(Trainer):
 
         encoder = build_image_encoder(self.vlm, device="meta")
         s = self.encoder_strategy
-        if s.recompute:
+        keys = list(encoder.vision.layers)
+        pp = self.plan.pipeline.degree if self.pipeline is not None else 1
+        s.check_recompute(pp, len(keys))
+        recomputed = s.recomputed(self.dims.pp_rank(self.rank) if pp > 1 else 0, len(keys))
+        if recomputed:
             from ..plan import Recompute
             from .parallelize import _recompute
 
-            for key in list(encoder.vision.layers):
-                encoder.vision.layers[key] = _recompute(encoder.vision.layers[key], Recompute.FULL)
+            for i in recomputed:
+                encoder.vision.layers[keys[i]] = _recompute(encoder.vision.layers[keys[i]], Recompute.FULL)
         self.encoder_units = []
         if s.zero:
             from torch.distributed.fsdp import fully_shard
