@@ -18,8 +18,12 @@ All figures are the cost model's predictions (H100-80GB nodes of 8, the preset c
     The best pipeline-free plan (encoder and LLM colocated or on separate device groups, each its
     own data/tensor-parallel plan) is priced beside them, and the best plan of all three kinds is
     reported (tessera.adapt.vlm_choice, what `tessera plan` picks).
-    The chosen pipeline plan's placement is refined, then solved as a MILP (bubbles.exact, a
-    node limit that keeps planning within seconds); `--prove` solves, for every pipeline plan
+    Each pipeline rank's memory is its own LLM stage's peak (1F1B's later stages hold fewer
+    micro-batches) plus its encoder replica with the images it encodes; refined, the replicas may
+    recompute fewer encoder blocks on the ranks with room (optimus._rank_plans). The chosen
+    pipeline plan's placement is refined, then the best placement found and the most promising
+    per-rank recompute choice are solved as MILPs side by side (bubbles.exact, a node limit that
+    keeps planning within seconds, HiGHS without the GIL, while the baselines are priced); `--prove` solves, for every pipeline plan
     Optimus is placed on, its fastest encoder plan's placement again (to the end for the chosen
     one, else with 20,000 nodes) and prints the optimum (or the best found and the MILP's
     bound) beside the S + E that 1.15x would need (minutes).
@@ -113,7 +117,7 @@ def optimus_part(console: Console, prove: bool = False) -> tuple[float, float]:
                           f"+ end extension {opt.extension_s * 1e3:.1f} ms (no placement in these bubbles below "
                           f"{opt.least_extra_s * 1e3:.0f} ms for both) + tails {opt.tail_s * 1e3:.1f} ms; encoder per "
                           f"rank group {opt.encoder.fwd_s * 1e3:.0f} ms fwd + {opt.encoder.bwd_s * 1e3:.0f} ms bwd "
-                          f"({opt.encoder.describe()})")
+                          f"({opt.describe_encoder()})")
         how = "proven optimal" if opt.placement_optimal else "not proven optimal within the node limit"
         console.print(f"  {tiles} tiles, placement S + E = {(opt.shift_s + opt.extension_s) * 1e3:.1f} ms ({how})")
         if prove:
@@ -146,7 +150,7 @@ def prove_placements(console: Console, pricer, task, gpus: int, baseline_s: floa
         value = solved.placed.shift_s + solved.placed.extension_s if solved else math.inf
         bound = solved.bound_s if solved else 0.0
         verdict = ("optimum" if solved and solved.optimal else "best found") + f" {value * 1e3:.1f} ms, bound {bound * 1e3:.1f} ms"
-        console.print(f"{head}; {res.encoder.describe()}: {verdict} ({time.perf_counter() - t0:.0f} s): "
+        console.print(f"{head}; {res.describe_encoder()}: {verdict} ({time.perf_counter() - t0:.0f} s): "
                       f"{baseline_s / (fixed + value):.3f}x at best found, never above {baseline_s / (fixed + bound):.3f}x")
 
 

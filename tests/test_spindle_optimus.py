@@ -612,7 +612,8 @@ def test_optimus_recomputes_fewer_encoder_blocks_where_a_pipeline_rank_has_room(
     its memory, the pass times are each rank's own plan's, and the runtime gets each rank's blocks."""
     from tessera.adapt.optimus import _encoder_bytes, encoder_pass_times, llm_pipeline_plans
     from tessera.cost.evaluate import usable_memory
-    from tessera.runtime.multimodal import from_optimus, recomputed_blocks
+    from tessera.adapt.optimus import recomputed_blocks
+    from tessera.runtime.multimodal import from_optimus
     vlm = resolve_vlm("vit6b-llama3-70b")
     pricer = PartPricer(vlm, make_cluster(num_gpus=512))
     task = TaskSpec(name="hires12", modalities=("image", "text"), batch=256, images_per_sample=12,
@@ -631,3 +632,17 @@ def test_optimus_recomputes_fewer_encoder_blocks_where_a_pipeline_rank_has_room(
     assert again.shift_s + again.extension_s == pytest.approx(res.shift_s + res.extension_s)
     _, strategy = from_optimus(res, 512)
     assert strategy.recompute_blocks == tuple(blocks) and strategy.recompute
+
+
+def test_optimus_calls_meanwhile_once_whatever_it_returns():
+    """`compare` prices its baselines in `meanwhile` while the MILPs run: it is called exactly once,
+    with or without a MILP, and when no placement can beat `beat`."""
+    vlm = resolve_vlm("tiny-vlm")
+    pricer = PartPricer(vlm, make_cluster(num_gpus=16))
+    task = TaskSpec(name="t", modalities=("image", "text"), batch=16, images_per_sample=2, text_tokens=64)
+    from tessera.adapt.optimus import llm_pipeline_plans
+    plan = llm_pipeline_plans(pricer, task, 16, (2,))[0]
+    for kw in (dict(refined=True), dict(refined=False), dict(refined=True, beat=1e-9)):
+        calls = []
+        res = optimus_schedule(pricer, task, plan, meanwhile=lambda: calls.append(1), **kw)
+        assert len(calls) == 1 and (res is None) == ("beat" in kw)

@@ -276,7 +276,8 @@ def _split(w: PipelineWindows, images, pfs: list[PassTime], pbs: list[PassTime],
     start shift s and an end extension e, and every rank r within limits[r] images, or None.
     Micro-batches in order; each one water-filled onto the ranks whose backward pass would start
     earliest (level L: rank r takes min(cap_r, max(0, (L - z_r - g_b) / b_r)) images, a pass
-    costing its fixed part g plus the linear part)."""
+    costing its fixed part g plus the linear part). (`assign` calls it hundreds of times: plain
+    loops over the ranks.)"""
     pp = len(w.warm)
     f = [p.per_image for p in pfs]
     b = [p.per_image for p in pbs]
@@ -288,19 +289,25 @@ def _split(w: PipelineWindows, images, pfs: list[PassTime], pbs: list[PassTime],
     end = w.horizon + e
     by_backward = all(v > 0 for v in b)
     units = b if by_backward else [v if v > 0 else 1.0 for v in f]
-    out = [[0.0] * len(images) for _ in range(pp)]
+    ranks = range(pp)
+    out = [[0.0] * len(images) for _ in ranks]
     for j, need in enumerate(images):
         if need <= 0:
             continue
-        z = [max(y[r], w.releases[j]) + gb[r] for r in range(pp)]  # where r's pass of j would start its images
-        cap = []
-        for r in range(pp):
-            room_f = min(w.deadlines[j], w.warm[r]) - x[r] - gf[r]
+        release, deadline = w.releases[j], w.deadlines[j]
+        z = [(yr if yr > release else release) + g for yr, g in zip(y, gb)]  # where r's pass of j starts its images
+        cap = [0.0] * pp
+        total = 0.0
+        for r in ranks:
+            room_f = min(deadline, w.warm[r]) - x[r] - gf[r]
             room_b = end - z[r]
             fwd = room_f / f[r] if f[r] > 0 else (math.inf if room_f >= 0 else 0.0)
             bwd = room_b / b[r] if b[r] > 0 else (math.inf if room_b >= 0 else 0.0)
-            cap.append(max(0.0, min(fwd, bwd, need, limits[r] - held[r])))
-        if sum(cap) < need * (1 - 1e-9):
+            c = min(fwd, bwd, need, limits[r] - held[r])
+            if c > 0:
+                cap[r] = c
+                total += c
+        if total < need * (1 - 1e-9):
             return None
         level_of = z if by_backward else [v + g for v, g in zip(x, gf)]
         take = _water_fill(level_of, cap, need, units)

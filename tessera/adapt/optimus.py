@@ -11,8 +11,9 @@ torch.distributed.pipelining's 1F1B fuses a forward's send with the next backwar
 work placed there would hold back the next stage. Which rank encodes how many whole images of
 which micro-batch, S (the step starts S earlier) and E (it ends E later) come from
 `adapt.bubbles.assign` (its docstring has the formulas; `compare` refines its chosen plan's
-placement with `bubbles.refine`, then solves it exactly with `bubbles.exact`, a MILP, and keeps
-the faster), with
+placement with `bubbles.refine`, also tries per-rank encoder recompute (below), then solves the
+best placement found and the most promising per-rank choice exactly with `bubbles.exact`, a
+MILP, side by side, and keeps the fastest), with
     D_j = start of stage 0's forward of j - hop,  R_j = end of stage 0's backward of j + hop,
 hop = the point-to-point hand-off of a micro-batch's image tokens (or their gradient) into stage
 0's group, and f(a), b(a) the encoder's forward / backward seconds for a pass of a images on a
@@ -43,6 +44,7 @@ baseline). No torch import.
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,12 +91,21 @@ class OptimusResult:
     least_extra_s: float = 0.0  # no placement in these bubbles has S + E below this (bubbles.least_extra, .exact)
     placement_optimal: bool = False  # `bubbles.exact` proved the placement optimal
     problem: PlacementProblem | None = None  # what the placement was chosen from
-    # Each pipeline rank's encoder replica: `encoder`, or its twin without recompute on ranks whose
-    # memory holds their images' activations (`_rank_plans`); () = `encoder` on every rank.
+    # Each pipeline rank's encoder replica: `encoder`, or a variant of it that recomputes fewer
+    # blocks on a rank whose memory holds more (`_rank_plans`); () = `encoder` on every rank.
     encoder_by_rank: tuple[PartCost, ...] = ()
 
     def rank_encoder(self, rank: int) -> PartCost:
         return self.encoder_by_rank[rank] if self.encoder_by_rank else self.encoder
+
+    def describe_encoder(self) -> str:
+        """The encoder's plan, and how many blocks each pipeline rank's replica recomputes where
+        they differ from it."""
+        out = self.encoder.describe()
+        if any(e is not self.encoder for e in self.encoder_by_rank):
+            counts = [len(recomputed_blocks(e.plan)) for e in self.encoder_by_rank]
+            out += f"; blocks recomputed per pipeline rank {counts}"
+        return out
 
     @property
     def step_s(self) -> float:
@@ -106,6 +117,12 @@ class OptimusResult:
         used = sum(min(p.end, self.pipeline_s) - max(p.start, 0.0) for p in self.pieces
                    if p.kind in ("EF", "EB") and p.end > 0 and p.start < self.pipeline_s)
         return used / idle if idle > 0 else 0.0
+
+
+def recomputed_blocks(enc_plan: Plan) -> tuple[int, ...]:
+    """The encoder blocks (its ENCODER layers, in order) that `enc_plan` recomputes."""
+    blocks = [s for layer, s in zip(enc_plan.model.layers, enc_plan.layers) if layer.kind == LayerKind.ENCODER]
+    return tuple(i for i, s in enumerate(blocks) if s.recompute != Recompute.NONE)
 
 
 @dataclass(frozen=True)
@@ -163,14 +180,15 @@ def _llm_events(plan: Plan):
 
 
 def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan, lean: bool = True,
-                     beat: float = math.inf, refined: bool = False) -> OptimusResult | None:
+                     beat: float = math.inf, refined: bool = False, meanwhile=None) -> OptimusResult | None:
     """Encoder work in the bubbles of `plan` (an LLM pipeline plan); see the module docstring.
     `lean=False`: only the encoder's plan from the pricer's options (not the leanest). None when
     no placement can make a step shorter than `beat` (`bubbles.least_extra` shows it unplaced).
     `refined`: each placement also improved by moving images between ranks (`bubbles.refine`),
     the encoder's recompute also chosen per pipeline rank (`_rank_plans`), and the fastest
     placement solved exactly (`bubbles.exact`, up to `bubbles.EXACT_MAX_PAIRS` rank and
-    micro-batch pairs): slower, so `compare` refines only its best plan's."""
+    micro-batch pairs): slower, so `compare` refines only its best plan's. `meanwhile`: called
+    once, while the MILPs run (they leave the interpreter free), or at the end."""
     vlm, cluster = pricer.vlm, pricer.cluster
     pp, m, n = plan.pipeline.degree, plan.num_micro_batches, plan.stage_size
     images = task.images()
@@ -185,24 +203,31 @@ def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan, lean: bool 
     # placement, or none; ZeRO-3 re-gathers in every pass, ZeRO-2 holds a full copy.
     best, why, beaten = None, "", False
 
-    def place(by_rank):
-        """Rank r's replica under by_rank[r]'s plan: (S + E + the encoder's tail, placement, lower
-        bound, problem), None when it cannot beat `beat` or the best so far, or why it does not fit."""
+    def problem_of(by_rank, prune: bool = True):
+        """Rank r's replica under by_rank[r]'s plan: (its placement problem, the encoder's tail, a
+        lower bound on S + E), None when it cannot beat `beat` or the best so far (`prune`), or
+        why it does not fit."""
         passes = [pricer.derived(e, ("passes", max(per_mb)), lambda e=e: encoder_pass_times(e.plan, max(per_mb)))
                   for e in by_rank]
         pass_f, pass_b = tuple(x[0] for x in passes), tuple(x[1] for x in passes)
-        tail = max(e.tail_s for e in by_rank)
         to_beat = min(beat, sim.step_time + best[0] + max(tails)) if best else beat
         least = least_extra(windows, per_mb, pass_f, pass_b)
-        if sim.step_time + least + max(tails) >= to_beat:
+        if prune and sim.step_time + least + max(tails) >= to_beat:
             return None
         limits = tuple(_max_images(plan, e, per_group, r) for r, e in enumerate(by_rank))
         if min(limits) < 0:  # every rank holds a replica
             return _memory_refusal(plan, by_rank, [0] * pp)
-        problem = PlacementProblem(windows, tuple(per_mb), pass_f, pass_b, limits)
-        placed = assign(windows, per_mb, pass_f, pass_b, limits)
+        return PlacementProblem(windows, tuple(per_mb), pass_f, pass_b, limits), max(e.tail_s for e in by_rank), least
+
+    def place(by_rank):
+        """`problem_of`'s, placed: (S + E + the encoder's tail, placement, lower bound, problem)."""
+        got = problem_of(by_rank)
+        if got is None or isinstance(got, str):
+            return got
+        problem, tail, least = got
+        placed = assign(windows, per_mb, problem.f, problem.b, problem.limit)
         if placed is not None and refined:
-            placed = refine(windows, placed, pass_f, pass_b, limits)
+            placed = refine(windows, placed, problem.f, problem.b, problem.limit)
         if placed is None:
             return _memory_refusal(plan, by_rank, [math.ceil(images / pp)] * pp)
         try:
@@ -211,41 +236,83 @@ def optimus_schedule(pricer: PartPricer, task: TaskSpec, plan: Plan, lean: bool 
             return str(e)
         return placed.shift_s + placed.extension_s + tail, placed, least, problem
 
-    def consider(enc, by_rank):
-        nonlocal best, why, beaten
+    def consider(enc, by_rank, relaxed=math.inf):
+        """Place it; keep the best (and, refined, the per-rank choice of the lowest `relaxed`)."""
+        nonlocal best, why, beaten, promising
         got = place(by_rank)
         if got is None:
             beaten = beaten or best is None
         elif isinstance(got, str):
             why = got
-        elif best is None or got[0] < best[0]:
-            best = (got[0], enc, by_rank, *got[1:])
+        else:
+            found = (got[0], enc, by_rank, *got[1:])
+            if best is None or got[0] < best[0]:
+                best = found
+            if relaxed < math.inf and (promising is None or relaxed < promising[0]):
+                promising = (relaxed, found)
 
-    for enc in _encoder_plans(pricer, n, per_group, lean):
-        if not enc.feasible:
-            why = f"encoder placement on every pipeline rank ({n} GPUs each) does not fit: {enc.why}"
-            continue
-        consider(enc, (enc,) * pp)
-    if refined and best is not None:
-        # The best encoder plan's replicas may also recompute fewer blocks on the ranks whose memory
-        # holds more (`_rank_plans`: priced per rank, slower, like `refine`).
-        enc = best[1]
-        for by_rank in _rank_plans(pricer, plan, enc, per_group, per_mb, windows):
-            consider(enc, by_rank)
-    if best is None:
-        if beaten:
-            return None
-        raise TesseraError(why)
-    _, enc, by_rank, placed, least, problem = best
-    optimal = False
-    if refined and pp * m <= EXACT_MAX_PAIRS:  # the fastest encoder plan's placement solved exactly (a MILP:
-        # too slow for every plan, and for the largest pipelines)
-        solved = problem.solve()
-        if solved is not None:
-            least = max(least, solved.bound_s)
-            if solved.placed.shift_s + solved.placed.extension_s < placed.shift_s + placed.extension_s:
-                _check_memory(plan, by_rank, solved.placed.images_per_rank)  # within the limits: holds
-                placed, optimal = solved.placed, solved.optimal
+    # Refined, the chosen placements are solved exactly (a MILP: too slow for every plan, and for
+    # the largest pipelines): the best placement found and the per-rank recompute choice whose
+    # relaxation promises the most (the heuristic placement can miss it by far), side by side
+    # (HiGHS runs without the GIL), the latter from as soon as it is known.
+    exact = refined and pp * m <= EXACT_MAX_PAIRS
+    pool = ThreadPoolExecutor(2) if exact else None
+    solving: dict[int, object] = {}  # id(by_rank) -> its MILP's future
+    try:
+        promising, encoders = None, []
+        for enc in _encoder_plans(pricer, n, per_group, lean):
+            if not enc.feasible:
+                why = f"encoder placement on every pipeline rank ({n} GPUs each) does not fit: {enc.why}"
+                continue
+            encoders.append(enc)
+            consider(enc, (enc,) * pp)
+        if refined and best is not None:
+            # Each encoder plan's replicas may also recompute fewer blocks on the ranks whose memory
+            # holds more (`_rank_plans`: priced per rank, slower, like `refine`).
+            per_rank = [(enc, by_rank, relaxed) for enc in encoders
+                        for by_rank, relaxed in _rank_plans(pricer, plan, enc, per_group, per_mb, windows)]
+            if pool is not None and per_rank:
+                _, first, _ = min(per_rank, key=lambda c: c[2])
+                got = problem_of(first, prune=False)
+                if isinstance(got, tuple):
+                    solving[id(first)] = pool.submit(got[0].solve)
+            for enc, by_rank, relaxed in per_rank:
+                consider(enc, by_rank, relaxed)
+        if best is None:
+            if meanwhile is not None:
+                meanwhile()
+            if beaten:
+                return None
+            raise TesseraError(why)
+        optimal = False
+        if exact:
+            chosen = [best] + ([promising[1]] if promising and promising[1] is not best else [])
+            for c in chosen:
+                if id(c[2]) not in solving:
+                    solving[id(c[2])] = pool.submit(c[5].solve)
+            if meanwhile is not None:
+                meanwhile()
+                meanwhile = None
+            done = None
+            for value, enc, by_rank, placed, least, problem in chosen:
+                solved, proven = solving[id(by_rank)].result(), False
+                if solved is not None:  # then refined by moves (the MILP stops at a fixed node count)
+                    least = max(least, solved.bound_s)
+                    better = refine(windows, solved.placed, problem.f, problem.b, problem.limit)
+                    if better.shift_s + better.extension_s < placed.shift_s + placed.extension_s:
+                        _check_memory(plan, by_rank, better.images_per_rank)  # within the limits: holds
+                        value += better.shift_s + better.extension_s - placed.shift_s - placed.extension_s
+                        placed, proven = better, solved.optimal
+                if done is None or value < done[0]:
+                    done = (value, enc, by_rank, placed, least, problem, proven)
+            _, enc, by_rank, placed, least, problem, optimal = done
+        else:
+            _, enc, by_rank, placed, least, problem = best
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+    if meanwhile is not None:
+        meanwhile()
     pieces = [Piece(p.rank, p.kind, p.micro_batch, p.start, p.end) for p in placed.passes]
     pieces += [Piece(e.stage, e.kind, e.micro_batch, e.start, e.end) for e in sim.events]
     combine = float(collective_times(cluster, "all_reduce", 2.0 * pricer.model("vision_encoder").num_params / n,
@@ -291,38 +358,40 @@ def _encoder_plans(pricer: PartPricer, n: int, images: int, lean: bool = True) -
 
 
 def _rank_plans(pricer: PartPricer, plan: Plan, enc: PartCost, per_group: int, per_mb: list[int],
-                windows: PipelineWindows) -> list[tuple[PartCost, ...]]:
-    """Choices of each pipeline rank's encoder plan beside `enc` on every rank: when `enc`
-    recomputes its blocks, one whose rank r recomputes only as many of them as its memory needs
-    (`_recompute_shares`: 1F1B's later stages hold fewer LLM micro-batches and have the longest
-    bubbles, so they have the room and take the most images); [] when there is none."""
+                windows: PipelineWindows) -> list[tuple[tuple[PartCost, ...], float]]:
+    """Choices of each pipeline rank's encoder plan beside `enc` on every rank, each with the S + E
+    of its relaxation: when `enc` recomputes its blocks, one whose rank r recomputes only as many
+    of them as its memory needs (`_recompute_shares`: 1F1B's later stages hold fewer LLM
+    micro-batches and have the longest bubbles, so they have the room and take the most images);
+    [] when there is none."""
     blocks = [i for i, (layer, s) in enumerate(zip(enc.plan.model.layers, enc.plan.layers))
               if layer.kind == LayerKind.ENCODER and s.recompute != Recompute.NONE]
     if not blocks:
         return []
     bare = pricer.derived(enc, ("recompute", 0), lambda: _variant(enc, {"recompute": Recompute.NONE}, "no recompute",
                                                                   only=set(blocks)))
-    counts = _recompute_shares(plan, enc, bare, per_group, sum(per_mb), windows, len(blocks))
-    if counts is None or all(k == len(blocks) for k in counts):
+    shares = _recompute_shares(plan, enc, bare, per_group, sum(per_mb), windows, len(blocks))
+    if shares is None or all(k == len(blocks) for k in shares[0]):
         return []
+    counts, relaxed = shares
 
     def partial(k: int) -> PartCost:
         if k == len(blocks):
             return enc
         return pricer.derived(enc, ("recompute", k), lambda: _variant(
             enc, {"recompute": Recompute.NONE}, f"recompute {k} of {len(blocks)} blocks", only=set(blocks[k:])))
-    return [tuple(partial(k) for k in counts)]
+    return [(tuple(partial(k) for k in counts), relaxed)]
 
 
 def _recompute_shares(plan: Plan, enc: PartCost, bare: PartCost, per_group: int, images: int,
-                      windows: PipelineWindows, blocks: int) -> tuple[int, ...] | None:
+                      windows: PipelineWindows, blocks: int) -> tuple[tuple[int, ...], float] | None:
     """How many of the encoder's `blocks` blocks each pipeline rank's replica recomputes: a linear
     programme (HiGHS) places n_r images on rank r, q_r of them as if without recompute, minimising
     S + E with the forward work in rank r's warm-up bubble plus S, the backward work in its
     cool-down bubble plus E and the activations in the memory its LLM stage leaves (per image:
     the seconds of a pass of the even share, images divisible, deadlines and releases left out);
-    rank r then recomputes ceil((1 - q_r / n_r) blocks) blocks, so that its n_r images fit. None
-    when the programme has no solution."""
+    rank r then recomputes ceil((1 - q_r / n_r) blocks) blocks, so that its n_r images fit. With
+    the programme's S + E; None when it has no solution."""
     from scipy.optimize import linprog
 
     pp, w = plan.pipeline.degree, windows
@@ -352,7 +421,7 @@ def _recompute_shares(plan: Plan, enc: PartCost, bare: PartCost, per_group: int,
         return None
     n, q = res.x[:pp], res.x[pp:2 * pp]
     return tuple(0 if n[r] <= 1e-9 else min(blocks, math.ceil((1.0 - q[r] / n[r]) * blocks - 1e-6))
-                 for r in range(pp))
+                 for r in range(pp)), float(res.fun)
 
 
 def _variant(enc: PartCost, update: dict, suffix: str, only=None) -> PartCost | None:
@@ -554,29 +623,37 @@ def _compare(pricer: PartPricer, task: TaskSpec, gpus: int, degrees):
     plans = llm_pipeline_plans(pricer, task, gpus, degrees)
     if not plans:
         raise TesseraError(f"task '{task.name}': the LLM has no pipeline plan on {gpus} GPUs")
-    best_o, best_b, why, why_b = None, None, "", ""
+    best_o, why = None, ""
     # An Optimus step is at least its LLM plan's (S, E, the encoder's tail and combine are >= 0):
     # pipeline plans no faster than the best Optimus step found are not scheduled (fastest first).
     for plan in sorted(plans, key=lambda p: p.prediction.step_time_s):
+        if best_o is not None and plan.prediction.step_time_s >= best_o.step_s:
+            continue
         try:
-            if best_o is None or plan.prediction.step_time_s < best_o.step_s:
-                o = optimus_schedule(pricer, task, plan, beat=best_o.step_s if best_o else math.inf)
-                if o is not None and (best_o is None or o.step_s < best_o.step_s):
-                    best_o = o
+            o = optimus_schedule(pricer, task, plan, beat=best_o.step_s if best_o else math.inf)
         except TesseraError as e:
             why = str(e)
-        try:
-            b = extra_stage_baseline(pricer, task, plan)
-        except TesseraError as e:
-            why_b = str(e)
             continue
-        if best_b is None or b.step_s < best_b.step_s:
-            best_b = b
+        if o is not None and (best_o is None or o.step_s < best_o.step_s):
+            best_o = o
     if best_o is None:
         raise TesseraError(why)
-    if best_b is None:
-        raise TesseraError(why_b)
+    baseline: list = [None, ""]  # the best, why none
+
+    def baselines():
+        for plan in plans:
+            try:
+                b = extra_stage_baseline(pricer, task, plan)
+            except TesseraError as e:
+                baseline[1] = str(e)
+                continue
+            if baseline[0] is None or b.step_s < baseline[0].step_s:
+                baseline[0] = b
     # The chosen pipeline plan's placement refined (moves of images between ranks, exactly
-    # priced); the other plans' are not, so a plan that refining would have made the best can be
-    # missed: refining every placement would multiply the planning time.
-    return optimus_schedule(pricer, task, best_o.llm_plan, refined=True), best_b
+    # priced, the MILP); the other plans' are not, so a plan that refining would have made the
+    # best can be missed: refining every placement would multiply the planning time. The baselines
+    # are priced while its MILPs run.
+    refined = optimus_schedule(pricer, task, best_o.llm_plan, refined=True, meanwhile=baselines)
+    if baseline[0] is None:
+        raise TesseraError(baseline[1])
+    return refined, baseline[0]

@@ -84,7 +84,7 @@ def task_kinds(pricer: PartPricer, task: TaskSpec, gpus: int, encoder_gpus: int 
             kinds.append(PlanKind("Optimus", opt.step_s, opt.tail_s,
                                   f"LLM pipeline pp={opt.pp} with {opt.num_micro_batches} micro-batches, encoder "
                                   f"work in its bubbles ({opt.bubble_filled():.0%} of them filled), encoder "
-                                  f"{opt.encoder.describe()} on every rank group", opt))
+                                  f"{opt.describe_encoder()} on every rank group", opt))
             kinds.append(PlanKind("encoder as extra pipeline stages", base.step_s, base.tail_s,
                                   f"pp={base.pp}, {base.num_micro_batches} micro-batches, the encoder's "
                                   f"{base.encoder_layers} layers in front of the LLM's, stages {list(base.stages)}",

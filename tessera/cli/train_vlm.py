@@ -68,10 +68,8 @@ def plan_vlm(vlm, llm_model, world: int, workload, cluster) -> VLMPlan:
         placed = (f"ZeRO-{strategy.zero} over each stage, replicated across stages" if strategy.zero
                   else "replicated on every rank")
         lines = [f"encoder plan ({placed}, its passes in the LLM pipeline's bubbles): "
-                 f"{chosen.encoder.describe()}; images encoded per pipeline rank "
-                 f"{[sum(row) for row in chosen.counts]}"
-                 + (f", blocks recomputed per pipeline rank {[len(b) for b in strategy.recompute_blocks]}"
-                    if strategy.recompute else ""),
+                 f"{chosen.describe_encoder()}; images encoded per pipeline rank "
+                 f"{[sum(row) for row in chosen.counts]}",
                  f"LLM plan: pipeline pp={chosen.pp} with {chosen.num_micro_batches} micro-batches, "
                  f"{chosen.bubble_filled():.0%} of its bubbles filled"]
     else:

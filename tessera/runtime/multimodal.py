@@ -47,6 +47,7 @@ from torch import nn
 
 from ..errors import TesseraError
 from ..models.vision import ImageSplice, build_image_encoder, image_token_id, init_value, scatter_images, vision_frequencies
+from ..adapt.optimus import recomputed_blocks
 from ..plan import Plan
 from .grad_sync import GradSync, ShardedUnit, settle_gradients
 from .mesh import layer_coords
@@ -100,15 +101,6 @@ class EncoderStrategy:
         bad = sorted({i for row in self.recompute_blocks for i in row if not 0 <= i < blocks})
         if bad:
             raise TesseraError(f"encoder recompute_blocks names blocks {bad}; the encoder runs blocks 0..{blocks - 1}")
-
-
-def recomputed_blocks(enc_plan: Plan) -> tuple[int, ...]:
-    """The encoder blocks (its ENCODER layers, in order) that `enc_plan` recomputes."""
-    from ..plan import Recompute
-    from ..spec.model import LayerKind
-
-    blocks = [s for layer, s in zip(enc_plan.model.layers, enc_plan.layers) if layer.kind == LayerKind.ENCODER]
-    return tuple(i for i, s in enumerate(blocks) if s.recompute != Recompute.NONE)
 
 
 def from_task_plan(task_plan, world_size: int) -> tuple[Plan, EncoderStrategy]:
