@@ -320,10 +320,8 @@ def _split(w: PipelineWindows, images, pfs: list[PassTime], pbs: list[PassTime],
     return out
 
 
-def _water_fill(level, cap, need: float, unit) -> list[float]:
-    """a_r = min(cap_r, max(0, (L - level_r) / unit_r)) with sum a_r = need (sum cap_r >= need);
-    `unit`: one for all ranks or one per rank."""
-    units = list(unit) if isinstance(unit, (list, tuple)) else [unit] * len(level)
+def _water_fill(level, cap, need: float, units) -> list[float]:
+    """a_r = min(cap_r, max(0, (L - level_r) / units_r)) with sum a_r = need (sum cap_r >= need)."""
     events = []
     for z, c, u in zip(level, cap, units):
         if c > 0:

@@ -119,10 +119,15 @@ class OptimusResult:
         return used / idle if idle > 0 else 0.0
 
 
+def _block_layers(enc_plan: Plan) -> list[int]:
+    """The indices, among `enc_plan`'s layers, of the encoder's blocks (its ENCODER layers), in order."""
+    return [i for i, layer in enumerate(enc_plan.model.layers) if layer.kind == LayerKind.ENCODER]
+
+
 def recomputed_blocks(enc_plan: Plan) -> tuple[int, ...]:
-    """The encoder blocks (its ENCODER layers, in order) that `enc_plan` recomputes."""
-    blocks = [s for layer, s in zip(enc_plan.model.layers, enc_plan.layers) if layer.kind == LayerKind.ENCODER]
-    return tuple(i for i, s in enumerate(blocks) if s.recompute != Recompute.NONE)
+    """The encoder blocks (numbered 0.. in order, as the runtime's encoder runs them) that
+    `enc_plan` recomputes."""
+    return tuple(b for b, i in enumerate(_block_layers(enc_plan)) if enc_plan.layers[i].recompute != Recompute.NONE)
 
 
 @dataclass(frozen=True)
@@ -364,8 +369,8 @@ def _rank_plans(pricer: PartPricer, plan: Plan, enc: PartCost, per_group: int, p
     of them as its memory needs (`_recompute_shares`: 1F1B's later stages hold fewer LLM
     micro-batches and have the longest bubbles, so they have the room and take the most images);
     [] when there is none."""
-    blocks = [i for i, (layer, s) in enumerate(zip(enc.plan.model.layers, enc.plan.layers))
-              if layer.kind == LayerKind.ENCODER and s.recompute != Recompute.NONE]
+    layers = _block_layers(enc.plan)
+    blocks = [layers[b] for b in recomputed_blocks(enc.plan)]  # their layer indices
     if not blocks:
         return []
     bare = pricer.derived(enc, ("recompute", 0), lambda: _variant(enc, {"recompute": Recompute.NONE}, "no recompute",
@@ -638,22 +643,23 @@ def _compare(pricer: PartPricer, task: TaskSpec, gpus: int, degrees):
             best_o = o
     if best_o is None:
         raise TesseraError(why)
-    baseline: list = [None, ""]  # the best, why none
+    best_b, why_b = None, ""
 
     def baselines():
+        nonlocal best_b, why_b
         for plan in plans:
             try:
                 b = extra_stage_baseline(pricer, task, plan)
             except TesseraError as e:
-                baseline[1] = str(e)
+                why_b = str(e)
                 continue
-            if baseline[0] is None or b.step_s < baseline[0].step_s:
-                baseline[0] = b
+            if best_b is None or b.step_s < best_b.step_s:
+                best_b = b
     # The chosen pipeline plan's placement refined (moves of images between ranks, exactly
     # priced, the MILP); the other plans' are not, so a plan that refining would have made the
     # best can be missed: refining every placement would multiply the planning time. The baselines
     # are priced while its MILPs run.
     refined = optimus_schedule(pricer, task, best_o.llm_plan, refined=True, meanwhile=baselines)
-    if baseline[0] is None:
-        raise TesseraError(baseline[1])
-    return refined, baseline[0]
+    if best_b is None:
+        raise TesseraError(why_b)
+    return refined, best_b

@@ -45,9 +45,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..adapt.optimus import recomputed_blocks
 from ..errors import TesseraError
 from ..models.vision import ImageSplice, build_image_encoder, image_token_id, init_value, scatter_images, vision_frequencies
-from ..adapt.optimus import recomputed_blocks
 from ..plan import Plan
 from .grad_sync import GradSync, ShardedUnit, settle_gradients
 from .mesh import layer_coords
