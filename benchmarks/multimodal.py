@@ -108,8 +108,9 @@ def optimus_part(console: Console, prove: bool = False) -> tuple[float, float]:
                         PlanKind("encoder as extra pipeline stages", base.step_s, base.tail_s,
                                  f"pp={base.pp}, m={base.num_micro_batches}")], key=lambda k: k.step_s)
         best.append((tiles, Choice(tuple(kinds), ())))
-        table.add_row(str(tiles), f"{base.step_s:.3f} (pp{base.pp} m{base.num_micro_batches})", f"{opt.step_s:.3f}",
-                      f"{speedup:.2f}x", f"{opt.pp}/{opt.num_micro_batches}", f"{opt.bubble_filled():.0%}",
+        # Four decimals: the 12-tile speedup sits within 0.01% of the 1.15x goal.
+        table.add_row(str(tiles), f"{base.step_s:.4f} (pp{base.pp} m{base.num_micro_batches})", f"{opt.step_s:.4f}",
+                      f"{speedup:.4f}x", f"{opt.pp}/{opt.num_micro_batches}", f"{opt.bubble_filled():.0%}",
                       f"{flat.step_s:.3f}", f"{dt:.2f} / {dc:.2f}")
         if tiles == 12:
             result, plan_s = speedup, (dt, dc)
